@@ -1,0 +1,69 @@
+"""Sampling parameters of one request, with vLLM's fields and defaults.
+
+Source: vLLM ``SamplingParams`` (vllm/sampling_params.py); OpenAI API reference for the HTTP names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion(s).
+
+    Invariants checked by :meth:`validate` (raises ``ValueError`` naming the field):
+    ``n >= 1``; ``temperature >= 0`` (0 means greedy); ``0 < top_p <= 1``; ``top_k == -1 or top_k >= 0``
+    (0 and -1 both mean off); ``0 <= min_p <= 1``; penalties in vLLM's ranges; ``max_tokens >= 1`` or None
+    (None = up to ``max_model_len``); ``0 <= min_tokens <= max_tokens``; ``logprobs`` in [0, 20] or None.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is always the arg-max (temperature 0)."""
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        """Raise ``ValueError("<field>: <reason>")`` for the first out-of-range field."""
+        checks = [
+            ("n", self.n >= 1, "must be at least 1"),
+            ("temperature", self.temperature >= 0, "must be non-negative"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (off) or non-negative"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "must be in (0, 2]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "must not exceed max_tokens"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
