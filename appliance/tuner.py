@@ -1,0 +1,200 @@
+"""The serving plan: memory, context length, batch size and KV-cache size, from the model's config.json and the
+hardware, each value with the reason it was chosen. Flags given by the user win over the plan.
+
+KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size (2 for "auto" = the model's 16-bit
+dtype, 1 for fp8/int8). On a GPU the KV pool is what is left of ``gpu_memory_utilization`` x total memory after
+the weights and a fixed reserve for activations and the CUDA context; on a CPU it is a slice of free RAM.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from appliance.errors import ApplianceError
+from appliance.hardware import Hardware, gib
+
+BLOCK_SIZE = 16
+GIB = 2**30
+GPU_DEFAULT_UTILIZATION = 0.90
+GPU_RESERVE = 1 * GIB  # activations, CUDA context, sampler buffers
+GPU_FREE_MARGIN = GIB // 2  # left free when other processes already hold GPU memory
+GPU_MAX_NUM_SEQS = 256  # vLLM's default
+TOKENS_PER_SEQUENCE_SLOT = 256  # max_num_seqs is capped so every sequence could hold this many KV tokens
+TYPICAL_REQUEST_TOKENS = 1024  # prompt + completion of a typical chat request, for the expected concurrency
+CPU_SEQS_PER_CORE = 4
+CPU_MAX_NUM_SEQS = 16
+CPU_MAX_MODEL_LEN = 4096  # a longer prompt takes minutes to prefill on a CPU
+CPU_KV_FRACTION = 0.10  # of the free RAM
+CPU_KV_MAX_GIB = 4.0
+CPU_KV_STEP_GIB = 0.25
+
+
+class TuneError(ApplianceError):
+    pass
+
+
+@dataclass
+class ModelInfo:
+    """What the tuner needs from a model folder."""
+
+    path: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    weight_bytes: int
+    quantization: str | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelInfo":
+        model_dir = Path(model_dir)
+        cfg_file = model_dir / "config.json"
+        if not cfg_file.is_file():
+            raise TuneError(f"{model_dir} has no config.json", "give a Hugging Face model folder")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+            cfg = cfg.get("text_config", cfg)
+            heads = cfg["num_attention_heads"]
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+            quant = cfg.get("quantization_config")
+            return cls(
+                path=str(model_dir),
+                num_layers=cfg["num_hidden_layers"],
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=head_dim,
+                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                weight_bytes=sum(p.stat().st_size for p in model_dir.glob("*.safetensors")),
+                quantization=(quant or {}).get("quant_method") if quant else None,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TuneError(f"{cfg_file} is not a usable model config ({exc})", "check the model folder") from None
+
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
+        element = 1 if kv_cache_dtype in ("fp8", "int8") else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass
+class Plan:
+    device: str
+    gpu_memory_utilization: float
+    cpu_kv_cache_gib: float
+    max_model_len: int
+    max_num_seqs: int
+    kv_cache_dtype: str
+    block_size: int
+    num_kv_blocks: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    expected_concurrency: int
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None = None,
+         max_num_seqs: int | None = None, max_model_len: int | None = None,
+         kv_cache_dtype: str | None = None) -> Plan:
+    """Choose the serving settings for ``model`` on ``hw``; keyword arguments that are not None are kept as given."""
+    reasons: dict[str, str] = {}
+    if kv_cache_dtype is None:
+        kv_cache_dtype = "auto"
+        reasons["kv_cache_dtype"] = "the model's own 16-bit dtype keeps the KV cache exact"
+    elif kv_cache_dtype not in ("auto", "fp8", "int8"):
+        raise TuneError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}", "pick one of those")
+    else:
+        reasons["kv_cache_dtype"] = "set by --kv-cache-dtype"
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise TuneError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}",
+                        "use a fraction such as 0.9")
+    if max_num_seqs is not None and max_num_seqs < 1:
+        raise TuneError(f"--max-num-seqs must be at least 1, got {max_num_seqs}", "use a positive number")
+    bpt = model.kv_bytes_per_token(kv_cache_dtype)
+    block_bytes = bpt * BLOCK_SIZE
+    reasons["num_kv_blocks"] = (f"{BLOCK_SIZE} tokens of {bpt:,} bytes per block ({model.num_layers} layers x "
+                                f"{model.num_kv_heads} KV heads x {model.head_dim} dims x K,V)")
+
+    if hw.kind == "cuda" and hw.gpu is not None:
+        gpu = hw.gpu
+        util = gpu_memory_utilization
+        if util is not None:
+            reasons["gpu_memory_utilization"] = "set by --gpu-memory-utilization"
+        elif gpu.free_memory - GPU_FREE_MARGIN < GPU_DEFAULT_UTILIZATION * gpu.total_memory:
+            util = math.floor((gpu.free_memory - GPU_FREE_MARGIN) / gpu.total_memory * 100) / 100
+            reasons["gpu_memory_utilization"] = (f"only {gib(gpu.free_memory)} of {gib(gpu.total_memory)} is free "
+                                                 f"(other processes hold the rest); {gib(GPU_FREE_MARGIN)} kept spare")
+        else:
+            util = GPU_DEFAULT_UTILIZATION
+            reasons["gpu_memory_utilization"] = f"the GPU is free: {util:.0%} of {gib(gpu.total_memory)}, the rest spare"
+        kv_bytes = int(gpu.total_memory * util) - model.weight_bytes - GPU_RESERVE
+        if kv_bytes < block_bytes:
+            raise TuneError(f"the model ({gib(model.weight_bytes)}) does not fit in {util:.0%} of the "
+                            f"{gib(gpu.total_memory)} GPU with room for a KV cache",
+                            "free GPU memory, raise --gpu-memory-utilization, or use a smaller model")
+        reasons["num_kv_blocks"] += (f"; {gib(kv_bytes)} = {util:.0%} of {gib(gpu.total_memory)} minus "
+                                     f"{gib(model.weight_bytes)} of weights and {gib(GPU_RESERVE)} for activations")
+        cpu_gib = 0.0
+        reasons["cpu_kv_cache_gib"] = "not used on a GPU"
+        len_cap, len_cap_why = model.max_position_embeddings, "the model's max_position_embeddings"
+        seq_default = GPU_MAX_NUM_SEQS
+        seq_why = f"vLLM's default of {GPU_MAX_NUM_SEQS}"
+    else:
+        util = GPU_DEFAULT_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
+        reasons["gpu_memory_utilization"] = "not used on the CPU"
+        steps = math.floor(hw.available_memory * CPU_KV_FRACTION / (CPU_KV_STEP_GIB * GIB))
+        cpu_gib = min(CPU_KV_MAX_GIB, max(1, steps) * CPU_KV_STEP_GIB)
+        kv_bytes = int(cpu_gib * GIB)
+        reasons["cpu_kv_cache_gib"] = (f"{CPU_KV_FRACTION:.0%} of the {gib(hw.available_memory)} of free RAM, in "
+                                       f"steps of {CPU_KV_STEP_GIB} GiB, at most {CPU_KV_MAX_GIB:g} GiB")
+        reasons["num_kv_blocks"] += f"; {cpu_gib:g} GiB of RAM"
+        len_cap = min(model.max_position_embeddings, CPU_MAX_MODEL_LEN)
+        len_cap_why = (f"the model's max_position_embeddings, at most {CPU_MAX_MODEL_LEN} on a CPU "
+                       "(longer prompts take minutes to prefill)")
+        seq_default = min(CPU_MAX_NUM_SEQS, CPU_SEQS_PER_CORE * hw.cpu_cores)
+        seq_why = (f"CPU decoding is compute-bound: {CPU_SEQS_PER_CORE} sequences per core x {hw.cpu_cores} cores, "
+                   f"at most {CPU_MAX_NUM_SEQS}")
+
+    num_blocks = kv_bytes // block_bytes
+    kv_tokens = num_blocks * BLOCK_SIZE
+
+    if max_model_len is not None:
+        if max_model_len > model.max_position_embeddings:
+            raise TuneError(f"--max-model-len {max_model_len} is over the model's limit of "
+                            f"{model.max_position_embeddings} tokens", f"use at most {model.max_position_embeddings}")
+        if max_model_len > kv_tokens:
+            raise TuneError(f"--max-model-len {max_model_len} does not fit in the KV cache ({kv_tokens} tokens)",
+                            f"use at most {kv_tokens}, or give the cache more memory")
+        if max_model_len < 1:
+            raise TuneError(f"--max-model-len must be positive, got {max_model_len}", "use a positive number")
+        reasons["max_model_len"] = "set by --max-model-len"
+    elif kv_tokens < len_cap:
+        max_model_len = kv_tokens
+        reasons["max_model_len"] = f"what the KV cache holds ({kv_tokens} tokens), below {len_cap_why} ({len_cap})"
+    else:
+        max_model_len = len_cap
+        reasons["max_model_len"] = len_cap_why
+
+    if max_num_seqs is not None:
+        reasons["max_num_seqs"] = "set by --max-num-seqs"
+    else:
+        slots = max(1, kv_tokens // TOKENS_PER_SEQUENCE_SLOT)
+        max_num_seqs = min(seq_default, slots)
+        reasons["max_num_seqs"] = seq_why if max_num_seqs == seq_default else (
+            f"the KV cache holds {TOKENS_PER_SEQUENCE_SLOT} tokens for only {slots} sequences")
+
+    per_request = min(max_model_len, TYPICAL_REQUEST_TOKENS)
+    expected = max(1, min(max_num_seqs, kv_tokens // per_request))
+    reasons["expected_concurrency"] = (f"min(max_num_seqs {max_num_seqs}, {kv_tokens} KV tokens / {per_request} "
+                                       f"tokens per request); {kv_tokens / max_model_len:.1f} requests at full "
+                                       f"length ({max_model_len} tokens)")
+    return Plan(device=hw.kind, gpu_memory_utilization=util, cpu_kv_cache_gib=cpu_gib, max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK_SIZE,
+                num_kv_blocks=num_blocks, kv_bytes_per_token=bpt, kv_cache_bytes=num_blocks * block_bytes,
+                expected_concurrency=expected, reasons=reasons)

@@ -1,0 +1,138 @@
+"""The command line on bad input (one line, exit 1, no traceback), detect/tune output, and the installer's
+model resolution and checkpoint keys."""
+import json
+
+import pytest
+from appliance_testenv import isolate
+from rich.console import Console
+from typer.testing import CliRunner
+
+from appliance import installer, service
+from appliance.cli import app
+from appliance.errors import ApplianceError
+
+runner = CliRunner()
+LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    isolate(monkeypatch, tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(service, "systemd_running", lambda: False)
+
+
+def make_model(path, cfg=LLAMA):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "model.safetensors").write_bytes(b"\0" * 1024)
+    return path
+
+
+def one_line_error(result, *needles):
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "fix:" in lines[0], result.output
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_install_unknown_model(tmp_path):
+    one_line_error(runner.invoke(app, ["install", "no/such-model", "--yes", "--no-service"]), "not found")
+
+
+def test_install_folder_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    one_line_error(runner.invoke(app, ["install", str(tmp_path / "empty"), "--yes"]), "no config.json")
+
+
+def test_install_bad_method_and_port():
+    one_line_error(runner.invoke(app, ["install", "--method", "fp3", "--yes"]), "--method")
+    one_line_error(runner.invoke(app, ["install", "--port", "70000", "--yes"]), "--port")
+
+
+def test_install_without_yes_and_without_terminal_asks_for_yes():
+    one_line_error(runner.invoke(app, ["install"], input=""), "--yes")
+
+
+def test_tune_and_serve_bad_input(tmp_path):
+    one_line_error(runner.invoke(app, ["tune", str(tmp_path)]), "no config.json")
+    one_line_error(runner.invoke(app, ["tune", str(make_model(tmp_path / "m")), "--max-model-len", "5000"]),
+                   "over the model's limit")
+    one_line_error(runner.invoke(app, ["serve", "--config", str(tmp_path / "nope.toml")]), "not found")
+    one_line_error(runner.invoke(app, ["serve"]), "no model is configured")
+    one_line_error(runner.invoke(app, ["quantize", str(tmp_path / "m"), "--method", "int3", "--out", "x"]), "--method")
+
+
+def test_bad_env_variable_is_one_line(monkeypatch):
+    monkeypatch.setenv("APPLIANCE_PORT", "http")
+    one_line_error(runner.invoke(app, ["status"]), "APPLIANCE_PORT")
+
+
+def test_detect_json():
+    result = runner.invoke(app, ["detect", "--json"])
+    assert result.exit_code == 0
+    hw = json.loads(result.output)
+    assert hw["kind"] in ("cpu", "cuda") and hw["cpu_cores"] >= 1
+    assert (hw["kind"] == "cpu") == (hw["gpus"] == [])
+
+
+def test_tune_json_uses_flags(tmp_path):
+    result = runner.invoke(app, ["tune", str(make_model(tmp_path / "m")), "--json", "--max-num-seqs", "3",
+                                 "--max-model-len", "512"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert (plan["max_num_seqs"], plan["max_model_len"], plan["kv_bytes_per_token"]) == (3, 512, 2 * 2 * 2 * 16 * 2)
+    assert plan["reasons"]["max_num_seqs"] == "set by --max-num-seqs"
+
+
+def test_stubs_say_not_yet():
+    for cmd in ("top", "bench"):
+        result = runner.invoke(app, [cmd])
+        assert result.exit_code == 2 and "not there yet" in result.output
+
+
+def test_doctor_reports_missing_config(tmp_path):
+    result = runner.invoke(app, ["doctor"])
+    assert result.exit_code == 1
+    assert "FAIL" in result.output and "appliance install" in result.output
+
+
+def test_resolve_model_folder_and_hf_cache(tmp_path):
+    console = Console(quiet=True)
+    folder = make_model(tmp_path / "MyModel")
+    assert installer.resolve_model(str(folder), console) == (folder.resolve(), "MyModel")
+    repo = tmp_path / "hub" / "models--org--Tiny"
+    make_model(repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    assert installer.resolve_model("org/Tiny", console) == (repo / "snapshots" / "abc123", "Tiny")
+    with pytest.raises(ApplianceError, match="not found"):
+        installer.resolve_model("org/Other", console)
+
+
+def test_checkpoint_dir_is_keyed_by_source_method_and_group(tmp_path):
+    a, b = make_model(tmp_path / "a"), make_model(tmp_path / "b")
+    key = installer.checkpoint_dir(tmp_path, a, "a", "awq", 4, 128)
+    assert key == installer.checkpoint_dir(tmp_path, a, "a", "awq", 4, 128)
+    assert key.name.startswith("a-awq-w4g128-")
+    others = {installer.checkpoint_dir(tmp_path, b, "a", "awq", 4, 128),
+              installer.checkpoint_dir(tmp_path, a, "a", "gptq", 4, 128),
+              installer.checkpoint_dir(tmp_path, a, "a", "awq", 4, 64)}
+    assert key not in others and len(others) == 3
+
+
+def test_already_quantized_checkpoint_is_detected(tmp_path):
+    plain = make_model(tmp_path / "plain")
+    quantized = make_model(tmp_path / "q", {**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+    assert installer.existing_quantization(plain) is None
+    assert installer.existing_quantization(quantized) == "gptq"
+
+
+def test_usage_text_has_url_model_curl_and_sdk():
+    text = installer.usage_text("http://127.0.0.1:8000", "SmolLM2-135M-Instruct", "k1")
+    assert "http://127.0.0.1:8000/v1" in text and "curl http://127.0.0.1:8000/v1/chat/completions" in text
+    assert "Authorization: Bearer k1" in text and 'OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="k1")' in text
+    assert installer.client_url("0.0.0.0", 9000) == "http://127.0.0.1:9000"

@@ -1,0 +1,83 @@
+"""appliance.hardware: no driver -> "cpu"; a (fake) NVML with a GPU -> its name, memory, capability, driver."""
+from types import SimpleNamespace
+
+import pynvml
+
+from appliance import hardware
+
+GIB = 2**30
+
+
+def test_no_driver_reports_cpu(monkeypatch):
+    def missing():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", missing)
+    hw = hardware.detect()
+    assert hw.kind == "cpu"
+    assert hw.gpus == [] and hw.gpu is None and hw.driver is None
+    assert "NVML library was not found" in hw.reason
+    assert hw.cpu_cores >= 1 and hw.total_memory > 0
+
+
+def test_driver_not_loaded_reports_cpu(monkeypatch):
+    def not_loaded():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", not_loaded)
+    hw = hardware.detect()
+    assert hw.kind == "cpu" and "NVML failed to start" in hw.reason
+
+
+class FakeNVML:
+    """pynvml's functions for one H200-like GPU; the error classes are pynvml's own."""
+
+    NVMLError = pynvml.NVMLError
+    NVMLError_LibraryNotFound = pynvml.NVMLError_LibraryNotFound
+
+    def __init__(self, count=1):
+        self.count = count
+        self.shut_down = False
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        self.shut_down = True
+
+    def nvmlDeviceGetCount(self):
+        return self.count
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return b"NVIDIA H200"
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(total=141 * GIB, free=140 * GIB, used=GIB)
+
+    def nvmlDeviceGetCudaComputeCapability(self, h):
+        return (9, 0)
+
+    def nvmlSystemGetDriverVersion(self):
+        return "580.65.06"
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        return 13000
+
+
+def test_gpu_fields_from_nvml():
+    nvml = FakeNVML()
+    hw = hardware.detect(nvml)
+    assert hw.kind == "cuda"
+    assert hw.gpu == hardware.GPU(index=0, name="NVIDIA H200", total_memory=141 * GIB, free_memory=140 * GIB,
+                                  compute_capability="9.0")
+    assert (hw.driver, hw.cuda_driver, hw.reason) == ("580.65.06", "13.0", None)
+    assert nvml.shut_down
+    assert hw.to_dict()["gpus"][0]["name"] == "NVIDIA H200"
+
+
+def test_driver_without_gpu_is_cpu():
+    hw = hardware.detect(FakeNVML(count=0))
+    assert hw.kind == "cpu" and hw.driver == "580.65.06" and "no GPU" in hw.reason

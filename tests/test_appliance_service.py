@@ -1,0 +1,126 @@
+"""appliance.service: the systemd unit renders and verifies; the background fallback starts, reports, logs and
+stops a (tiny fake) server, also through the `appliance status/stop/logs` commands."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from appliance_testenv import isolate
+from typer.testing import CliRunner
+
+from appliance import service
+from appliance.cli import app
+
+FAKE_SERVER = [sys.executable, "-c",
+               "import time; print('fake server up', flush=True); time.sleep(300)"]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    isolate(monkeypatch, tmp_path)
+    monkeypatch.setattr(service, "systemd_running", lambda: False)
+
+
+@pytest.fixture
+def bg(tmp_path):
+    mgr = service.Background(service.state_dir(tmp_path / "data"))
+    yield mgr
+    mgr.stop(timeout=5)
+
+
+def wait_for(predicate, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_rendered_unit_runs_serve_with_the_config(tmp_path):
+    text = service.render_unit(tmp_path / "etc" / "config.toml", tmp_path / "data", python="/usr/bin/python3")
+    assert f"ExecStart=/usr/bin/python3 -m appliance serve --config {tmp_path}/etc/config.toml" in text
+    assert f"EnvironmentFile=-{tmp_path}/etc/appliance.env" in text
+    assert f"WorkingDirectory={tmp_path}/data" in text
+    assert "WantedBy=multi-user.target" in text and "Restart=on-failure" in text
+    assert "@" not in text  # every placeholder filled
+    assert "WantedBy=default.target" in service.render_unit("/c.toml", "/d", user=True)
+    with pytest.raises(service.ServiceError, match="space"):
+        service.render_unit(tmp_path / "my config.toml", tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_rendered_unit_passes_systemd_analyze_verify(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    unit = tmp_path / service.UNIT_NAME
+    unit.write_text(service.render_unit(tmp_path / "config.toml", data, python=sys.executable))
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
+    complaints = [line for line in (proc.stdout + proc.stderr).splitlines() if service.UNIT_NAME in line]
+    assert proc.returncode == 0 and complaints == [], proc.stdout + proc.stderr
+
+
+def test_background_start_status_logs_stop(bg):
+    assert bg.status().running is False and bg.status().detail == "not started"
+    pid = bg.start(FAKE_SERVER)
+    assert os.getsid(pid) == pid  # its own session: detached from ours
+    st = bg.status()
+    assert (st.mode, st.running, st.pid, st.log) == ("background", True, pid, str(bg.log_file))
+    assert bg.pid_file.read_text().split()[0] == str(pid)
+    assert wait_for(lambda: "fake server up" in bg.log_lines(5))
+    with pytest.raises(service.ServiceError, match="already running"):
+        bg.start(FAKE_SERVER)
+    assert bg.stop(timeout=10) is True
+    assert not bg.pid_file.exists()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert bg.status().running is False
+    assert bg.stop() is False
+
+
+def test_server_that_exits_is_reported_stopped(bg):
+    bg.start([sys.executable, "-c", "print('bye')"])
+    assert wait_for(lambda: not bg.status().running)
+    assert "exited" in bg.status().detail
+    assert "bye" in bg.log_lines(5)
+
+
+def test_recycled_pid_is_not_mistaken_for_the_server(bg):
+    bg.state_dir.mkdir(parents=True)
+    bg.pid_file.write_text(f"{os.getpid()} 12345.0\n")  # a live pid, but not started at that time
+    assert bg.status().running is False
+    assert bg.stop() is False
+    assert psutil.pid_exists(os.getpid())
+
+
+def test_sigterm_ignored_then_killed(bg):
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(300)"]
+    bg.start(stubborn)
+    assert wait_for(lambda: "ready" in bg.log_lines(5))
+    assert bg.stop(timeout=1) is True
+    assert bg.status().running is False
+
+
+def test_manager_without_systemd_is_the_background_process(tmp_path):
+    mgr = service.manager(tmp_path / "data")
+    assert isinstance(mgr, service.Background) and mgr.state_dir == tmp_path / "data" / "run"
+
+
+def test_status_stop_logs_commands(bg):
+    runner = CliRunner()
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 3 and "not running" in result.output
+    pid = bg.start(FAKE_SERVER)
+    assert wait_for(lambda: "fake server up" in bg.log_lines(5))
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 0, result.output
+    assert "running" in result.output and str(pid) in result.output
+    result = runner.invoke(app, ["logs", "-n", "5"])
+    assert result.exit_code == 0 and "fake server up" in result.output
+    result = runner.invoke(app, ["stop"])
+    assert result.exit_code == 0 and "stopped" in result.output
+    assert bg.status().running is False
+    assert "not running" in runner.invoke(app, ["stop"]).output

@@ -1,0 +1,113 @@
+"""appliance.tuner: exact plans for given (fake) hardware and model configs; explicit values win."""
+import json
+
+import pytest
+
+from appliance import tuner
+from appliance.hardware import GPU, Hardware
+from appliance.tuner import ModelInfo, TuneError
+
+GIB = 2**30
+
+SMOLLM2 = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192}
+LLAMA_8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "max_position_embeddings": 131072,
+            "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}
+
+
+def model_dir(tmp_path, cfg, weight_bytes):
+    tmp_path.joinpath("config.json").write_text(json.dumps(cfg))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(weight_bytes)  # sparse: only the size matters
+    return tmp_path
+
+
+def cpu(cores=2, available=20 * GIB):
+    return Hardware(kind="cpu", cpu_cores=cores, total_memory=24 * GIB, available_memory=available, reason="test")
+
+
+def gpu(total, free):
+    return Hardware(kind="cuda", gpus=[GPU(0, "Fake GPU", total, free, "9.0")], driver="1", cpu_cores=16,
+                    total_memory=128 * GIB, available_memory=100 * GIB)
+
+
+def test_model_info_from_config(tmp_path):
+    info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 5 * GIB))
+    assert (info.num_layers, info.num_kv_heads, info.head_dim, info.max_position_embeddings, info.weight_bytes,
+            info.quantization) == (32, 8, 128, 131072, 5 * GIB, "awq")
+    assert info.kv_bytes_per_token() == 131072 and info.kv_bytes_per_token("fp8") == 65536
+
+
+def test_cpu_plan_for_the_demo_model(tmp_path):
+    plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, SMOLLM2, 100 * 2**20)), cpu())
+    assert plan.device == "cpu"
+    assert plan.kv_bytes_per_token == 23040  # 2 x 30 layers x 3 heads x 64 dims x 2 bytes
+    assert plan.cpu_kv_cache_gib == 2.0  # 10% of 20 GiB
+    assert plan.num_kv_blocks == 5825  # 2 GiB // (16 x 23040)
+    assert plan.max_model_len == 4096  # CPU cap below the model's 8192
+    assert plan.max_num_seqs == 8  # 4 per core x 2 cores
+    assert plan.expected_concurrency == 8
+    assert plan.kv_cache_dtype == "auto"
+    assert set(plan.reasons) == {"gpu_memory_utilization", "cpu_kv_cache_gib", "max_model_len", "max_num_seqs",
+                                 "kv_cache_dtype", "num_kv_blocks", "expected_concurrency"}
+    assert all(plan.reasons.values())
+
+
+def test_cpu_plan_on_a_small_machine(tmp_path):
+    plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, SMOLLM2, 1)), cpu(cores=1, available=GIB))
+    assert plan.cpu_kv_cache_gib == 0.25  # the smallest step
+    assert plan.num_kv_blocks == 728
+    assert plan.max_model_len == 4096 and plan.max_num_seqs == 4 and plan.expected_concurrency == 4
+
+
+def test_gpu_plan_on_a_free_gpu(tmp_path):
+    plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB)), gpu(80 * GIB, 80 * GIB))
+    assert plan.device == "cuda"
+    assert plan.gpu_memory_utilization == 0.9
+    assert plan.num_kv_blocks == 34304  # (72 - 4 weights - 1 reserve) GiB // (16 x 128 KiB)
+    assert plan.max_model_len == 131072  # the model's own limit; the cache holds 548,864 tokens
+    assert plan.max_num_seqs == 256
+    assert plan.expected_concurrency == 256
+    assert plan.cpu_kv_cache_gib == 0.0
+
+
+def test_gpu_plan_when_other_processes_hold_memory(tmp_path):
+    plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB)), gpu(24 * GIB, 12 * GIB))
+    assert plan.gpu_memory_utilization == 0.47  # (12 - 0.5) / 24, rounded down
+    assert plan.num_kv_blocks == 3215
+    assert plan.max_model_len == 51440  # what the KV cache holds
+    assert plan.max_num_seqs == 200  # 51440 tokens / 256 per sequence
+    assert plan.expected_concurrency == 50  # 51440 / 1024
+    assert "12.0 GiB of 24.0 GiB is free" in plan.reasons["gpu_memory_utilization"]
+
+
+def test_explicit_values_win(tmp_path):
+    info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB))
+    plan = tuner.plan(info, gpu(80 * GIB, 80 * GIB), gpu_memory_utilization=0.5, max_num_seqs=4,
+                      max_model_len=2048, kv_cache_dtype="fp8")
+    assert (plan.gpu_memory_utilization, plan.max_num_seqs, plan.max_model_len, plan.kv_cache_dtype) == \
+        (0.5, 4, 2048, "fp8")
+    assert plan.num_kv_blocks == 35840  # (40 - 5) GiB // (16 x 64 KiB)
+    assert plan.expected_concurrency == 4
+    for key in ("gpu_memory_utilization", "max_num_seqs", "max_model_len", "kv_cache_dtype"):
+        assert plan.reasons[key].startswith("set by --")
+
+
+def test_impossible_requests_are_errors(tmp_path):
+    info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB))
+    with pytest.raises(TuneError, match="over the model's limit"):
+        tuner.plan(info, cpu(), max_model_len=200000)
+    with pytest.raises(TuneError, match="does not fit in the KV cache"):
+        tuner.plan(info, cpu(available=GIB), max_model_len=100000)
+    with pytest.raises(TuneError, match="does not fit"):
+        tuner.plan(info, gpu(4 * GIB, 4 * GIB))
+    with pytest.raises(TuneError, match="gpu-memory-utilization"):
+        tuner.plan(info, cpu(), gpu_memory_utilization=1.5)
+    with pytest.raises(TuneError, match="kv-cache-dtype"):
+        tuner.plan(info, cpu(), kv_cache_dtype="fp4")
+
+
+def test_missing_config_is_an_error(tmp_path):
+    with pytest.raises(TuneError, match="no config.json"):
+        ModelInfo.from_dir(tmp_path)
