@@ -1,0 +1,278 @@
+"""``AsyncLLMEngine``: the synchronous ``LLMEngine`` loop on its own thread, beside the asyncio event loop.
+
+One thread ("engine thread") owns the ``LLMEngine``: it builds it (model load), then loops
+``drain commands -> step() -> deliver outputs`` and sleeps on a ``threading.Event`` when there is nothing to do.
+Event-loop code talks to it only through a thread-safe command queue (add / abort) and receives each request's
+``RequestOutput``s on a per-request ``asyncio.Queue`` filled with ``loop.call_soon_threadsafe``.
+Stats are snapshotted by the engine thread after every step, so readers never call into the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (failed to load, raised in ``step``, or was shut down); nothing can be served."""
+
+
+_ACCEPTED = object()  # first item on a request's queue once the engine has taken it
+OutputListener = Callable[[list[RequestOutput]], None]
+
+
+class RequestStream:
+    """The outputs of one request, consumed on the event loop: ``async for out in stream``.
+
+    Yields cumulative ``RequestOutput``s; when the consumer lags, intermediate ones are skipped (each output
+    contains everything before it). Stops after the finished output. Raises what the engine raised for it
+    (``ContextLengthError``, ``ValueError``, ``EngineDeadError``).
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._error: BaseException | None = None
+
+    def put_threadsafe(self, item: Any) -> None:
+        """Hand ``item`` (an output, ``_ACCEPTED`` or an exception) to the consumer from any thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            self._engine.abort(self.request_id)
+
+    async def wait_accepted(self) -> None:
+        """Wait until the engine took the request; raise its rejection (and mark the stream finished)."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._error is not None or self.finished:
+            self.finished = True
+            error, self._error = self._error, None
+            if error is not None:
+                raise error
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not self._queue.empty():
+            newer = self._queue.get_nowait()
+            if isinstance(newer, BaseException):
+                self._error = newer  # raised on the next call, after this output
+                break
+            item = newer  # a newer cumulative output supersedes this one
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Abort the request in the engine unless it already finished; idempotent."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Async front of one ``LLMEngine``, safe to use from any number of asyncio tasks.
+
+    ``engine_factory`` builds the ``LLMEngine`` on the engine thread (it may take minutes); ``model_name`` is the
+    served name, known before load. States: "new" -> "loading" -> "ready", or "dead" once loading or a step raised
+    (``error`` holds the exception). Requests submitted while loading wait for the load.
+    """
+
+    def __init__(self, engine_factory: Callable[[], Any], model_name: str, config: EngineConfig | None = None):
+        self.model_name = model_name
+        self.config = config
+        self.error: BaseException | None = None
+        self._factory = engine_factory
+        self._engine: Any = None
+        self._state = "new"
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._listeners: list[OutputListener] = []
+        self._stats: EngineStats | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        """An engine that loads ``LLMEngine(config)`` when started; served as ``served_model_name`` or folder name."""
+        def build():
+            from engine.llm_engine import LLMEngine
+            return LLMEngine(config)
+        return cls(build, config.served_model_name or Path(config.model).name, config)
+
+    # ---- state, read from any thread ----
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def is_ready(self) -> bool:
+        return self._state == "ready"
+
+    @property
+    def is_dead(self) -> bool:
+        return self._state == "dead"
+
+    @property
+    def engine(self) -> Any:
+        """The loaded ``LLMEngine`` (read-only use: ``tokenizer``, ``max_model_len``); None until ready."""
+        return self._engine
+
+    def get_stats(self) -> EngineStats | None:
+        """The snapshot taken after the latest step (None before the engine is loaded)."""
+        return self._stats
+
+    def add_output_listener(self, fn: OutputListener) -> None:
+        """Call ``fn(outputs)`` on the engine thread after every step (metrics); exceptions are logged."""
+        self._listeners.append(fn)
+
+    def remove_output_listener(self, fn: OutputListener) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        """Start the engine thread (which loads the engine); idempotent."""
+        if self._thread is None:
+            self._state = "loading"
+            self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step; pending requests get ``EngineDeadError``."""
+        self._stop = True
+        self._wakeup.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ---- requests, called on the event loop ----
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Submit a request and wait until the engine accepted it; returns its output stream.
+
+        Raises what ``LLMEngine.add_request`` raises (``ContextLengthError``, ``ValueError``) and
+        ``EngineDeadError``. The caller must ``stream.abort()`` if it stops reading before the end.
+        """
+        if self._state == "new":
+            raise RuntimeError("AsyncLLMEngine.start() was not called")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        if self.is_dead:  # checked after registering: _fail_all() cannot miss this stream
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"engine is dead: {self.error!r}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._send(("add", request_id, prompt, params, arrival))
+        try:
+            await stream.wait_accepted()
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until finished; closing or cancelling the consumer aborts it."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; no further outputs are delivered for it. Idempotent."""
+        self._streams.pop(request_id, None)
+        self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        try:
+            self._engine = self._factory()
+            self._stats = self._engine.get_stats()
+            self._state = "ready"
+            logger.info("engine ready: %s", self.model_name)
+            while not self._stop:
+                self._wakeup.clear()  # before draining: a command sent after this sets it again
+                self._drain_commands()
+                if not self._engine.has_unfinished_requests():
+                    self._stats = self._engine.get_stats()
+                    self._wakeup.wait()
+                    continue
+                outputs = self._engine.step()
+                self._stats = self._engine.get_stats()
+                self._deliver(outputs)
+        except BaseException as e:  # noqa: BLE001 - any failure makes the engine dead, never a hung request
+            logger.exception("engine thread died")
+            self.error = e
+        self._state = "dead"
+        self._fail_all(self.error or EngineDeadError("engine was shut down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "abort":
+                self._engine.abort_request(cmd[1])
+                continue
+            _, request_id, prompt, params, arrival = cmd
+            stream = self._streams.get(request_id)
+            if stream is None:  # aborted before the engine saw it
+                continue
+            try:
+                self._engine.add_request(request_id, prompt, params, arrival_time=arrival)
+            except Exception as e:  # noqa: BLE001 - rejections belong to the request, not the engine
+                self._streams.pop(request_id, None)
+                stream.put_threadsafe(e)
+                continue
+            stream.put_threadsafe(_ACCEPTED)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_threadsafe(out)
+        for fn in list(self._listeners):
+            try:
+                fn(outputs)
+            except Exception:  # noqa: BLE001 - a broken listener must not kill serving
+                logger.exception("output listener failed")
+
+    def _fail_all(self, cause: BaseException) -> None:
+        for request_id in list(self._streams):
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                err = EngineDeadError(f"engine is dead: {cause!r}")
+                err.__cause__ = cause
+                stream.put_threadsafe(err)

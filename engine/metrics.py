@@ -1,0 +1,122 @@
+"""Prometheus metrics with vLLM's names (design.md §4), label ``model_name``, in a per-app ``CollectorRegistry``.
+
+Two sources:
+- ``EngineStats`` snapshots (gauges and the engine's cumulative counters), read at scrape time by a custom
+  collector, so the exported counters equal the engine's own totals.
+- ``RequestOutput``s observed after every step (on the engine thread): per-request latencies (TTFT, ITL, e2e,
+  queue time, all in seconds) and ``vllm:request_success_total{finished_reason}``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import RequestOutput
+from engine.stats import EngineStats
+
+# vLLM's bucket boundaries (seconds), so existing dashboards' quantiles line up.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+# (name without _total, help, EngineStats attribute) of the engine's cumulative counters.
+_STATS_COUNTERS = [
+    ("vllm:prompt_tokens", "Prefill tokens processed.", "prompt_tokens_total"),
+    ("vllm:generation_tokens", "Generation tokens produced.", "generation_tokens_total"),
+    ("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions_total"),
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", "prefix_cache_queries_total"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", "prefix_cache_hits_total"),
+]
+_STATS_GAUGES = [
+    ("vllm:num_requests_running", "Requests in the running batch.", "num_running"),
+    ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = every block used).", "kv_cache_usage"),
+]
+
+
+class _StatsCollector(Collector):
+    """Exports the latest ``EngineStats`` snapshot at scrape time (zeros before the engine is loaded)."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], EngineStats | None], cache_config: dict):
+        self._model = model_name
+        self._stats_fn = stats_fn
+        self._cache_config = cache_config
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats_fn()
+        for name, doc, attr in _STATS_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(getattr(stats, attr, 0) or 0))
+            yield family
+        for name, doc, attr in _STATS_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(getattr(stats, attr, 0) or 0))
+            yield family
+        if stats is not None:
+            info = {"block_size": str(stats.block_size), "num_gpu_blocks": str(stats.num_blocks),
+                    **{k: str(v) for k, v in self._cache_config.items()}}
+            yield InfoMetricFamily("vllm:cache_config", "Information of the KV cache.", value=info)
+
+
+class EngineMetrics:
+    """All of one server's collectors. ``observe`` is thread-safe (called on the engine thread)."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], EngineStats | None],
+                 cache_config: dict | None = None, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(_StatsCollector(model_name, stats_fn, dict(cache_config or {})))
+        labels = ["model_name"]
+        kw = {"labelnames": labels, "registry": self.registry}
+        self.request_success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                                       labelnames=labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              buckets=TTFT_BUCKETS, **kw).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=ITL_BUCKETS, **kw).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
+                             buckets=REQUEST_BUCKETS, **kw).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.",
+                                    buckets=REQUEST_BUCKETS, **kw).labels(model_name)
+        self._progress: dict[str, tuple[int, float]] = {}  # request_id -> (tokens so far, time of last token)
+        self._lock = threading.Lock()
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Record one engine step's outputs: an ITL sample per request that advanced, latencies on finish."""
+        now = time.monotonic()
+        with self._lock:
+            for out in outputs:
+                n = max((len(c.token_ids) for c in out.outputs), default=0)
+                t = (out.metrics.last_token_time if out.metrics else None) or now
+                prev_n, prev_t = self._progress.get(out.request_id, (0, 0.0))
+                if n > prev_n:
+                    if prev_n > 0:
+                        self.itl.observe(max(0.0, t - prev_t))
+                    self._progress[out.request_id] = (n, t)
+                if out.finished:
+                    self._progress.pop(out.request_id, None)
+                    self._observe_finished(out, now)
+
+    def _observe_finished(self, out: RequestOutput, now: float) -> None:
+        reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
+        self.request_success.labels(self.model_name, reason).inc()
+        m = out.metrics
+        if m is None or reason == "abort":  # aborted requests would skew the latency histograms
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

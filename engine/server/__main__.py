@@ -1,0 +1,43 @@
+"""``python -m engine.server --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]``.
+
+Every ``EngineConfig`` field is an option (``--max-model-len 2048``, ``--enforce-eager``, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import typing
+
+from engine.config import EngineConfig
+from engine.server.api_server import run_server
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--<field>`` for each ``EngineConfig`` field, typed from its annotation (bools are flags)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=f.default)
+        else:
+            parser.add_argument(flag, type=kind, required=f.default is dataclasses.MISSING,
+                                default=None if f.default is dataclasses.MISSING else f.default)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.server", description="OpenAI-compatible server")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    parser.add_argument("--log-level", default="info")
+    _engine_options(parser)
+    args = vars(parser.parse_args(argv))
+    host, port, api_key, log_level = (args.pop(k) for k in ("host", "port", "api_key", "log_level"))
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level)
+
+
+if __name__ == "__main__":
+    main()

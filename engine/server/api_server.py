@@ -1,0 +1,169 @@
+"""The FastAPI app (design.md §3): routes, API-key check, lifespan; ``run_server`` runs it under uvicorn."""
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.metrics import EngineMetrics
+from engine.server.errors import APIError, install_error_handlers
+from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from engine.server.serving import ServingContext
+from engine.server.serving_chat import create_chat_completion, render_chat
+from engine.server.serving_completion import create_completion
+
+router = APIRouter()
+
+
+def _ctx(raw: Request) -> ServingContext:
+    return raw.app.state.ctx
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+    return await create_chat_completion(_ctx(raw), req, raw)
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, raw: Request) -> Response:
+    return await create_completion(_ctx(raw), req, raw)
+
+
+@router.get("/v1/models")
+async def models(raw: Request) -> ModelList:
+    ctx = _ctx(raw)
+    llm = ctx.ready_engine()
+    config = ctx.engine.config
+    return ModelList(data=[ModelCard(id=ctx.model_name, root=config.model if config else None,
+                                     max_model_len=llm.max_model_len)])
+
+
+@router.get("/health")
+async def health(raw: Request) -> JSONResponse:
+    """200 when the engine is ready; 503 while loading or once dead (with the error)."""
+    engine = _ctx(raw).engine
+    body = {"status": engine.state, "model": engine.model_name}
+    if engine.error is not None:
+        body["error"] = repr(engine.error)
+    return JSONResponse(body, status_code=200 if engine.is_ready else 503)
+
+
+@router.get("/version")
+async def server_version() -> dict:
+    try:
+        return {"version": version("edge-appliance")}
+    except PackageNotFoundError:
+        return {"version": "0+unknown"}
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    data, content_type = _ctx(raw).metrics.render()
+    return Response(data, media_type=content_type)
+
+
+@router.get("/v1/kv")
+async def kv(raw: Request) -> dict:
+    """The KV block map (design.md §4): counts, one character per block (``.`` free, ``#`` used, ``c`` cached),
+    and per running request its id and number of blocks."""
+    ctx = _ctx(raw)
+    ctx.ready_engine()
+    s = ctx.engine.get_stats()
+    if s.block_states:
+        free, used, cached = (s.block_states.count(ch) for ch in ".#c")
+    else:
+        free, cached = s.num_free_blocks, s.num_cached_blocks
+        used = max(0, s.num_blocks - free - cached)
+    return {"block_size": s.block_size, "num_blocks": s.num_blocks, "free": free, "used": used, "cached": cached,
+            "usage": s.kv_cache_usage, "blocks": s.block_states,
+            "running": [{"request_id": rid, "num_blocks": nb} for rid, nb in s.running]}
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
+    """Token ids of ``prompt``, or of ``messages`` rendered through the chat template."""
+    ctx = _ctx(raw)
+    ctx.check_model(req.model)
+    llm = ctx.ready_engine()
+    if req.messages is not None:
+        tokens = render_chat(llm.tokenizer, ChatCompletionRequest(messages=req.messages))
+    elif req.prompt is not None:
+        tokens = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        raise APIError(400, "prompt: either prompt or messages is required", param="prompt")
+    return TokenizeResponse(count=len(tokens), max_model_len=llm.max_model_len, tokens=list(tokens))
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+    ctx = _ctx(raw)
+    ctx.check_model(req.model)
+    llm = ctx.ready_engine()
+    return DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens))
+
+
+class ApiKeyMiddleware:
+    """401 for any ``/v1/*`` request without ``Authorization: Bearer <key>`` (checked before the body is read)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                error = APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>`.",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``async_engine``; its lifespan starts the engine (idempotent) and feeds
+    a fresh per-app metrics registry from the engine's outputs."""
+    name = served_model_name or async_engine.model_name
+    config = async_engine.config
+    cache_config = {} if config is None else {"gpu_memory_utilization": config.gpu_memory_utilization,
+                                              "cache_dtype": config.kv_cache_dtype}
+    metrics = EngineMetrics(name, async_engine.get_stats, cache_config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        async_engine.add_output_listener(metrics.observe)
+        try:
+            yield
+        finally:
+            async_engine.remove_output_listener(metrics.observe)
+
+    app = FastAPI(title="edge-appliance", lifespan=lifespan)
+    app.state.ctx = ServingContext(async_engine, name, metrics, api_key)
+    install_error_handlers(app)
+    app.include_router(router)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+               api_key: str | None = None, log_level: str = "info") -> None:
+    """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM."""
+    engine = AsyncLLMEngine.from_config(engine_config)
+    engine.start()
+    try:
+        uvicorn.run(build_app(engine, api_key=api_key), host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()

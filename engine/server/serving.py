@@ -1,0 +1,200 @@
+"""What the chat and completion handlers share: model check, submission, merging, collection, SSE framing.
+
+A request with P prompts and ``n`` choices each becomes P engine requests; choice ``c`` of prompt ``i`` is
+answered as index ``i * n + c`` (OpenAI's order for batched completions).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import Request
+from sse_starlette import EventSourceResponse
+
+from engine.async_engine import AsyncLLMEngine, RequestStream
+from engine.metrics import EngineMetrics
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server.errors import APIError, bad_value, engine_unavailable, from_engine_exception
+from engine.server.protocol import UsageInfo
+
+logger = logging.getLogger(__name__)
+_END = object()
+
+
+class ServingContext:
+    """Per-app state the handlers read: the engine, the served model name, metrics and the API key."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: EngineMetrics,
+                 api_key: str | None = None) -> None:
+        self.engine, self.model_name, self.metrics, self.api_key = engine, model_name, metrics, api_key
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is the served name (None or "" means the served model)."""
+        if model and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def ready_engine(self) -> Any:
+        """The loaded ``LLMEngine`` (for ``tokenizer`` / ``max_model_len``); 503 while loading or once dead."""
+        if not self.engine.is_ready:
+            raise engine_unavailable(self.engine.state, self.engine.error)
+        return self.engine.engine
+
+
+def build_params(build: Any, *args: Any) -> SamplingParams:
+    """Call ``build(*args)`` (a request's ``sampling_params``); a ``ValueError`` becomes a 400 naming the field."""
+    try:
+        return build(*args)
+    except ValueError as e:
+        raise bad_value(e) from e
+
+
+async def submit(ctx: ServingContext, prompts: list[str | list[int]], params: SamplingParams,
+                 request_id: str, prompt_field: str) -> list[RequestStream]:
+    """Submit one engine request per prompt, all or none; engine rejections become ``APIError``s."""
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    arrival = time.monotonic()
+    results = await asyncio.gather(*(ctx.engine.add_request(rid, p, params, arrival)
+                                     for rid, p in zip(ids, prompts)), return_exceptions=True)
+    streams = [r for r in results if isinstance(r, RequestStream)]
+    errors = [r for r in results if not isinstance(r, RequestStream)]
+    if errors:
+        for s in streams:
+            s.abort()
+        if not isinstance(errors[0], Exception):
+            raise errors[0]  # cancellation
+        raise from_engine_exception(errors[0], prompt_field) from errors[0]
+    return streams
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield ``(prompt index, output)`` from all streams as they come; aborts unfinished ones on exit."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, _END))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def collect(streams: list[RequestStream], raw: Request) -> list[RequestOutput] | None:
+    """The final output of every stream, or None when the client disconnected first (requests aborted)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def run() -> None:
+        async for i, out in merge(streams):
+            finals[i] = out
+
+    if not await until_disconnect(run(), raw):
+        return None
+    return finals  # type: ignore[return-value]
+
+
+async def until_disconnect(work: Awaitable[None], raw: Request) -> bool:
+    """Run ``work``; cancel it if the client disconnects first. True when ``work`` completed.
+
+    Engine errors raised by ``work`` are mapped to ``APIError``s.
+    """
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        return False
+    if task.exception() is not None:
+        raise as_api_error(task.exception())
+    return True
+
+
+def as_api_error(e: BaseException) -> BaseException:
+    """An engine exception seen after submission, as an ``APIError`` (unknown exceptions stay as they are)."""
+    if isinstance(e, APIError) or not isinstance(e, Exception):
+        return e
+    try:
+        return from_engine_exception(e, "prompt")
+    except Exception:  # noqa: BLE001 - not an engine error: a bug, reported as 500
+        return e
+
+
+class DeltaTracker:
+    """Per choice, how much of the cumulative text was sent; turns cumulative outputs into deltas."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.sent: dict[int, int] = {}
+        self.done: set[int] = set()
+
+    def update(self, i: int, out: RequestOutput) -> list[tuple[int, str, str | None, bool]]:
+        """``(choice index, new text, finish_reason, first)`` per choice of prompt ``i`` with news."""
+        news = []
+        for c in out.outputs:
+            index = i * self.n + c.index
+            if index in self.done:
+                continue
+            first = index not in self.sent
+            new = c.text[self.sent.get(index, 0):]
+            if new or c.finish_reason or first:
+                news.append((index, new, c.finish_reason, first))
+            self.sent[index] = len(c.text)
+            if c.finish_reason:
+                self.done.add(index)
+        return news
+
+
+def usage(finals: list[RequestOutput | None]) -> UsageInfo:
+    """Token counts: the prompts once each, plus every choice's generated tokens."""
+    prompt = sum(len(o.prompt_token_ids) for o in finals if o is not None)
+    completion = sum(len(c.token_ids) for o in finals if o is not None for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def sse_response(chunks: AsyncIterator[dict]) -> EventSourceResponse:
+    """Frame chunks as ``data: {json}`` events and end with ``data: [DONE]``.
+
+    An error after the stream started is sent as one ``data: {"error": ...}`` event before ``[DONE]``.
+    """
+    async def events() -> AsyncIterator[dict]:
+        try:
+            async for chunk in chunks:
+                yield {"data": json.dumps(chunk, ensure_ascii=False)}
+        except Exception as e:  # noqa: BLE001 - headers are sent; the error goes in the stream
+            err = as_api_error(e)
+            if not isinstance(err, APIError):
+                logger.exception("error while streaming (a bug)", exc_info=e)
+                err = APIError(500, f"Internal server error: {e!r}")
+            yield {"data": json.dumps(err.body(), ensure_ascii=False)}
+        yield {"data": "[DONE]"}
+
+    return EventSourceResponse(events(), sep="\n")

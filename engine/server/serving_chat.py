@@ -1,0 +1,72 @@
+"""``POST /v1/chat/completions``: messages -> chat template -> one engine request -> response or SSE chunks."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.async_engine import RequestStream
+from engine.server.errors import APIError, bad_value
+from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                    ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
+                                    random_id)
+from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
+                                   submit, usage)
+
+
+def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """Prompt token ids: the tokenizer's chat template with the generation prompt, encoded without extra
+    special tokens (the template already has them). A template error is a 400 on ``messages``."""
+    try:
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(req.chat_template_kwargs or {}))
+    except ValueError as e:
+        raise bad_value(e, "messages") from e
+    except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages it refuses
+        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from e
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    """Answer one chat request (JSON, or SSE when ``stream``). Errors: ``APIError`` (404/400/503)."""
+    ctx.check_model(req.model)
+    llm = ctx.ready_engine()
+    prompt = render_chat(llm.tokenizer, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_params(req.sampling_params, max_tokens, logprobs)
+    request_id = random_id("chatcmpl")
+    streams = await submit(ctx, [prompt], params, request_id, "messages")
+    if req.stream:
+        return sse_response(_chunks(ctx, req, streams, request_id))
+    finals = await collect(streams, raw)
+    if finals is None:
+        return Response(status_code=499)  # client closed the connection; nobody reads this
+    choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                    finish_reason=c.finish_reason) for c in finals[0].outputs]
+    body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage(finals))
+    return JSONResponse(body.model_dump())
+
+
+async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, streams: list[RequestStream],
+                  request_id: str) -> AsyncIterator[dict]:
+    """``chat.completion.chunk`` dicts: per choice a first delta with the role, then text deltas, the last one
+    with its ``finish_reason``; with ``include_usage`` every chunk has ``usage: null`` and one final chunk has
+    ``choices: []`` and the usage."""
+    created, tracker, final = int(time.time()), DeltaTracker(req.n), None
+
+    def chunk(choices: list[ChatStreamChoice]) -> dict:
+        body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices)
+        return body.model_dump(exclude=None if req.include_usage else {"usage"})
+
+    async for i, out in merge(streams):
+        final = out
+        for index, text, reason, first in tracker.update(i, out):
+            delta = DeltaMessage(role="assistant" if first else None, content=text)
+            yield chunk([ChatStreamChoice(index=index, delta=delta, finish_reason=reason)])
+    if req.include_usage:
+        yield {**chunk([]), "usage": usage([final]).model_dump()}

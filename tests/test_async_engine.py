@@ -1,0 +1,154 @@
+"""AsyncLLMEngine against the deterministic fake engine: delivery, concurrency, abort, errors, idling."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.errors import ContextLengthError
+from engine.sampling_params import SamplingParams
+from test_server_fakes import FakeEngine, fake_completion, wait_for
+
+
+def run(coro, timeout: float = 20.0):
+    """Run ``coro`` on a fresh event loop, failing after ``timeout`` seconds instead of hanging."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture
+def fake():
+    return FakeEngine(max_model_len=128, max_num_seqs=2)
+
+
+@pytest.fixture
+def engine(fake):
+    eng = AsyncLLMEngine(lambda: fake, "fake-model")
+    eng.start()
+    wait_for(lambda: eng.is_ready, what="engine ready")
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(eng, prompt, params, request_id):
+    return [out async for out in eng.generate(prompt, params, request_id)]
+
+
+def test_generate_yields_cumulative_outputs_until_finished(engine):
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outs = run(_collect(engine, "hello", params, "r1"))
+    texts = [o.outputs[0].text for o in outs]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert (outs[-1].outputs[0].text, outs[-1].outputs[0].finish_reason) == fake_completion(5, params)
+
+
+def test_concurrent_requests_beyond_max_num_seqs_all_complete(engine):
+    params = SamplingParams(temperature=0, max_tokens=9)
+    prompts = ["a" * k for k in range(1, 7)]
+
+    async def main():
+        return await asyncio.gather(*(_collect(engine, p, params, f"r{i}") for i, p in enumerate(prompts)))
+
+    results = run(main())
+    got = [(outs[-1].outputs[0].text, outs[-1].outputs[0].finish_reason) for outs in results]
+    assert got == [fake_completion(len(p), params) for p in prompts]
+
+
+def test_cancelling_the_consumer_aborts_the_request(fake, engine):
+    fake.step_delay = 0.01
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate("prompt", params, "victim"):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
+    wait_for(lambda: "victim" in fake.aborted, what="abort reaching the engine")
+    wait_for(lambda: engine.get_stats().num_running == 0 and not fake.pending_aborts, what="engine idle")
+    assert engine.get_stats().kv_cache_usage == 0
+
+
+def test_rejections_reach_the_caller(engine):
+    with pytest.raises(ContextLengthError) as info:
+        run(_collect(engine, "x" * 100, SamplingParams(max_tokens=50), "long"))
+    assert (info.value.max_model_len, info.value.prompt_tokens, info.value.completion_tokens) == (128, 100, 50)
+    with pytest.raises(ValueError, match="prompt"):
+        run(_collect(engine, "", SamplingParams(max_tokens=5), "empty"))
+
+
+def test_step_failure_makes_engine_dead_and_fails_requests(fake, engine):
+    fake.fail_at_step = 0
+    with pytest.raises(EngineDeadError):
+        run(_collect(engine, "hello", SamplingParams(max_tokens=5), "doomed"))
+    assert engine.is_dead and isinstance(engine.error, RuntimeError)
+    with pytest.raises(EngineDeadError):
+        run(_collect(engine, "hello", SamplingParams(max_tokens=5), "after"))
+
+
+def test_load_failure_is_reported_as_dead():
+    def factory():
+        raise OSError("weights missing")
+
+    eng = AsyncLLMEngine(factory, "broken")
+    eng.start()
+    wait_for(lambda: eng.is_dead, what="dead engine")
+    assert isinstance(eng.error, OSError)
+
+
+def test_requests_wait_for_loading_then_run():
+    gate, fake = threading.Event(), FakeEngine()
+    eng = AsyncLLMEngine(lambda: (gate.wait(20), fake)[1], "fake-model")
+    eng.start()
+    assert eng.state == "loading" and eng.get_stats() is None
+
+    async def main():
+        task = asyncio.create_task(_collect(eng, "hi", SamplingParams(max_tokens=3), "early"))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        gate.set()
+        return await task
+
+    outs = run(main())
+    assert outs[-1].outputs[0].text == fake_completion(2, SamplingParams(max_tokens=3))[0]
+    eng.shutdown()
+
+
+def test_idle_engine_thread_sleeps_instead_of_spinning(fake, engine):
+    run(_collect(engine, "hello", SamplingParams(max_tokens=4), "r"))
+    wait_for(lambda: engine.get_stats().num_running == 0, what="idle")
+    before = (fake.steps, fake.idle_checks)
+    time.sleep(0.3)
+    assert (fake.steps, fake.idle_checks) == before
+
+
+def test_listeners_and_stats_see_every_step(fake, engine):
+    seen = []
+    engine.add_output_listener(lambda outs: seen.extend(o.request_id for o in outs))
+    run(_collect(engine, "hello", SamplingParams(max_tokens=6), "watched"))
+    wait_for(lambda: engine.get_stats().generation_tokens_total == 6, what="stats snapshot")
+    assert seen.count("watched") == 6
+
+
+def test_duplicate_request_id_is_refused(fake, engine):
+    fake.step_delay = 0.01
+
+    async def main():
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        stream = await engine.add_request("same", "hello", params)
+        with pytest.raises(ValueError, match="request_id"):
+            await engine.add_request("same", "hello", params)
+        stream.abort()
+
+    run(main())

@@ -1,0 +1,287 @@
+"""The HTTP server over the fake engine: the official openai SDK and raw httpx against real uvicorn."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from engine.async_engine import AsyncLLMEngine
+from engine.sampling_params import SamplingParams
+from engine.server.api_server import build_app
+from test_server_fakes import REPLY, FakeEngine, FakeTokenizer, ServerThread, fake_completion, wait_for
+
+MODEL = "fake-model"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT_PROMPT_LEN = len(FakeTokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True))
+
+
+def serve(fake: FakeEngine | None = None, gate: threading.Event | None = None, **app_kw):
+    """A started AsyncLLMEngine over ``fake`` (its load blocked until ``gate`` is set) behind a live server."""
+    fake = fake or FakeEngine()
+
+    def factory():
+        if gate is not None:
+            gate.wait(20)
+        return fake
+
+    engine = AsyncLLMEngine(factory, MODEL)
+    return engine, ServerThread(build_app(engine, **app_kw))
+
+
+@pytest.fixture
+def server():
+    """(base URL, fake engine, async engine) of a ready server."""
+    fake = FakeEngine()
+    engine, srv = serve(fake)
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        yield url, fake, engine
+    engine.shutdown()
+
+
+def sdk(url: str, api_key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=20)
+
+
+def sse_events(url: str, path: str, body: dict) -> list[str]:
+    """The ``data:`` payloads of a streamed response, in order."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=20) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_chat_completion(server):
+    url, _, _ = server
+    r = sdk(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == \
+        fake_completion(CHAT_PROMPT_LEN, SamplingParams(max_tokens=10))
+    assert r.choices[0].message.role == "assistant"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (CHAT_PROMPT_LEN, 10, CHAT_PROMPT_LEN + 10)
+
+
+def test_completion_until_eos(server):
+    url, _, _ = server
+    r = sdk(url).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=200, temperature=0)
+    assert r.object == "text_completion"
+    assert (r.choices[0].text, r.choices[0].finish_reason) == fake_completion(16, SamplingParams(max_tokens=200))
+    assert r.choices[0].finish_reason == "stop" and r.usage.prompt_tokens == 16
+
+
+def test_chat_stream_concatenates_to_the_non_streamed_text(server):
+    url, _, _ = server
+    client = sdk(url)
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert all(c.usage is None for c in chunks)
+
+
+def test_completion_stream_with_stop_string_matches_non_streamed(server):
+    url, _, _ = server
+    client = sdk(url)
+    kw = dict(model=MODEL, prompt="abc", max_tokens=40, temperature=0, stop=["dolor s"])
+    full = client.completions.create(**kw)
+    text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert text == full.choices[0].text == fake_completion(3, SamplingParams(max_tokens=40, stop=["dolor s"]))[0]
+    assert "dolor s" not in text and full.choices[0].finish_reason == "stop"
+
+
+def test_stream_include_usage_adds_one_final_usage_chunk(server):
+    url, _, _ = server
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = sse_events(url, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": CHAT_PROMPT_LEN, "completion_tokens": 5, "total_tokens": CHAT_PROMPT_LEN + 5}
+    plain = sse_events(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5, "stream": True})
+    assert plain[-1] == "[DONE]" and all("usage" not in json.loads(e) for e in plain[:-1])
+    assert {json.loads(e)["object"] for e in plain[:-1]} == {"text_completion"}
+
+
+def test_n_and_batched_prompts_get_their_own_indices(server):
+    url, _, _ = server
+    r = sdk(url).completions.create(model=MODEL, prompt=["ab", "abcd"], n=2, max_tokens=6)
+    params = SamplingParams(max_tokens=6)
+    assert [(c.index, c.text) for c in r.choices] == [
+        (0, fake_completion(2, params, 0)[0]), (1, fake_completion(2, params, 1)[0]),
+        (2, fake_completion(4, params, 0)[0]), (3, fake_completion(4, params, 1)[0])]
+    assert r.usage.prompt_tokens == 6 and r.usage.completion_tokens == 24
+
+
+def test_echo_prefixes_the_prompt(server):
+    url, _, _ = server
+    r = sdk(url).completions.create(model=MODEL, prompt="Echo me ", max_tokens=4, echo=True)
+    assert r.choices[0].text == "Echo me " + fake_completion(8, SamplingParams(max_tokens=4))[0]
+
+
+def test_models_health_version_tokenize_kv(server):
+    url, _, _ = server
+    cards = sdk(url).models.list().data
+    assert [(m.id, m.max_model_len) for m in cards] == [(MODEL, 256)]
+    assert httpx.get(f"{url}/health").json()["status"] == "ready"
+    assert httpx.get(f"{url}/version").json()["version"]
+    tok = httpx.post(f"{url}/tokenize", json={"prompt": "hey"}).json()
+    assert tok == {"count": 3, "max_model_len": 256, "tokens": [104, 101, 121]}
+    chat_tok = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+    assert chat_tok["count"] == CHAT_PROMPT_LEN
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": "hey"}
+    kv = httpx.get(f"{url}/v1/kv").json()
+    assert (kv["block_size"], kv["num_blocks"], kv["free"], kv["used"], kv["cached"]) == (4, 512, 512, 0, 0)
+    assert kv["blocks"] == "." * 512 and kv["running"] == []
+
+
+def _error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """Assert the OpenAI error shape with ``status`` (and ``param``/``code`` when given); return the error."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": MESSAGES, "max_tokens": "ten"}, "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ({"messages": MESSAGES, "temperature": -1}, "temperature"),
+    ({"messages": MESSAGES, "top_p": 0}, "top_p"),
+    ({"model": MODEL}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+])
+def test_bad_fields_are_400_naming_the_field(server, body, param):
+    url, _, _ = server
+    _error(httpx.post(f"{url}/v1/chat/completions", json=body), 400, param=param)
+
+
+def test_malformed_json_and_unknown_routes(server):
+    url, _, _ = server
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
+    _error(r, 400, param="body", code="invalid_json")
+    _error(httpx.get(f"{url}/v1/nothing-here"), 404)
+    _error(httpx.post(f"{url}/v1/completions", json={"prompt": []}), 400, param="prompt")
+
+
+def test_unknown_model_is_404(server):
+    url, _, _ = server
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk(url).chat.completions.create(model="gpt-4", messages=MESSAGES)
+    assert info.value.code == "model_not_found"
+
+
+def test_context_length_error_states_max_total_and_split(server):
+    url, _, _ = server
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(url).completions.create(model=MODEL, prompt="x" * 200, max_tokens=100)
+    assert info.value.code == "context_length_exceeded"
+    message = info.value.body["message"]
+    assert "maximum context length is 256 tokens" in message
+    assert "requested 300 tokens (200 in the prompt, 100 in the completion)" in message
+
+
+def test_api_key_guards_v1_only():
+    engine, srv = serve(api_key="sekrit")
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        with pytest.raises(openai.AuthenticationError):
+            sdk(url, api_key="wrong").models.list()
+        _error(httpx.post(f"{url}/v1/chat/completions", content=b"{oops"), 401, code="invalid_api_key")
+        assert sdk(url, api_key="sekrit").models.list().data[0].id == MODEL
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 200
+    engine.shutdown()
+
+
+def test_health_is_503_while_loading_then_200():
+    gate = threading.Event()
+    engine, srv = serve(gate=gate)
+    with srv as url:
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.get(f"{url}/v1/models")
+        assert _error(r, 503, code="model_loading") and r.headers["retry-after"]
+        gate.set()
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, what="health 200")
+    engine.shutdown()
+
+
+def test_dead_engine_gives_503_not_500():
+    engine, srv = serve(FakeEngine(fail_at_step=0))
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=20)
+        _error(r, 503, code="engine_dead")
+        assert httpx.get(f"{url}/health").status_code == 503
+        _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES}), 503, code="engine_dead")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "stream": True})
+        _error(r, 503, code="engine_dead")  # refused before the stream starts
+
+
+def test_engine_death_mid_stream_ends_the_stream_with_an_error_event():
+    engine, srv = serve(FakeEngine(fail_at_step=3))
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        events = sse_events(url, "/v1/completions", {"prompt": "hi", "max_tokens": 10, "stream": True})
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == REPLY[2:5]
+    engine.shutdown()
+
+
+def test_metrics_names_and_values(server):
+    url, _, _ = server
+    sdk(url).completions.create(model=MODEL, prompt="12345", max_tokens=7)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:cache_config_info"]:
+        assert f"\n{name}" in text, name
+    lines = set(text.splitlines())
+    assert 'vllm:prompt_tokens_total{model_name="fake-model"} 5.0' in lines
+    assert 'vllm:generation_tokens_total{model_name="fake-model"} 7.0' in lines
+    assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"} 1.0' in lines
+    assert 'vllm:time_to_first_token_seconds_count{model_name="fake-model"} 1.0' in lines
+    assert 'vllm:inter_token_latency_seconds_count{model_name="fake-model"} 6.0' in lines
+    assert 'vllm:num_requests_running{model_name="fake-model"} 0.0' in lines
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(server):
+    url, fake, engine = server
+    fake.step_delay = 0.01
+    body = {"model": MODEL, "prompt": "long one", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=20) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        wait_for(lambda: engine.get_stats().num_running == 1, what="request running")
+    request_id = json.loads(first[len("data: "):])["id"]
+    wait_for(lambda: request_id in fake.aborted, what="abort after disconnect")
+    wait_for(lambda: 'vllm:num_requests_running{model_name="fake-model"} 0.0' in httpx.get(f"{url}/metrics").text,
+             what="running gauge back to 0")
+    assert engine.get_stats().kv_cache_usage == 0
+
+
+def test_non_streaming_disconnect_aborts(server):
+    url, fake, engine = server
+    fake.step_delay = 0.02
+    body = {"model": MODEL, "prompt": "slow", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(20, read=0.3))
+    wait_for(lambda: len(fake.aborted) == 1, what="abort after disconnect")
+    wait_for(lambda: engine.get_stats().num_running == 0, what="engine idle")
