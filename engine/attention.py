@@ -1,0 +1,50 @@
+"""Attention over the paged KV cache: what one forward pass needs to know about the batch, and the layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.kv_cache import write_kv_cache_ref
+from kernels.paged_attention import paged_attention_decode_ref, paged_attention_prefill_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """Built by the model runner from block tables; the only view of the scheduler the model ever gets.
+
+    is_prefill: every sequence brings its new tokens (a prompt, or a prompt plus generated tokens after a
+        preemption); otherwise every sequence brings exactly one token (decode).
+    slot_mapping: int64 [T]: the KV-cache slot (block_id * block_size + offset) of each new token; -1 = padding.
+    block_tables: int32 [S, max_blocks]: each sequence's block ids, padded with -1.
+    context_lens: int32 [S]: tokens in the cache after this step's tokens are written.
+    cu_seqlens_q: int32 [S + 1]: offsets of each sequence's new tokens in the packed batch (prefill only).
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the layer's cache through the slot mapping, then attends over the cache.
+
+    ``k_cache``/``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim] are assigned by the model runner.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D]."""
+        write_kv_cache_ref(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            return paged_attention_prefill_ref(q, self.k_cache, self.v_cache, meta.block_tables,
+                                               meta.cu_seqlens_q, meta.context_lens, self.scale)
+        return paged_attention_decode_ref(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                          self.scale)

@@ -1,0 +1,197 @@
+"""The synchronous engine: requests in, one model step at a time, ``RequestOutput`` s out.
+
+One request from arrival to finish: ``add_request`` tokenizes and validates it and queues one ``Sequence`` per
+choice; each ``step`` asks the scheduler for a batch, runs it through the model runner, appends the sampled
+tokens, detokenizes incrementally, applies the stop rules (EOS, stop token ids, stop strings, max_tokens,
+max_model_len) and frees the blocks of whatever finished.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from engine import detokenizer
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import ContextLengthError
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.stats import EngineStats
+
+
+@dataclass
+class Request:
+    """A request and the sequences (one per choice) generated for it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detok: list[detokenizer.DetokenizerState]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def _eos_token_ids(model_dir: str, tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+class LLMEngine:
+    """Single-threaded engine; see docs/architecture.md for the contract the server relies on."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.model_name = config.served_model_name or Path(config.model).name
+        model_cfg = json.loads((Path(config.model) / "config.json").read_text())
+        self.max_model_len = config.max_model_len or min(model_cfg.get("max_position_embeddings", 4096), 8192)
+        self.runner = ModelRunner(config, self.max_model_len)
+        if self.runner.num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"max_model_len: the KV cache holds {self.runner.num_blocks * config.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; lower max_model_len or give the KV cache more memory")
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        budget = config.max_num_batched_tokens or max(self.max_model_len, 2048)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget)
+        self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # ---- requests in -------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate, tokenize and queue a request.
+
+        Raises ContextLengthError when prompt + max_tokens exceed max_model_len, ValueError for an empty prompt,
+        a duplicate id or a token id outside the vocabulary.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if text is not None else list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max(max_tokens, 1) > self.max_model_len:
+            raise ContextLengthError(self.max_model_len, len(ids), max_tokens)
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seqs = [Sequence(request_id, i, list(ids), params, generator) for i in range(params.n)]
+        self.requests[request_id] = Request(
+            request_id, text, ids, params, seqs, [detokenizer.new_state(len(ids)) for _ in seqs],
+            RequestMetrics(arrival_time=arrival_time or time.monotonic()))
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its last output (finish_reason "abort") comes with the next
+        ``step``. Unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        req.metrics.finished_time = time.monotonic()
+        self._aborted.append(self._output(req))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that advanced, finished or was aborted."""
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return outputs
+        now = time.monotonic()
+        for seq in batch.seqs:
+            metrics = self.requests[seq.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            if batch.is_prefill and seq.num_output_tokens == 0:
+                self._prompt_tokens_total += seq.num_prompt_tokens
+        tokens = self.runner.run(batch.seqs, batch.is_prefill, self.eos_token_ids)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, token in zip(batch.seqs, tokens):
+            req = self.requests[seq.request_id]
+            seq.num_computed_tokens = len(seq)
+            seq.token_ids.append(token)
+            self._generation_tokens_total += 1
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            req.metrics.last_token_time = now
+            self._check_stop(req, seq, token)
+            touched[req.request_id] = req
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
+        """vLLM's stop rules, in its order, after ``token`` was appended to ``seq``."""
+        p, state = seq.params, req.detok[seq.index]
+        delta = detokenizer.step(self.tokenizer, seq.token_ids, state, p.skip_special_tokens)
+        if seq.num_output_tokens > p.min_tokens or (seq.num_output_tokens == p.min_tokens and p.min_tokens):
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                if delta and not p.include_stop_str_in_output:
+                    state.text = state.text[:-len(delta)]
+                seq.stop_reason = None if token in self.eos_token_ids and not p.ignore_eos else token
+                return self.scheduler.finish(seq, "stop")
+            hit = detokenizer.find_stop(state.text, len(delta), p.stop) if delta and p.stop else None
+            if hit is not None:
+                start, stop = hit
+                state.text = state.text[:start + len(stop) if p.include_stop_str_in_output else start]
+                seq.stop_reason = stop
+                return self.scheduler.finish(seq, "stop")
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+        if seq.num_output_tokens >= max_tokens or len(seq) >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _output(self, req: Request) -> RequestOutput:
+        choices = []
+        for seq, state in zip(req.seqs, req.detok):
+            text = state.text
+            if not seq.is_finished and seq.params.stop:
+                text = text[:len(text) - detokenizer.held_back(text, seq.params.stop)]
+            choices.append(CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
+                                            seq.stop_reason, seq.logprobs))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, choices, req.finished, req.metrics)
+
+    # ---- introspection -------------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        running = {}
+        for seq in self.scheduler.running:
+            running[seq.request_id] = running.get(seq.request_id, 0) + len(seq.block_table)
+        return EngineStats(
+            num_running=len({s.request_id for s in self.scheduler.running}),
+            num_waiting=len({s.request_id for s in self.scheduler.waiting} - set(running)),
+            block_size=bm.block_size, num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=0, kv_cache_usage=bm.usage,
+            prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            running=sorted(running.items()), block_states=bm.block_states())

@@ -1,0 +1,118 @@
+"""The model runner: owns the model and the KV cache, turns a scheduled batch into tensors, runs one step.
+
+The scheduler hands it sequences; it hands the model only token ids, positions, slot mappings and block tables.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.models.llama import load_model
+from engine.sampler import sample
+from engine.sequence import Sequence
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' but torch sees no CUDA device: use device='cpu' or 'auto'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" = float32 on CPU (exact reference path), bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ModelRunner:
+    """Runs the model over the paged KV cache.
+
+    KV cache: one (k, v) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype.
+    """
+
+    def __init__(self, config: EngineConfig, max_model_len: int):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(max_model_len)
+        self._allocate_kv_cache()
+
+    def _bytes_per_block(self) -> int:
+        layer = self.model.layers[0]
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        return per_token * self.block_size * len(self.model.layers)
+
+    def _blocks_that_fit(self, max_model_len: int) -> int:
+        """KV blocks from the memory budget: ``cpu_kv_cache_gib`` on CPU; on CUDA the part of
+        ``gpu_memory_utilization`` x total memory not used by weights and a prefill's activations."""
+        if self.device.type == "cpu":
+            budget = self.config.cpu_kv_cache_gib * 2**30
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            activations = 4 * max_model_len * self.model.config["hidden_size"] * 16 * self.dtype.itemsize
+            budget = self.config.gpu_memory_utilization * total - used - activations
+        return max(int(budget // self._bytes_per_block()), 0)
+
+    def _allocate_kv_cache(self) -> None:
+        layer = self.model.layers[0]
+        shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+
+    def _slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        """Inputs for the uncomputed tokens of each sequence (its prompt, or prompt + output after preemption)."""
+        ids, positions, slots, cu = [], [], [], [0]
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:]
+            positions += range(start, len(seq))
+            slots += [self._slot(seq, p) for p in range(start, len(seq))]
+            cu.append(len(ids))
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_tables=self._block_tables(seqs),
+            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device))
+        return ids, positions, meta, [c - 1 for c in cu[1:]]
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        """Inputs for the last token of each sequence; its K/V goes to slot ``len(seq) - 1``."""
+        ids = [s.last_token_id for s in seqs]
+        positions = [len(s) - 1 for s in seqs]
+        meta = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=torch.tensor([self._slot(s, len(s) - 1) for s in seqs], dtype=torch.int64,
+                                      device=self.device),
+            block_tables=self._block_tables(seqs),
+            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=self.device))
+        return ids, positions, meta, list(range(len(seqs)))
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int]) -> list[int]:
+        """One forward pass over the batch; returns one sampled token per sequence."""
+        ids, positions, meta, last = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                            torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
+        logits = self.model.compute_logits(hidden[last]).cpu()
+        for seq in seqs:
+            if seq.generator is None and not seq.params.greedy:
+                seq.generator = self.generator
+        return sample(logits, seqs, eos_token_ids)

@@ -1,0 +1,109 @@
+"""Llama (and Mistral-shaped) decoder over the paged KV cache — our own code; transformers gives only the config.
+
+Source: Touvron et al., "Llama 2" (2023); parameter names follow Hugging Face ``LlamaForCausalLM`` so
+checkpoints load as they are. q/k/v and gate/up are stacked into one linear each at load.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.models.loader import CheckpointError, CheckpointReader
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"rope_type {rope_type!r} is not supported yet (only default RoPE)")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + gated MLP, residual adds fused into the norms."""
+
+    def __init__(self, cfg: dict, ckpt: CheckpointReader, prefix: str, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        proj = [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"]
+        self.qkv_proj = Linear([ckpt.linear(p) for p in proj], [ckpt.bias(p) for p in proj], dtype, device)
+        self.o_proj = Linear([ckpt.linear(f"{attn}.o_proj")], [ckpt.bias(f"{attn}.o_proj")], dtype, device)
+        proj = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
+        self.gate_up_proj = Linear([ckpt.linear(p) for p in proj], [ckpt.bias(p) for p in proj], dtype, device)
+        self.down_proj = Linear([ckpt.linear(f"{mlp}.down_proj")], [ckpt.bias(f"{mlp}.down_proj")], dtype, device)
+        self.input_layernorm = RMSNorm(ckpt.tensor(f"{prefix}.input_layernorm.weight"), eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(ckpt.tensor(f"{prefix}.post_attention_layernorm.weight"), eps,
+                                                dtype, device)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden, residual: [T, hidden_size] → the same, after attention and MLP."""
+        x, residual = self.input_layernorm(hidden, residual)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta)
+        hidden = self.o_proj(o.reshape(-1, q_size))
+        x, residual = self.post_attention_layernorm(hidden, residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x))), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model: embeddings, decoder layers, final norm and LM head (tied to the embeddings if the config
+    says so).
+
+    ``forward(input_ids [T] int64, positions [T] int64, meta) -> hidden [T, hidden_size]``;
+    ``compute_logits(hidden [S, hidden_size]) -> float32 [S, vocab_size]``.
+    """
+
+    def __init__(self, ckpt: CheckpointReader, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        cfg = ckpt.config
+        self.config = cfg
+        embed = ckpt.tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
+        self.embed_tokens = nn.Parameter(embed, requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ckpt, f"model.layers.{i}", dtype, device)
+                                    for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(ckpt.tensor("model.norm.weight"), cfg["rms_norm_eps"], dtype, device)
+        if cfg.get("tie_word_embeddings", False) or not ckpt.has("lm_head.weight"):
+            self.lm_head = Linear([embed], [None], dtype, device)
+        else:
+            self.lm_head = Linear([ckpt.linear("lm_head")], [None], dtype, device)
+        head_dim = self.layers[0].head_dim
+        self.rotary = RotaryEmbedding(head_dim, cfg.get("max_position_embeddings", 4096), _rope_theta(cfg), device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens[input_ids], None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta, self.rotary)
+        return self.norm(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.attn for layer in self.layers]
+
+
+MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM}
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Build the model class named by config.json's ``architectures`` and load its weights.
+
+    Raises CheckpointError for an unsupported architecture or a missing tensor.
+    """
+    ckpt = CheckpointReader(model_dir)
+    arch = (ckpt.config.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in MODELS:
+        raise CheckpointError(f"architecture {arch!r} is not supported yet (supported: {', '.join(MODELS)})")
+    with torch.no_grad():
+        return MODELS[arch](ckpt, dtype, device).eval()

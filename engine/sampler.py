@@ -1,0 +1,78 @@
+"""Turning logits into next tokens with vLLM's semantics.
+
+Order (vLLM ``Sampler``): min_tokens mask on stop tokens, repetition / presence / frequency penalties,
+temperature, top-k, top-p, min-p, then sample. Temperature 0 is greedy (arg-max of the penalised logits).
+A request with ``seed`` draws from its own ``torch.Generator`` so its output does not depend on its batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import Sequence
+
+
+def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+        return logits
+    out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+    counts = torch.bincount(out_ids, minlength=logits.shape[-1]).to(logits.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device)] = True
+        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf masks. logits: float32 [V]."""
+    p = seq.params
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:
+    """One next token per sequence.
+
+    logits: float32 [S, V], row i belonging to ``seqs[i]``. Also appends each sequence's logprobs entry when it
+    asked for logprobs (natural-log probabilities of the raw model distribution: the sampled token and the
+    ``logprobs`` most likely ones).
+    """
+    tokens = []
+    for row, seq in zip(logits, seqs):
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            row = row.clone()
+            row[stop_ids] = float("-inf")
+        row = _apply_penalties(row, seq)
+        if p.greedy:
+            token = int(torch.argmax(row))
+        else:
+            probs = _filter(row, seq).softmax(-1)
+            token = int(torch.multinomial(probs, 1, generator=seq.generator))
+        tokens.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(_logprobs_entry(logits[len(tokens) - 1], token, p.logprobs or 0))
+    return tokens
+
+
+def _logprobs_entry(raw: torch.Tensor, token: int, top: int) -> dict[int, float]:
+    logp = torch.log_softmax(raw.float(), -1)
+    entry = {token: float(logp[token])}
+    if top:
+        values, ids = torch.topk(logp, top)
+        entry.update({int(i): float(v) for i, v in zip(ids, values)})
+    return entry
