@@ -110,8 +110,9 @@ def quantize(
     if out.exists() and any(out.iterdir()):
         raise ApplianceError(f"{out} exists and is not empty", "choose another --out or remove it")
     source, _ = installer.resolve_model(model, console)
-    installer.quantize_model(source, out, method, bits, group_size, console,
-                             calib=str(calib) if calib else None, desc_act=desc_act)
+    samples = installer.calibration_file_samples(calib) if calib else None
+    installer.quantize_model(source, out, method, bits, installer.fitted_group_size(source, group_size), console,
+                             calib=samples, desc_act=desc_act)
     console.print(f"Wrote {out}")
     table = Table(title="Perplexity on held-out text (lower is better)")
     table.add_column("model")

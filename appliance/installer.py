@@ -10,10 +10,9 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
+import re
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,42 +53,77 @@ class InstallOptions:
 
 
 @contextlib.contextmanager
-def step(console: Console, text: str, total: float | None = None):
-    """Show a spinner (or a bar, once ``update(done, total)`` is called) with the elapsed time while the body runs;
-    print a check mark and the duration when it ends."""
-    columns = [SpinnerColumn(), TextColumn("{task.description}")]
-    if total is not None:
-        columns.append(BarColumn())
-    columns.append(TimeElapsedColumn())
+def output_to(log_path: Path | None, console: Console):
+    """Send everything written to file descriptors 1 and 2 (libraries' own progress bars and warnings) to
+    ``log_path`` while ``console`` keeps writing to the real terminal. Does nothing when ``log_path`` is None."""
+    if log_path is None:
+        yield
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+    old_file = console.file
+    try:
+        with open(log_path, "ab") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        console.file = terminal
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        console.file = old_file
+        terminal.close()
+
+
+@contextlib.contextmanager
+def step(console: Console, text: str, total: float | None = None, log: Path | None = None):
+    """Show a spinner, a bar (pulsing until ``update(done, total)`` gives a total) and the elapsed time while the
+    body runs; print a check mark and the duration when it ends. With ``log``, the output of the libraries the body
+    calls goes to that file instead of the screen, and its last lines are shown if the body fails."""
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     start = time.monotonic()
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(text, total=total)
+    try:
+        with output_to(log, console), Progress(*columns, console=console, transient=True,
+                                                redirect_stdout=False, redirect_stderr=False) as progress:
+            task = progress.add_task(text, total=total)
 
-        def update(done: float | None = None, total_: float | None = None, description: str | None = None):
-            fields = {}
-            if description:
-                fields["description"] = f"{text}: {description}"
-            if total_ is not None:
-                fields["total"] = total_
-            if done is not None:
-                fields["completed"] = done
-            progress.update(task, **fields)
+            def update(done: float | None = None, total_: float | None = None, description: str | None = None):
+                fields = {}
+                if description:
+                    fields["description"] = f"{text}: {description}"
+                if total_ is not None:
+                    fields["total"] = total_
+                if done is not None:
+                    fields["completed"] = done
+                progress.update(task, **fields)
 
-        yield update
+            yield update
+    except BaseException:
+        console.print(f"[red]✗[/red] {text} [dim]({time.monotonic() - start:.1f}s)[/dim]")
+        if log is not None and log.is_file():
+            console.print(f"[dim]last lines of {log}:[/dim]")
+            for line in service.tail_file(log, 15):
+                console.print(f"  {line}", markup=False, highlight=False)
+        raise
     console.print(f"[green]✓[/green] {text} [dim]({time.monotonic() - start:.1f}s)[/dim]")
 
 
 def _progress_callback(update):
-    """Adapt whatever a long step reports (``(done, total)``, ``(text,)``, ``(text, done, total)``, keywords) to
-    :func:`step`'s ``update``."""
+    """Adapt the quantizer's one-line messages ("loading ...", "layer 3/30", ...) to :func:`step`'s ``update``."""
 
-    def callback(*args, **kwargs):
-        numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-        texts = [a for a in args if isinstance(a, str)]
-        done = kwargs.get("done", kwargs.get("completed", numbers[0] if numbers else None))
-        total = kwargs.get("total", numbers[1] if len(numbers) > 1 else None)
-        desc = kwargs.get("description", kwargs.get("stage", texts[0] if texts else None))
-        update(done, total, desc)
+    def callback(message: str):
+        match = re.fullmatch(r"layer (\d+)/(\d+)", message.strip())
+        if match:
+            update(int(match[1]), int(match[2]), message)
+        else:
+            update(description=message)
 
     return callback
 
@@ -172,37 +206,47 @@ def checkpoint_dir(data_dir: Path, source: Path, name: str, method: str, bits: i
     return Path(data_dir) / "models" / f"{name}-{method}-w{bits}g{group_size}-{_fingerprint(source)}"
 
 
-def _atomic_dir(final: Path, build) -> Path:
-    """Run ``build(tmp_dir)`` and rename the result to ``final``, so a half-written checkpoint is never reused."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+def fitted_group_size(source: Path, group_size: int) -> int:
+    """The group size the quantizer will really use (SmolLM2's 576-wide layers take 64 for a requested 128)."""
+    from quant.quantize import fit_group_size
+
     try:
-        build(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        return fit_group_size(source, group_size)
+    except ValueError as exc:
+        raise ApplianceError(str(exc), "pick another --group-size (a power of two of at least 32), or -1") from None
+
+
+def calibration_file_samples(path: Path, chars: int = 2000) -> list[str]:
+    """A text file cut into samples of about ``chars`` characters at line ends, for ``quantize(calib=...)``."""
+    samples, current = [], ""
+    for line in Path(path).read_text(errors="replace").splitlines(keepends=True):
+        current += line
+        if len(current) >= chars:
+            samples.append(current)
+            current = ""
+    if current.strip():
+        samples.append(current)
+    if not samples:
+        raise ApplianceError(f"calibration file {path} is empty", "give a text file, or omit --calib")
+    return samples
 
 
 def quantize_model(source: Path, out: Path, method: str, bits: int, group_size: int, console: Console,
-                   calib: str | None = None, desc_act: bool = False) -> Path:
-    try:
-        from quant.quantize import quantize
-    except ImportError as exc:
-        raise ApplianceError(f"the quantizer is not available ({exc})", "reinstall with `pip install -e .`") from None
+                   calib: list[str] | None = None, desc_act: bool = False, log: Path | None = None) -> Path:
+    """Quantize ``source`` into ``out`` (the quantizer writes a temporary folder and renames it when complete)."""
+    from quant.quantize import quantize
+
     label = f"Quantizing to {bits}-bit {method.upper()} (group size {group_size})"
-    with step(console, label) as update:
-        def build(tmp: Path):
-            quantize(str(source), str(tmp), method=method, bits=bits, group_size=group_size, desc_act=desc_act,
-                     calib=calib, progress=_progress_callback(update))
+    with step(console, label, total=None, log=log) as update:
+        try:
+            return quantize(str(source), str(out), method=method, bits=bits, group_size=group_size,
+                            desc_act=desc_act, calib=calib, progress=_progress_callback(update))
+        except ValueError as exc:
+            raise ApplianceError(f"cannot quantize: {exc}", "check --method, --bits and --group-size") from None
 
-        return _atomic_dir(out, build)
 
-
-def perplexities(models: dict[str, Path], cache_file: Path, console: Console) -> dict[str, float]:
+def perplexities(models: dict[str, Path], cache_file: Path, console: Console, log: Path | None = None
+                 ) -> dict[str, float]:
     """Held-out perplexity (design.md §6) of each model, computed once per model folder and cached in JSON."""
     try:
         cache = json.loads(cache_file.read_text())
@@ -214,7 +258,7 @@ def perplexities(models: dict[str, Path], cache_file: Path, console: Console) ->
         if key not in cache:
             from quant.evaluate import perplexity
 
-            with step(console, f"Perplexity of the {label} model on held-out text"):
+            with step(console, f"Perplexity of the {label} model on held-out text", log=log):
                 cache[key] = float(perplexity(str(path)))
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             service._write_atomic(cache_file, json.dumps(cache, indent=1))
@@ -351,6 +395,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     system = use_systemd and cfgmod.is_root()
     data_dir = cfgmod.data_dir(system=system)
     config_file = cfgmod.config_path(system=system)
+    install_log = service.state_dir(data_dir) / "install.log"  # what the quantizer's libraries print
 
     # 1. model
     if opts.model is None:
@@ -370,21 +415,24 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
         console.print("Serving the unquantized model (--method none)")
     else:
         method = "awq" if opts.method == "auto" else opts.method
-        served_dir = checkpoint_dir(data_dir, source, name, method, opts.bits, opts.group_size)
+        group_size = fitted_group_size(source, opts.group_size)
+        if group_size != opts.group_size:
+            console.print(f"Group size {opts.group_size} does not divide {name}'s layer widths: using {group_size}")
+        served_dir = checkpoint_dir(data_dir, source, name, method, opts.bits, group_size)
         if (served_dir / "config.json").is_file():
             console.print(f"[green]✓[/green] Reusing the quantized checkpoint {served_dir}")
         else:
-            _confirm(opts, f"Quantize {name} to {opts.bits}-bit {method.upper()} (group size {opts.group_size})? "
+            _confirm(opts, f"Quantize {name} to {opts.bits}-bit {method.upper()} (group size {group_size})? "
                            "This takes a few minutes")
-            quantize_model(source, served_dir, method, opts.bits, opts.group_size, console)
+            quantize_model(source, served_dir, method, opts.bits, group_size, console, log=install_log)
 
     # 3. perplexity, held out
     models = {}
     if not already:
         models["unquantized"] = source
     if method:
-        models[f"{method.upper()} {opts.bits}-bit" if not already else method] = served_dir
-    ppl = perplexities(models, data_dir / "models" / PPL_CACHE, console)
+        models[f"{method.upper()} {opts.bits}-bit g{group_size}" if not already else method] = served_dir
+    ppl = perplexities(models, data_dir / "models" / PPL_CACHE, console, log=install_log)
     ppl_table = Table(title="Perplexity on held-out text (lower is better)")
     ppl_table.add_column("model")
     ppl_table.add_column("perplexity", justify="right")

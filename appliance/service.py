@@ -65,6 +65,15 @@ def _tail(lines, n: int) -> list[str]:
     return list(deque(lines, maxlen=n)) if n > 0 else []
 
 
+def tail_file(path: Path, n: int) -> list[str]:
+    """The last ``n`` lines of a text file (without line ends); [] when it does not exist."""
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip("\n") for line in _tail(f, n)]
+    except FileNotFoundError:
+        return []
+
+
 # --------------------------------------------------------------------------------------------------- systemd
 
 
@@ -259,11 +268,7 @@ class Background:
         return True
 
     def log_lines(self, n: int = 50) -> list[str]:
-        try:
-            with open(self.log_file, errors="replace") as f:
-                return [line.rstrip("\n") for line in _tail(f, n)]
-        except FileNotFoundError:
-            return []
+        return tail_file(self.log_file, n)
 
     def follow(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)

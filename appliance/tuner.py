@@ -1,8 +1,8 @@
 """The serving plan: memory, context length, batch size and KV-cache size, from the model's config.json and the
 hardware, each value with the reason it was chosen. Flags given by the user win over the plan.
 
-KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size (2 for "auto" = the model's 16-bit
-dtype, 1 for fp8/int8). On a GPU the KV pool is what is left of ``gpu_memory_utilization`` x total memory after
+KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size: for "auto" the engine's compute
+dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact reference path), 1 for fp8/int8. On a GPU the KV pool is what is left of ``gpu_memory_utilization`` x total memory after
 the weights and a fixed reserve for activations and the CUDA context; on a CPU it is a slice of free RAM.
 """
 from __future__ import annotations
@@ -71,8 +71,8 @@ class ModelInfo:
         except (KeyError, TypeError, ValueError) as exc:
             raise TuneError(f"{cfg_file} is not a usable model config ({exc})", "check the model folder") from None
 
-    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
-        element = 1 if kv_cache_dtype in ("fp8", "int8") else 2
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", device: str = "cuda") -> int:
+        element = 1 if kv_cache_dtype in ("fp8", "int8") else 2 if device == "cuda" else 4
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
@@ -106,7 +106,8 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
     reasons: dict[str, str] = {}
     if kv_cache_dtype is None:
         kv_cache_dtype = "auto"
-        reasons["kv_cache_dtype"] = "the model's own 16-bit dtype keeps the KV cache exact"
+        reasons["kv_cache_dtype"] = ("the engine's compute dtype (bfloat16 on a GPU, float32 on the CPU) keeps the "
+                                     "KV cache exact")
     elif kv_cache_dtype not in ("auto", "fp8", "int8"):
         raise TuneError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}", "pick one of those")
     else:
@@ -116,7 +117,7 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
                         "use a fraction such as 0.9")
     if max_num_seqs is not None and max_num_seqs < 1:
         raise TuneError(f"--max-num-seqs must be at least 1, got {max_num_seqs}", "use a positive number")
-    bpt = model.kv_bytes_per_token(kv_cache_dtype)
+    bpt = model.kv_bytes_per_token(kv_cache_dtype, hw.kind)
     block_bytes = bpt * BLOCK_SIZE
     reasons["num_kv_blocks"] = (f"{BLOCK_SIZE} tokens of {bpt:,} bytes per block ({model.num_layers} layers x "
                                 f"{model.num_kv_heads} KV heads x {model.head_dim} dims x K,V)")

@@ -84,7 +84,7 @@ def test_tune_json_uses_flags(tmp_path):
                                  "--max-model-len", "512"])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
-    assert (plan["max_num_seqs"], plan["max_model_len"], plan["kv_bytes_per_token"]) == (3, 512, 2 * 2 * 2 * 16 * 2)
+    assert (plan["max_num_seqs"], plan["max_model_len"], plan["kv_bytes_per_token"]) == (3, 512, 2 * 2 * 2 * 16 * 4)
     assert plan["reasons"]["max_num_seqs"] == "set by --max-num-seqs"
 
 

@@ -37,14 +37,15 @@ def test_model_info_from_config(tmp_path):
     assert (info.num_layers, info.num_kv_heads, info.head_dim, info.max_position_embeddings, info.weight_bytes,
             info.quantization) == (32, 8, 128, 131072, 5 * GIB, "awq")
     assert info.kv_bytes_per_token() == 131072 and info.kv_bytes_per_token("fp8") == 65536
+    assert info.kv_bytes_per_token(device="cpu") == 262144  # float32 on the CPU
 
 
 def test_cpu_plan_for_the_demo_model(tmp_path):
     plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, SMOLLM2, 100 * 2**20)), cpu())
     assert plan.device == "cpu"
-    assert plan.kv_bytes_per_token == 23040  # 2 x 30 layers x 3 heads x 64 dims x 2 bytes
+    assert plan.kv_bytes_per_token == 46080  # 2 x 30 layers x 3 heads x 64 dims x 4 bytes (float32 on CPU)
     assert plan.cpu_kv_cache_gib == 2.0  # 10% of 20 GiB
-    assert plan.num_kv_blocks == 5825  # 2 GiB // (16 x 23040)
+    assert plan.num_kv_blocks == 2912  # 2 GiB // (16 x 46080)
     assert plan.max_model_len == 4096  # CPU cap below the model's 8192
     assert plan.max_num_seqs == 8  # 4 per core x 2 cores
     assert plan.expected_concurrency == 8
@@ -57,7 +58,7 @@ def test_cpu_plan_for_the_demo_model(tmp_path):
 def test_cpu_plan_on_a_small_machine(tmp_path):
     plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, SMOLLM2, 1)), cpu(cores=1, available=GIB))
     assert plan.cpu_kv_cache_gib == 0.25  # the smallest step
-    assert plan.num_kv_blocks == 728
+    assert plan.num_kv_blocks == 364
     assert plan.max_model_len == 4096 and plan.max_num_seqs == 4 and plan.expected_concurrency == 4
 
 
