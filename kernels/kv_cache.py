@@ -1,4 +1,5 @@
-"""KV-cache write through the slot mapping (PagedAttention, Kwon et al. 2023): the torch reference.
+"""KV-cache write through the slot mapping (PagedAttention, Kwon et al. 2023): the torch reference and
+the Triton kernel.
 
 Cache layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim].
 Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; slot -1 marks padding and is skipped.
@@ -6,6 +7,8 @@ Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; slot -1 mark
 from __future__ import annotations
 
 import torch
+
+from ._triton import jit, next_pow2, tl
 
 
 def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -19,3 +22,42 @@ def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     heads, dim = k_cache.shape[-2:]
     k_cache.view(-1, heads, dim)[slots] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, heads, dim)[slots] = v[keep].to(v_cache.dtype)
+
+
+@jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, dim,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (T,): copy token t's K and V heads to its slot (block, offset); nothing for slot -1."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < tl.where(slot >= 0, heads, 0)) & (d < dim)  # no heads at all for slot -1
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    kc = kc_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d
+    vc = vc_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d
+    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Triton :func:`write_kv_cache_ref`, in place, one launch (no host sync: graph-safe).
+
+    k, v: [T, Hkv, D] (views are fine: last dim contiguous); caches [num_blocks, block_size, Hkv, D] with the last
+    dim contiguous; slot_mapping: int32/int64 [T], -1 = skip. Slots past the cache are the caller's bug (unchecked).
+    """
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    tokens, heads, dim = k.shape
+    if tokens:
+        _write_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, heads, dim, k.stride(0), k.stride(1),
+                                    v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+                                    BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(heads), BLOCK_D=next_pow2(dim),
+                                    num_warps=4)

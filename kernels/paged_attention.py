@@ -1,4 +1,6 @@
-"""PagedAttention over a block table (Kwon et al., SOSP 2023): torch references for prefill and decode.
+"""PagedAttention over a block table (Kwon et al., SOSP 2023): torch references for prefill and decode, and
+their Triton kernels (online softmax as in FlashAttention-2, Dao 2023; split-KV with a log-sum-exp merge as in
+Flash-Decoding, Dao et al. 2023).
 
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (see ``kv_cache.py``). Grouped-query
 attention: query head h reads KV head ``h // (num_q_heads // num_kv_heads)``. Sequences are computed one at a
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ._triton import cdiv, device_fn, dot_f32, jit, next_pow2, num_sms, tl
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -70,4 +74,211 @@ def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = gather_kv(k_cache, block_tables[s], n).to(q.dtype)
         v = gather_kv(v_cache, block_tables[s], n).to(q.dtype)
         out[lo:hi] = _attend(q[lo:hi], k, v, scale)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels. Scores live in the log2 domain: s = q.k * scale * log2(e), so exp2 replaces exp.
+
+LOG2E = 1.4426950408889634
+
+
+@device_fn
+def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, scale_log2):
+    """One KV tile of FlashAttention-2's online softmax: q [M, D], k/v [N, D], mask [M, N] (False = not seen);
+    running row max m_i and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32. Returns the new three."""
+    s = tl.where(mask, tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (padding rows)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+
+
+@jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, scale_log2, chunk,
+                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   stride_bt, stride_ob, stride_oh, num_splits,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [split*chunk, +chunk) of one
+    sequence; every KV tile is loaded once for the whole group. Without SPLIT the result goes to ``out``; with it,
+    the normalised partial output to ``po`` [B, Hq, splits, D] fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]
+    (nothing is written for a split past the context: the merge skips those)."""
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    start = split * chunk
+    end = tl.minimum(ctx, start + chunk)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    gmask = (g < GROUP)[:, None] & (d < DIM)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + n
+        tmask = tok < end
+        page = tl.load(bt_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+        row = (tok % BLOCK_SIZE)[:, None]
+        kvmask = tmask[:, None] & (d < DIM)[None, :]
+        k = tl.load(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :], mask=kvmask,
+                    other=0.0).to(q.dtype)
+        v = tl.load(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :], mask=kvmask,
+                    other=0.0).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, tmask[None, :], m_i, l_i, acc, scale_log2)
+    acc = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if SPLIT:
+        live = g < tl.where(start < ctx, GROUP, 0)  # no head at all for a split past the context
+        row_off = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
+        tl.store(po_ptr + row_off[:, None] * DIM + d[None, :], acc, mask=live[:, None] & (d < DIM)[None, :])
+        tl.store(plse_ptr + row_off, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=live)
+    else:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=gmask)
+
+
+@jit
+def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, chunk, num_splits, stride_ob, stride_oh,
+                  DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid (B, Hq): combine the valid splits (those that start inside the context) by their log2-sum-exp."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = sp < tl.minimum((ctx + chunk - 1) // chunk, num_splits)
+    row = (b * tl.num_programs(1) + h) * num_splits + sp
+    lse = tl.load(plse_ptr + row, mask=smask, other=float("-inf"))
+    o = tl.load(po_ptr + row[:, None] * DIM + d[None, :], mask=smask[:, None] & (d < DIM)[None, :], other=0.0)
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < DIM)
+
+
+def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> int:
+    """Tokens per split of the decode kernel (a multiple of 64), or ``max_tokens`` rounded up (no split) when
+    ``batch * kv_heads`` programs already fill the GPU. Depends only on shapes, so a CUDA graph keeps it."""
+    programs = batch * kv_heads
+    if programs >= 2 * sms:
+        return cdiv(max(max_tokens, 1), 64) * 64
+    chunk = 128 if programs <= 16 else 256 if programs <= 64 else 512
+    return min(chunk, cdiv(max(max_tokens, 1), 64) * 64)
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Triton :func:`paged_attention_decode_ref` (same arguments and result), without host syncs (graph-safe).
+
+    q: [B, Hq, D] (last dim contiguous); caches [num_blocks, block_size, Hkv, D], any float dtype (converted to
+    q's on load); block_tables int32 [B, max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks *
+    block_size. Splits the context in chunks (:func:`decode_split_chunk`) when B * Hkv is too small to fill the GPU,
+    then merges them in a second launch.
+    """
+    batch, q_heads, dim = q.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = q_heads // kv_heads
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    max_tokens = block_tables.shape[1] * block_size
+    chunk = decode_split_chunk(batch, kv_heads, max_tokens, num_sms(q.device))
+    splits = cdiv(max_tokens, chunk)
+    if splits > 1:
+        po = torch.empty(batch, q_heads, splits, dim, dtype=torch.float32, device=q.device)
+        plse = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out
+    _decode_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, po, plse, scale * LOG2E, chunk,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        out.stride(0), out.stride(1), splits, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
+        BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=block_size, BLOCK_N=64, SPLIT=splits > 1, DOT_F32=dot_f32(q),
+        num_warps=4, num_stages=3)
+    if splits > 1:
+        _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, chunk, splits, out.stride(0), out.stride(1),
+                                        DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), num_warps=4)
+    return out
+
+
+@jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, scale_log2, num_seqs,
+                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                    stride_bt, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_M) + S, Hq): one tile of BLOCK_M new tokens of one sequence, one query head.
+
+    Sequence s owns tiles from ``cu[s] // BLOCK_M + s`` on (an upper bound of the tiles before it), found by binary
+    search; tiles past a sequence's new tokens do nothing. Query i of a sequence with context c and n new tokens
+    sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal).
+    """
+    tile, h = tl.program_id(0), tl.program_id(1)
+    lo = 0
+    hi = num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        ok = tl.load(cu_ptr + mid) // BLOCK_M + mid <= tile
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    seq = lo
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    ctx = tl.load(ctx_ptr + seq)
+    row0 = (tile - q_start // BLOCK_M - seq) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    q_pos = ctx - q_len + rows
+    d = tl.arange(0, BLOCK_D)
+    dmask = (d < DIM)[None, :]
+    kvh = h // GROUP
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=rmask[:, None] & dmask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = tl.where(row0 < q_len, tl.minimum(ctx, ctx - q_len + row0 + BLOCK_M), 0)
+    n = tl.arange(0, BLOCK_N)
+    for t0 in range(0, kv_end, BLOCK_N):
+        tok = t0 + n
+        tmask = tok < kv_end
+        page = tl.load(bt_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+        row = (tok % BLOCK_SIZE)[:, None]
+        kvmask = tmask[:, None] & dmask
+        k = tl.load(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :], mask=kvmask,
+                    other=0.0).to(q.dtype)
+        v = tl.load(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :], mask=kvmask,
+                    other=0.0).to(q.dtype)
+        causal = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2)
+    acc = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask)
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Triton :func:`paged_attention_prefill_ref` (same arguments and result): all sequences in one launch, no host
+    sync. q: [T, Hq, D] (last dim contiguous); cu_seqlens_q int32 [S + 1]; context_lens int32 [S] (cached prefix +
+    new tokens); block_tables int32 [S, max_blocks]."""
+    tokens, q_heads, dim = q.shape
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    out = torch.empty_like(q)
+    if tokens == 0 or num_seqs == 0:
+        return out
+    interp = dot_f32(q)
+    block_m = 16 if interp else 64
+    _prefill_kernel[(cdiv(tokens, block_m) + num_seqs, q_heads)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        out.stride(0), out.stride(1), GROUP=q_heads // k_cache.shape[2], DIM=dim, BLOCK_D=max(16, next_pow2(dim)),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if interp else 64,
+        SEARCH_STEPS=max(1, num_seqs.bit_length()), DOT_F32=interp, num_warps=4, num_stages=2)
     return out

@@ -1,7 +1,10 @@
-"""Rotary position embedding (RoFormer, Su et al. 2021), GPT-NeoX "rotate half" form: the torch reference."""
+"""Rotary position embedding (RoFormer, Su et al. 2021), GPT-NeoX "rotate half" form: the torch reference
+and the Triton kernel."""
 from __future__ import annotations
 
 import torch
+
+from ._triton import jit, next_pow2, tl
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, base: float, device=None) -> torch.Tensor:
@@ -31,3 +34,53 @@ def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1)[:, None, :].to(q.dtype)
     sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1)[:, None, :].to(q.dtype)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_heads, half,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Grid (T,): all q and k heads of one token share one cos/sin row. Outputs are contiguous [T, H, D].
+
+    Rounds like the reference in x's dtype: cos and sin, each product, then the sum.
+    """
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < half
+    dt = qo_ptr.dtype.element_ty
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(dt).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)[None, :]
+    h = tl.arange(0, BLOCK_H)
+    for which in tl.static_range(2):
+        if which == 0:
+            src, dst, heads, st, sh = q_ptr, qo_ptr, q_heads, stride_qt, stride_qh
+        else:
+            src, dst, heads, st, sh = k_ptr, ko_ptr, k_heads, stride_kt, stride_kh
+        mask = (h < heads)[:, None] & dmask[None, :]
+        base = src + t * st + h[:, None] * sh + d[None, :]
+        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
+        o1 = (x1 * cos).to(dt).to(tl.float32) + (-x2 * sin).to(dt).to(tl.float32)
+        o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+        out = dst + t * heads * 2 * half + h[:, None] * 2 * half + d[None, :]
+        tl.store(out, o1.to(dt), mask=mask)
+        tl.store(out + half, o2.to(dt), mask=mask)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`rotary_ref`: rotate q [T, Hq, D] and k [T, Hkv, D] (views are fine: last dim contiguous) by
+    positions (int64 [T]) in one launch; returns new contiguous tensors, equal to the reference's."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    tokens, q_heads, dim = q.shape
+    qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens:
+        half = dim // 2
+        _rotary_kernel[(tokens,)](positions, q, k, qo, ko, cos_sin, q_heads, k.shape[1], half, q.stride(0), q.stride(1),
+                                  k.stride(0), k.stride(1), cos_sin.stride(0), BLOCK_H=next_pow2(max(q_heads, k.shape[1])),
+                                  BLOCK_HALF=next_pow2(half), num_warps=4)
+    return qo, ko

@@ -1,0 +1,69 @@
+"""The kernels the engine calls: Triton on CUDA tensors, the torch reference on CPU (same signatures, same results
+up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA too (debugging).
+
+| op | Triton | reference |
+|---|---|---|
+| ``linear(x, weight, bias)`` | (cuBLAS, ``F.linear``) | ``linear.linear_ref`` |
+| ``w4a16_linear(x, qw, bias)`` | ``w4a16.w4a16_linear`` | ``quant_formats.reference_linear`` |
+| ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping)`` | ``kv_cache.write_kv_cache`` | ``write_kv_cache_ref`` |
+| ``paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)`` | ``paged_attention`` | ``_ref`` |
+| ``paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)`` | idem | idem |
+| ``rms_norm(x, weight, eps, residual=None)`` | ``norm.rms_norm`` | ``norm.rms_norm_ref`` |
+| ``rotary(positions, q, k, cos_sin)`` | ``rotary.rotary`` | ``rotary.rotary_ref`` |
+| ``silu_and_mul(x)`` | ``activation.silu_and_mul`` | ``activation.silu_and_mul_ref`` |
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import activation, kv_cache, linear as linear_mod, norm, paged_attention, quant_formats, rotary as rotary_mod, w4a16
+from ._triton import HAS_TRITON
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on a CUDA device, Triton is installed and APPLIANCE_KERNELS is not "torch"."""
+    return t.is_cuda and HAS_TRITON and os.environ.get("APPLIANCE_KERNELS", "triton") != "torch"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense x [M, K] @ weight [N, K].T (+ bias): cuBLAS on CUDA, the batch-invariant reference on CPU."""
+    return F.linear(x, weight, bias) if x.is_cuda else linear_mod.linear_ref(x, weight, bias)
+
+
+def w4a16_linear(x: torch.Tensor, qw: quant_formats.QuantizedWeight,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    fn = w4a16.w4a16_linear if use_triton(x) else quant_formats.reference_linear
+    return fn(x, qw, bias)
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    fn = kv_cache.write_kv_cache if use_triton(k) else kv_cache.write_kv_cache_ref
+    fn(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    fn = paged_attention.paged_attention_decode if use_triton(q) else paged_attention.paged_attention_decode_ref
+    return fn(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                            scale: float) -> torch.Tensor:
+    fn = paged_attention.paged_attention_prefill if use_triton(q) else paged_attention.paged_attention_prefill_ref
+    return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+
+def rms_norm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = norm.rms_norm if use_triton(x) else norm.rms_norm_ref
+    return fn(x, weight, eps, residual)
+
+
+def rotary(positions, q, k, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = rotary_mod.rotary if use_triton(q) else rotary_mod.rotary_ref
+    return fn(positions, q, k, cos_sin)
+
+
+def silu_and_mul(x) -> torch.Tensor:
+    return activation.silu_and_mul(x) if use_triton(x) else activation.silu_and_mul_ref(x)

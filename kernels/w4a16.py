@@ -1,0 +1,276 @@
+"""W4A16 linear: ``y = x @ dequantize(qw).T + bias`` straight from the packed weights (fused dequantization).
+
+Consumes :class:`kernels.quant_formats.QuantizedWeight` (every checkpoint format is repacked to it at load):
+``qweight`` int32 [K/pf, N] packed along K, ``qzeros`` int32 [G, N/pf] packed along N, ``scales`` fp16/bf16
+[G, N], optional act-order ``perm`` [K] (kernel row k reads input channel ``perm[k]``). 2, 4 and 8 bits.
+
+Three paths, picked per shape by :func:`choose_plan` (thresholds measured on an H200, see bench/RESULTS.md):
+
+* ``gemv`` (M = 1): CUDA-core split-K GEMV. The scale and zero factor out of each group,
+  y_n = sum_g s_gn * sum_{k in g} x_k (q_kn - z_gn), so a weight costs a shift, a mask, a subtract and an FMA:
+  codes become floats with the "magic number" trick (code | 0x4B000000 is the fp32 2**23 + code; Kim et al.,
+  "Who says elephants can't run", 2022, use the same idea in fp16), avoiding the slow int-to-float conversion.
+* ``gemm`` (small and medium M): tensor-core tile GEMM; each K tile of the weight is dequantized to x's dtype in
+  registers (exactly as ``dequantize(qw).to(x.dtype)`` rounds it) and fed to ``tl.dot``; split-K when the output
+  tiles alone cannot fill the GPU.
+* ``dequant`` (large M): dequantize the whole weight with a Triton kernel, then cuBLAS (``x @ W``).
+
+Split-K partial sums (fp32) are added in a fixed order by a second small kernel, so results are deterministic.
+Errors: ``ValueError`` for a QuantizedWeight / x mismatch; shapes the fused kernels cannot tile (a group size
+with no power-of-two divisor >= 16 for the GEMM) fall back to the ``dequant`` path.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import cdiv, dot_f32, jit, num_sms, tl
+from .quant_formats import QuantizedWeight
+
+@jit
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, N, K, k_per_split,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), splits): y[n] for one block of outputs over one K range (a multiple of BLOCK_K;
+    BLOCK_K divides GROUP, so a tile has one scale and one zero per column). With SPLIT it writes fp32 partial sums
+    ``out[split, n]``; without, y + bias in out's dtype."""
+    PF: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PF
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    w = tl.arange(0, WORDS)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    acc = tl.zeros([WORDS, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rows = k0 // PF + w
+        q = tl.load(qw_ptr + rows[:, None] * N + n[None, :], mask=(rows < K // PF)[:, None] & nmask[None, :], other=0)
+        grp = k0 // GROUP
+        scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
+        zero = (tl.load(z_ptr + grp * (N // PF) + n // PF, mask=nmask, other=0) >> ((n % PF) * BITS)) & MASK
+        zf = zero.to(tl.float32) + 8388608.0  # 2**23 + z: one subtract removes the magic and the zero
+        part = tl.zeros([WORDS, BLOCK_N], tl.float32)
+        for j in tl.static_range(PF):
+            kk = k0 + w * PF + j
+            if HAS_PERM:
+                kk = tl.load(perm_ptr + kk, mask=kk < K, other=0)
+            xj = tl.load(x_ptr + kk, mask=k0 + w * PF + j < K, other=0.0).to(tl.float32)
+            code = ((q >> (j * BITS)) & MASK) | 0x4B000000  # the fp32 2**23 + code
+            part += xj[:, None] * (code.to(tl.float32, bitcast=True) - zf[None, :])
+        acc += part * scale[None, :]
+    y = tl.sum(acc, axis=0)
+    if SPLIT:
+        tl.store(out_ptr + tl.program_id(1) * N + n, y, mask=nmask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@jit
+def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits): one [BLOCK_M, BLOCK_N] output tile over one K range.
+
+    The weight tile [BLOCK_K, BLOCK_N] is dequantized in registers to x's dtype ((q - z) * s, exact in fp32, then
+    rounded once). SWAP computes the transposed product (weight as the left operand), which suits small M.
+    """
+    PF: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PF
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = m < M, n < N
+    kr = tl.arange(0, BLOCK_K)
+    shift = ((kr % PF) * BITS)[:, None]
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + kr
+        kmask = kk < K
+        col = kk
+        if HAS_PERM:
+            col = tl.load(perm_ptr + kk, mask=kmask, other=0)
+        a = tl.load(x_ptr + m[:, None] * stride_xm + col[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        rows = k0 // PF + tl.arange(0, WORDS)
+        q = tl.load(qw_ptr + rows[:, None] * N + n[None, :], mask=(rows < K // PF)[:, None] & nmask[None, :], other=0)
+        q = tl.reshape(tl.broadcast_to(q[:, None, :], (WORDS, PF, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        grp = k0 // GROUP
+        scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
+        zero = (tl.load(z_ptr + grp * (N // PF) + n // PF, mask=nmask, other=0) >> ((n % PF) * BITS)) & MASK
+        zf = zero.to(tl.float32) + 8388608.0
+        code = ((q >> shift) & MASK) | 0x4B000000  # the fp32 2**23 + code
+        b = ((code.to(tl.float32, bitcast=True) - zf[None, :]) * scale[None, :]).to(x_ptr.dtype.element_ty)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if SWAP:
+            acc = tl.dot(tl.trans(b), tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    if SWAP:
+        acc = tl.trans(acc)
+    omask = mmask[:, None] & nmask[None, :]
+    if SPLIT:
+        tl.store(out_ptr + (tl.program_id(2) * M + m[:, None]) * N + n[None, :], acc, mask=omask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (cdiv(M*N, BLOCK),): out = sum over splits of part[split] (+ bias), in a fixed order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Grid (cdiv(K, BLOCK_K), cdiv(N, BLOCK_N)): W [K, N] in input-channel order (kernel row k goes to row
+    perm[k]), (q - z) * s computed exactly in fp32 and rounded once to out's dtype. Any group size."""
+    PF: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (k < K)[:, None] & (n < N)[None, :]
+    q = (tl.load(qw_ptr + (k // PF)[:, None] * N + n[None, :], mask=mask, other=0) >> ((k % PF) * BITS)[:, None]) & MASK
+    grp = (k // GROUP)[:, None]
+    z = (tl.load(z_ptr + grp * (N // PF) + (n // PF)[None, :], mask=mask, other=0) >> ((n % PF) * BITS)[None, :]) & MASK
+    s = tl.load(s_ptr + grp * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = (q - z).to(tl.float32) * s
+    dst = k
+    if HAS_PERM:
+        dst = tl.load(perm_ptr + k, mask=k < K, other=0)
+    tl.store(out_ptr + dst[:, None] * N + n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """W [K, N] in ``dtype`` (input-channel order; the transpose of ``quant_formats.dequantize``), bit-exact:
+    in fp32 it equals ``dequantize(qw).T``, in fp16/bf16 that rounded once."""
+    k, n = qw.in_features, qw.out_features
+    out = torch.empty(k, n, dtype=dtype, device=qw.qweight.device)
+    perm = qw.perm if qw.perm is not None else qw.qweight
+    _dequant_kernel[(cdiv(k, 32), cdiv(n, 64))](qw.qweight, qw.scales, qw.qzeros, perm, out, n, k, BITS=qw.bits,
+                                                 GROUP=qw.group_size, BLOCK_K=32, BLOCK_N=64,
+                                                 HAS_PERM=qw.perm is not None, num_warps=4)
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one W4A16 call runs: ``path`` "gemv" | "gemm" | "dequant"; tile sizes; K per split (a multiple of
+    block_k; >= K means no split); ``swap`` computes the transposed product in the GEMM."""
+
+    path: str
+    block_m: int = 16
+    block_n: int = 128
+    block_k: int = 128
+    k_per_split: int = 1 << 30
+    swap: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two dividing n, at most cap."""
+    return min(n & -n, cap)
+
+
+def _split(k: int, block_k: int, tiles: int, target: int) -> int:
+    """K per split so that tiles * splits reaches about ``target`` programs (a multiple of block_k)."""
+    k_tiles = cdiv(k, block_k)
+    splits = max(1, min(k_tiles, cdiv(target, max(tiles, 1))))
+    return cdiv(k_tiles, splits) * block_k
+
+
+#: M at and above which dequantize-then-cuBLAS beats the fused GEMM (measured: bench/RESULTS.md).
+DEQUANT_MIN_M = 512
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan:
+    """The path and tiles for an [m, k] x [k, n] W{bits} product with group size ``group`` on a GPU of ``sms``
+    multiprocessors. Pure function of shapes (no host sync, stable under CUDA graphs)."""
+    pf = 32 // bits
+    if group % pf or m >= DEQUANT_MIN_M:
+        return Plan("dequant")
+    if m == 1:
+        block_n = 256 if n >= 8192 else 128
+        block_k = _pow2_divisor(group, 128)
+        return Plan("gemv", block_m=1, block_n=block_n, block_k=block_k,
+                    k_per_split=_split(k, block_k, cdiv(n, block_n), 4 * sms), num_warps=4, num_stages=3)
+    block_k = _pow2_divisor(group, 128 if m <= 64 else 64)
+    if block_k < max(16, pf):
+        return Plan("dequant")
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n = 128 if m <= 64 else 256 if m > 128 else 128
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    k_per_split = _split(k, block_k, tiles, 2 * sms) if tiles < sms else k
+    return Plan("gemm", block_m=block_m, block_n=block_n, block_k=block_k, k_per_split=k_per_split,
+                swap=False, num_warps=4 if m <= 64 else 8, num_stages=3)
+
+
+def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``quant_formats.reference_linear``: y [..., N] = x [..., K] @ dequantize(qw).T (+ bias), in x's dtype.
+
+    x: fp16/bf16 on the weight's device, last dim K; bias [N] or None. No host sync: graph-safe once the kernels
+    for the shape are compiled (warm up before capture). The path is :func:`choose_plan`'s.
+    """
+    if x.shape[-1] != qw.in_features:
+        raise ValueError(f"w4a16_linear: x has {x.shape[-1]} features, the weight expects {qw.in_features}")
+    x2 = x.reshape(-1, qw.in_features)
+    plan = choose_plan(x2.shape[0], qw.out_features, qw.in_features, qw.bits, qw.group_size, num_sms(x.device))
+    return run_plan(x2, qw, bias, plan).reshape(*x.shape[:-1], qw.out_features)
+
+
+def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, plan: Plan) -> torch.Tensor:
+    """Run one :class:`Plan` on x [M, K] (the benchmark sweeps plans through this). Returns [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qw.out_features
+    if x.stride(-1) != 1 or (plan.path == "gemv" and not x.is_contiguous()):
+        x = x.contiguous()
+    if plan.path == "dequant":
+        y = x @ dequantize_triton(qw, x.dtype)
+        return y if bias is None else y + bias.to(y.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    splits = cdiv(k, plan.k_per_split)
+    target = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    perm = qw.perm if qw.perm is not None else qw.qweight
+    bias_arg = bias if bias is not None else qw.scales
+    common = dict(BITS=qw.bits, GROUP=qw.group_size, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+                  HAS_PERM=qw.perm is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+                  num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.path == "gemv":
+        if m != 1:
+            raise ValueError(f"the gemv path takes one row, got {m}")
+        _gemv_kernel[(cdiv(n, plan.block_n), splits)](x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, target,
+                                                      n, k, plan.k_per_split, **common)
+    else:
+        _gemm_kernel[(cdiv(m, plan.block_m), cdiv(n, plan.block_n), splits)](
+            x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, target, m, n, k, x.stride(0), plan.k_per_split,
+            BLOCK_M=plan.block_m, SWAP=plan.swap, DOT_F32=dot_f32(x), **common)
+    if splits > 1:
+        block = 1024
+        _splitk_reduce_kernel[(cdiv(m * n, block),)](target, bias_arg, out, m * n, n, splits,
+                                                     HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out

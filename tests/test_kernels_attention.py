@@ -1,0 +1,73 @@
+"""Triton paged attention (decode with and without split-KV, prefill over a cached prefix) against the torch
+references, on CPU through Triton's interpreter, on fresh random caches and scattered block tables."""
+import pytest
+import torch
+from kernels_testenv import on_device  # noqa: F401 (autouse fixture)
+
+from kernels import paged_attention as pa
+
+
+def make_cache(lengths, kv_heads, dim, block_size, dtype, spare_blocks=3):
+    """Random K/V caches and block tables whose blocks are scattered (a random permutation of the pool)."""
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(need) + spare_blocks
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    pool = torch.randperm(num_blocks).to(torch.int32)
+    width = max(need) + 1  # wider than needed, as the engine pads block tables
+    tables = torch.zeros(len(lengths), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = pool[used:used + n]
+        used += n
+    return k_cache, v_cache, tables
+
+
+def check(out, ref_fn, *args):
+    """out (bf16/fp16 math) against the reference computed in fp32 on upcast inputs: bf16 tolerances."""
+    up = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref = ref_fn(*up)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths,q_heads,kv_heads,block_size", [
+    ([1], 4, 1, 16),                     # one token
+    ([15, 16, 17, 33], 4, 2, 16),        # block boundaries, GQA group 2
+    ([300, 129], 8, 2, 16),              # split-KV (few programs) with a log-sum-exp merge
+    ([5, 64, 65, 200, 7, 1, 90, 31], 6, 2, 8),  # enough programs for no split; group 3; block size 8
+])
+def test_decode(dtype, lengths, q_heads, kv_heads, block_size):
+    dim = 64
+    k_cache, v_cache, tables = make_cache(lengths, kv_heads, dim, block_size, dtype)
+    q = torch.randn(len(lengths), q_heads, dim, dtype=dtype)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    scale = dim ** -0.5
+    out = pa.paged_attention_decode(q, k_cache, v_cache, tables, ctx, scale)
+    check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, scale)
+
+
+def test_decode_split_chunks_are_shape_only():
+    assert pa.decode_split_chunk(64, 8, 4096, 132) == 4096  # 512 programs fill the GPU: one split
+    assert pa.decode_split_chunk(1, 8, 16384, 132) == 128
+    assert pa.decode_split_chunk(16, 8, 1024, 132) == 512
+    assert pa.decode_split_chunk(1, 8, 48, 132) == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prefixes,new,q_heads,kv_heads,block_size", [
+    ([0], [1], 2, 1, 16),                          # one token
+    ([0, 5, 16], [17, 3, 16], 4, 2, 16),           # no prefix, prefix inside a block, prefix on a boundary
+    ([40, 0, 0], [21, 33, 2], 3, 1, 8),            # group 3, longer than a tile
+])
+def test_prefill(dtype, prefixes, new, q_heads, kv_heads, block_size):
+    dim = 32
+    lengths = [p + n for p, n in zip(prefixes, new)]
+    k_cache, v_cache, tables = make_cache(lengths, kv_heads, dim, block_size, dtype)
+    q = torch.randn(sum(new), q_heads, dim, dtype=dtype)
+    cu = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    scale = dim ** -0.5
+    out = pa.paged_attention_prefill(q, k_cache, v_cache, tables, cu, ctx, scale)
+    check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, scale)

@@ -1,0 +1,78 @@
+"""Triton RMSNorm, rotary, SiLU-and-mul and KV-cache write against their torch references, on CPU through Triton's
+interpreter (the same kernel code that runs compiled on CUDA), on fresh random inputs.
+
+The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even), so results that copy the reference's
+rounding steps are checked bit for bit in fp16 and fp32 here, and within one bf16 step in bf16 (bench/gpu_suite.py
+checks them bit for bit on the GPU)."""
+import pytest
+import torch
+from kernels_testenv import DEVICE, on_device  # noqa: F401 (autouse fixture)
+
+from kernels import activation, kv_cache, norm, rotary
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def exact(dtype):
+    """assert_close tolerances: bit-exact, except a few bf16 steps where the interpreter truncates."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        return dict(rtol=2**-6, atol=2**-4)
+    return dict(rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (7, 576), (3, 100)])
+def test_rms_norm(dtype, tokens, hidden):
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    res = torch.randn(tokens, hidden, dtype=dtype)
+    w = torch.randn(hidden, dtype=dtype)
+    out, summed = norm.rms_norm(x, w, 1e-6, res)
+    ref_out, ref_sum = norm.rms_norm_ref(x, w, 1e-6, res)
+    torch.testing.assert_close(summed, ref_sum, **exact(dtype))
+    loose = dict(rtol=2**-6, atol=2**-4) if dtype == torch.bfloat16 else {}  # 1/sqrt vs rsqrt: a last-bit flip
+    torch.testing.assert_close(out, ref_out, **loose)
+    out, same = norm.rms_norm(x, w, 1e-5)
+    assert same is x
+    torch.testing.assert_close(out, norm.rms_norm_ref(x, w, 1e-5)[0], **loose)
+
+
+def test_rms_norm_strided_rows():
+    x = torch.randn(5, 2, 64, dtype=torch.bfloat16)[:, 0]  # row stride 128
+    w = torch.randn(64, dtype=torch.bfloat16)
+    torch.testing.assert_close(norm.rms_norm(x, w, 1e-6)[0], norm.rms_norm_ref(x, w, 1e-6)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,dim", [(1, 4, 2, 64), (9, 9, 3, 64), (4, 3, 1, 80)])
+def test_rotary(dtype, tokens, q_heads, kv_heads, dim):
+    cos_sin = rotary.rope_cos_sin(dim, 4096, 10000.0, device=DEVICE)
+    positions = torch.randint(0, 4096, (tokens,))
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, dtype=dtype)  # the engine passes views of one qkv
+    q = qkv[:, : q_heads * dim].view(tokens, q_heads, dim)
+    k = qkv[:, q_heads * dim: (q_heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    qo, ko = rotary.rotary(positions, q, k, cos_sin)
+    qr, kr = rotary.rotary_ref(positions, q, k, cos_sin)
+    torch.testing.assert_close(qo, qr, **exact(dtype))  # same rounding steps as the reference
+    torch.testing.assert_close(ko, kr, **exact(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 64), (5, 1536), (3, 1100)])
+def test_silu_and_mul(dtype, tokens, inter):
+    x = torch.randn(tokens, 2 * inter, dtype=dtype) * 4
+    torch.testing.assert_close(activation.silu_and_mul(x), activation.silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_write_kv_cache(cache_dtype, block_size):
+    tokens, heads, dim, blocks = 11, 3, 64, 6
+    kv = torch.randn(tokens, 2, heads, dim, dtype=torch.bfloat16)
+    k, v = kv[:, 0], kv[:, 1]  # strided views
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    slots[[2, 7]] = -1  # padding
+    caches = [torch.randn(blocks, block_size, heads, dim).to(cache_dtype) for _ in range(2)]
+    refs = [c.clone() for c in caches]
+    kv_cache.write_kv_cache(k, v, caches[0], caches[1], slots)
+    kv_cache.write_kv_cache_ref(k, v, refs[0], refs[1], slots)
+    torch.testing.assert_close(caches, refs, rtol=0, atol=0)

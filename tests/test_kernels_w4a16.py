@@ -1,0 +1,132 @@
+"""Triton W4A16 (fused dequant GEMV / GEMM, dequantize-then-matmul) on every checkpoint format, against a plain
+torch unpack of the format's own codes; on CPU through Triton's interpreter.
+
+Each format is built by hand from the spec (design.md §5) out of random codes, zeros, scales and act-order g_idx,
+then repacked by ``kernels.quant_formats``. Dequantization must be bit-exact (fp32 and fp16 here; bf16 too on the
+GPU: the interpreter truncates to bf16); products within bf16 rounding of dequantize-then-matmul in fp32.
+KERNEL_TEST_DEVICE=cuda runs the same checks compiled on a GPU.
+"""
+import pytest
+import torch
+from kernels_testenv import DEVICE, on_device  # noqa: F401 (autouse fixture)
+
+from kernels import quant_formats as qf
+from kernels import w4a16
+
+FORMATS = ["awq", "gptq", "gptq_v2", "ct_sym", "ct_asym"]
+
+
+def _wrap(words: torch.Tensor) -> torch.Tensor:
+    return (((words + 2**31) % 2**32) - 2**31).to(torch.int32)
+
+
+def make_weight(fmt: str, k: int, n: int, group: int, act_order: bool, bits: int = 4,
+                scale_dtype=torch.float16):
+    """(QuantizedWeight read from ``fmt``'s tensors, expected W fp32 [N, K] from the raw codes)."""
+    g = k if group == -1 else group
+    groups = -(-k // g)
+    top = 1 << bits
+    q = torch.randint(0, top, (k, n), dtype=torch.int32)
+    sym = fmt in ("ct_sym",)
+    z = torch.full((groups, n), top // 2, dtype=torch.int32) if sym else torch.randint(0, top, (groups, n),
+                                                                                        dtype=torch.int32)
+    s = (torch.rand(groups, n) * 0.02 + 0.001).to(scale_dtype)
+    g_idx = torch.arange(k, dtype=torch.int32) // g
+    if act_order:
+        g_idx = g_idx[torch.randperm(k)]
+    expected = ((q - z[g_idx.long()]).float() * s[g_idx.long()].float()).t().contiguous()
+    if fmt == "awq":
+        cols = (torch.arange(n) // 8) * 8 + torch.tensor(qf.AWQ_ORDER).repeat(n // 8)
+        qw = qf.from_awq(qf.pack_int32(q[:, cols], 4, 1), qf.pack_int32(z[:, cols], 4, 1), s, 4, group)
+    elif fmt in ("gptq", "gptq_v2"):
+        zeros = qf.pack_int32(z, bits, 1)
+        if fmt == "gptq":  # v1 stores zero - 1, subtracted word-wide (a zero of 0 borrows from its neighbour)
+            zeros = _wrap((zeros.to(torch.int64) & 0xFFFFFFFF) - sum(1 << (bits * i) for i in range(32 // bits)))
+        qw = qf.from_gptq(qf.pack_int32(q, bits, 0), zeros, s, g_idx if act_order else None, bits, group,
+                          v2=fmt == "gptq_v2")
+    else:  # compressed-tensors pack-quantized: codes stored unsigned (q + 2**(bits-1) of the signed value)
+        zp = None if sym else qf.pack_int32(z.t().contiguous(), bits, 0)
+        qw = qf.from_compressed_tensors(qf.pack_int32(q.t().contiguous(), bits, 1), s.t().contiguous(), zp,
+                                        g_idx if act_order else None, bits, group)
+    return qw, expected
+
+
+def check_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None):
+    """y within bf16/fp16 rounding of x @ w.T (+ bias) computed in fp32."""
+    ref = x.float() @ w.t()
+    if bias is not None:
+        ref = ref + bias.float()
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    err = (y.float() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {err:.2e}"
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group,act_order", [(32, False), (64, True), (128, False), (-1, False), (128, True)])
+def test_dequantize_bit_exact(fmt, group, act_order):
+    if fmt == "awq" and act_order:
+        pytest.skip("AWQ has no act-order")
+    qw, expected = make_weight(fmt, 256, 96, group, act_order)
+    torch.testing.assert_close(qf.dequantize(qw), expected, rtol=0, atol=0)  # the repack itself
+    torch.testing.assert_close(w4a16.dequantize_triton(qw, torch.float32).t(), expected, rtol=0, atol=0)
+    for dtype in [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []):  # the interpreter truncates bf16
+        torch.testing.assert_close(w4a16.dequantize_triton(qw, dtype).t(), expected.to(dtype), rtol=0, atol=0)
+
+
+PLANS = {
+    "gemv": w4a16.Plan("gemv", block_m=1, block_n=64, block_k=32),
+    "gemv_split": w4a16.Plan("gemv", block_m=1, block_n=32, block_k=32, k_per_split=64),
+    "gemm": w4a16.Plan("gemm", block_m=16, block_n=32, block_k=32),
+    "gemm_split_swap": w4a16.Plan("gemm", block_m=16, block_n=64, block_k=32, k_per_split=96, swap=True),
+    "dequant": w4a16.Plan("dequant"),
+}
+
+
+#: every format, each with another group size / act-order (the dequantization test above takes every pairing)
+CASES = [("awq", 32, False), ("gptq", 64, True), ("gptq_v2", 128, True), ("ct_sym", -1, False), ("ct_asym", 32, True)]
+
+
+@pytest.mark.parametrize("fmt,group,act_order", CASES)
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_paths_every_format(fmt, group, act_order, plan):
+    k, n = 256, 96
+    qw, w = make_weight(fmt, k, n, group, act_order)
+    m = 1 if PLANS[plan].path == "gemv" else 5
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16) if plan.endswith("split") else None
+    check_product(w4a16.run_plan(x, qw, bias, PLANS[plan]), x, w, bias)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_linear_default_plans(m, dtype):
+    k, n = 192, 64  # K not a multiple of the group size: the last group is shorter
+    qw, w = make_weight("gptq_v2", k, n, 128, True, scale_dtype=dtype)
+    x = torch.randn(2, m, k, dtype=dtype)  # leading dims are flattened
+    bias = torch.randn(n, dtype=dtype)
+    y = w4a16.w4a16_linear(x, qw, bias)
+    assert y.shape == (2, m, n)
+    check_product(y.reshape(-1, n), x.reshape(-1, k), w, bias)
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_other_bit_widths(bits):
+    qw, w = make_weight("gptq_v2", 128, 64, 64, False, bits=bits)
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    check_product(w4a16.run_plan(x, qw, None, PLANS["gemv"]), x, w)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    check_product(w4a16.run_plan(x, qw, None, PLANS["gemm"]), x, w)
+
+
+def test_plans_follow_shape():
+    assert w4a16.choose_plan(1, 12288, 4096, 4, 128, 132).path == "gemv"
+    assert w4a16.choose_plan(16, 4096, 4096, 4, 128, 132).path == "gemm"
+    assert w4a16.choose_plan(4096, 4096, 4096, 4, 128, 132).path == "dequant"
+    assert w4a16.choose_plan(16, 4096, 4096, 4, 8, 132).path == "dequant"  # no 16-row K tile inside a group
+
+
+def test_bad_input_raises():
+    qw, _ = make_weight("awq", 64, 32, 32, False)
+    with pytest.raises(ValueError, match="features"):
+        w4a16.w4a16_linear(torch.randn(1, 63, dtype=torch.bfloat16), qw)
