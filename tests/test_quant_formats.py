@@ -10,6 +10,7 @@ import torch
 from kernels import quant_formats as qf
 
 gptqmodel = pytest.importorskip("gptqmodel")
+from gptqmodel.nn_modules.qlinear import PackableQuantLinear  # noqa: E402
 from gptqmodel.nn_modules.qlinear.torch import TorchLinear  # noqa: E402
 from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear  # noqa: E402
 from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm  # noqa: E402
@@ -107,8 +108,8 @@ def gptq_module(q, z, s, w, group_size, g_idx, bits=4, v1=False):
 def gptq_dequant_by_gptqmodel(m, bits, v1):
     if v1:
         convert_gptq_v1_to_v2_format_module(m, bits=bits, pack_dtype=torch.int32)
-    m.post_init()
-    return m.dequantize_weight().t()
+    # gptqmodel's reference torch dequantization (TorchLinear.post_init would torch.compile it first)
+    return PackableQuantLinear.dequantize_weight(m).t()
 
 
 @pytest.mark.parametrize("group_size", GROUPS)
