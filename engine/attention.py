@@ -6,8 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.kv_cache import write_kv_cache_ref
-from kernels.paged_attention import paged_attention_decode_ref, paged_attention_prefill_ref
+from kernels import ops
 
 
 @dataclass
@@ -42,9 +41,9 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D]."""
-        write_kv_cache_ref(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            return paged_attention_prefill_ref(q, self.k_cache, self.v_cache, meta.block_tables,
-                                               meta.cu_seqlens_q, meta.context_lens, self.scale)
-        return paged_attention_decode_ref(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+            return ops.paged_attention_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                               meta.context_lens, self.scale)
+        return ops.paged_attention_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                           self.scale)

@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
 from engine.sampler import sample
 from engine.sequence import Sequence
@@ -43,6 +44,10 @@ class ModelRunner:
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(max_model_len)
         self._allocate_kv_cache()
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_model_len // self.block_size),
+                                       self.model.config["hidden_size"], self.dtype, self.device)
 
     def _bytes_per_block(self) -> int:
         layer = self.model.layers[0]
@@ -109,9 +114,13 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int]) -> list[int]:
         """One forward pass over the batch; returns one sampled token per sequence."""
         ids, positions, meta, last = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
-                            torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
-        logits = self.model.compute_logits(hidden[last]).cpu()
+        ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        if self.graphs is not None and not is_prefill and self.graphs.bucket_for(len(seqs)) is not None:
+            hidden = self.graphs.replay(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, meta)
+        logits = self.model.compute_logits(hidden[last])
         for seq in seqs:
             if seq.generator is None and not seq.params.greedy:
                 seq.generator = self.generator

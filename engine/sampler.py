@@ -46,10 +46,13 @@ def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:
     """One next token per sequence.
 
-    logits: float32 [S, V], row i belonging to ``seqs[i]``. Also appends each sequence's logprobs entry when it
+    logits: float32 [S, V] on any device, row i belonging to ``seqs[i]``. Also appends each sequence's logprobs entry when it
     asked for logprobs (natural-log probabilities of the raw model distribution: the sampled token and the
     ``logprobs`` most likely ones).
     """
+    if all(_plain_greedy(s) for s in seqs):
+        return torch.argmax(logits, dim=-1).tolist()  # one device-to-host copy for the whole batch
+    logits = logits.cpu()
     tokens = []
     for row, seq in zip(logits, seqs):
         p = seq.params
@@ -67,6 +70,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) 
         if seq.logprobs is not None:
             seq.logprobs.append(_logprobs_entry(logits[len(tokens) - 1], token, p.logprobs or 0))
     return tokens
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return (p.greedy and seq.logprobs is None and seq.num_output_tokens >= p.min_tokens
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
 def _logprobs_entry(raw: torch.Tensor, token: int, top: int) -> dict[int, float]:

@@ -306,3 +306,31 @@ def from_checkpoint(tensors: dict, prefix: str, quant_config: dict) -> Quantized
         raise ValueError(f"compressed-tensors {p}weight_shape {tuple(shape.tolist())} does not match the packed "
                          f"tensors ({qw.out_features}, {qw.in_features})")
     return qw
+
+
+def concat_out_features(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Stack linears that read the same input (q/k/v, gate/up) along N into one QuantizedWeight.
+
+    Returns None when they cannot share one kernel call: different bits, group size or act-order permutation,
+    or an N that is not a multiple of the codes per word.
+    """
+    first = parts[0]
+    pf = 32 // first.bits
+    for p in parts:
+        same_perm = (p.perm is None and first.perm is None) or (
+            p.perm is not None and first.perm is not None and torch.equal(p.perm, first.perm))
+        if (p.bits, p.group_size, p.in_features) != (first.bits, first.group_size, first.in_features) \
+                or not same_perm or p.out_features % pf:
+            return None
+    return QuantizedWeight(
+        qweight=torch.cat([p.qweight for p in parts], dim=1), qzeros=torch.cat([p.qzeros for p in parts], dim=1),
+        scales=torch.cat([p.scales for p in parts], dim=1), perm=first.perm, bits=first.bits,
+        group_size=first.group_size, in_features=first.in_features,
+        out_features=sum(p.out_features for p in parts), source=first.source)
+
+
+def to_device(qw: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+    """The same weight with every tensor on ``device``."""
+    move = (lambda t: None if t is None else t.to(device))
+    return QuantizedWeight(move(qw.qweight), move(qw.qzeros), move(qw.scales), move(qw.perm), qw.bits,
+                           qw.group_size, qw.in_features, qw.out_features, qw.source)

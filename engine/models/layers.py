@@ -4,32 +4,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.activation import silu_and_mul_ref
-from kernels.linear import linear_ref
-from kernels.norm import rms_norm_ref
-from kernels.quant_formats import QuantizedWeight, dequantize
-from kernels.rotary import rope_cos_sin, rotary_ref
+from kernels import ops
+from kernels.quant_formats import QuantizedWeight, concat_out_features, dequantize, to_device
+from kernels.rotary import rope_cos_sin
+
+
+def _out_features(w: torch.Tensor | QuantizedWeight) -> int:
+    return w.out_features if isinstance(w, QuantizedWeight) else w.shape[0]
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) with W [N, K] dense, built from one or more checkpoint weights stacked along N.
+    """y = x W^T (+ b), W [N, K] built from one or more checkpoint weights stacked along N (q/k/v, gate/up).
 
-    Quantized weights are dequantized once at load (the torch reference path; the fused W4A16 Triton kernels
-    take the QuantizedWeight directly on CUDA).
+    On CUDA, 4-bit weights stay packed (``self.qweight``) and run through the fused W4A16 Triton kernels; on
+    CPU, and when stacked parts cannot share one packed weight, they are dequantized once at load into
+    ``self.weight`` (the torch reference path).
     """
 
     def __init__(self, weights: list[torch.Tensor | QuantizedWeight], biases: list[torch.Tensor | None],
                  dtype: torch.dtype, device: torch.device):
         super().__init__()
-        dense = [dequantize(w) if isinstance(w, QuantizedWeight) else w for w in weights]
-        self.weight = nn.Parameter(torch.cat(dense).to(device=device, dtype=dtype), requires_grad=False)
-        self.bias = None
+        self.weight, self.qweight, self.bias = None, None, None
+        if device.type == "cuda" and all(isinstance(w, QuantizedWeight) for w in weights):
+            packed = concat_out_features(weights)
+            self.qweight = to_device(packed, device) if packed is not None else None
+        if self.qweight is None:
+            dense = [dequantize(w) if isinstance(w, QuantizedWeight) else w for w in weights]
+            self.weight = nn.Parameter(torch.cat(dense).to(device=device, dtype=dtype), requires_grad=False)
         if any(b is not None for b in biases):
-            parts = [b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, dense)]
+            parts = [b if b is not None else torch.zeros(_out_features(w)) for b, w in zip(biases, weights)]
             self.bias = nn.Parameter(torch.cat(parts).to(device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_ref(x, self.weight, self.bias)
+        if self.qweight is not None:
+            return ops.w4a16_linear(x, self.qweight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -41,7 +50,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm_ref(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -52,8 +61,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", rope_cos_sin(head_dim, max_positions, base, device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return rotary_ref(positions, q, k, self.cos_sin)
+        return ops.rotary(positions, q, k, self.cos_sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul_ref(x)
+    return ops.silu_and_mul(x)

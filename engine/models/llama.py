@@ -101,7 +101,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Llam
 
     Raises CheckpointError for an unsupported architecture or a missing tensor.
     """
-    ckpt = CheckpointReader(model_dir)
+    ckpt = CheckpointReader(model_dir, str(device))
     arch = (ckpt.config.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in MODELS:
         raise CheckpointError(f"architecture {arch!r} is not supported yet (supported: {', '.join(MODELS)})")

@@ -23,11 +23,11 @@ class CheckpointError(ValueError):
 class SafetensorsIndex(Mapping):
     """Read-only ``{tensor name: tensor}`` view over every ``*.safetensors`` file of a folder, loaded lazily."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, device: str = "cpu"):
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{folder} has no *.safetensors file")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._handles = [safe_open(str(f), framework="pt", device=device) for f in files]
         self._where = {name: h for h in self._handles for name in h.keys()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -43,17 +43,18 @@ class SafetensorsIndex(Mapping):
 class CheckpointReader:
     """Tensors of one checkpoint folder, by Hugging Face parameter name.
 
-    ``quant_config``: the config's ``quantization_config`` dict, or None for a dense checkpoint.
+    ``quant_config``: the config's ``quantization_config`` dict, or None for a dense checkpoint. Tensors are
+    read straight onto ``device`` (so repacking 4-bit weights runs there too).
     """
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, device: str = "cpu"):
         self.folder = Path(model_dir)
         config_path = self.folder / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{self.folder} has no config.json: not a Hugging Face model folder")
         self.config = json.loads(config_path.read_text())
         self.quant_config: dict | None = self.config.get("quantization_config")
-        self.tensors = SafetensorsIndex(self.folder)
+        self.tensors = SafetensorsIndex(self.folder, device)
 
     def has(self, name: str) -> bool:
         return name in self.tensors

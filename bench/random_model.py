@@ -1,0 +1,66 @@
+"""Write a random-weight, Llama-shaped 4-bit AWQ checkpoint (weights cannot travel to the GPU machine).
+
+The folder is a complete model for ``engine.LLM``: config.json with an AWQ-gemm ``quantization_config``,
+model.safetensors (random codes, zeros and small fp16 scales; fp16 embeddings, norms and LM head) and a
+word-level tokenizer whose vocabulary is "t0".."t{V-1}". Shapes default to Llama-2-7B.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+
+
+def _awq_linear(k: int, n: int, group: int, device: str) -> dict[str, torch.Tensor]:
+    gen = dict(device=device)
+    return {
+        "qweight": torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, **gen).cpu(),
+        "qzeros": torch.full((k // group, n // 8), 0x88888888 - 2**32, dtype=torch.int32, **gen).cpu(),
+        "scales": (torch.rand(k // group, n, **gen) * 0.004 + 0.001).half().cpu(),
+    }
+
+
+def _tokenizer(out: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", bos_token="t1", unk_token="t0")
+    fast.save_pretrained(out)
+
+
+def write_random_awq_model(out: str | Path, group_size: int = 128, device: str = "cuda", **shape) -> Path:
+    """Write the checkpoint to ``out`` and return it; ``shape`` overrides fields of :data:`LLAMA2_7B`."""
+    cfg = {**LLAMA2_7B, **shape}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    tensors = {"model.embed_tokens.weight": (torch.randn(v, h) * 0.02).half(),
+               "lm_head.weight": (torch.randn(v, h) * 0.02).half(), "model.norm.weight": torch.ones(h).half()}
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+              "mlp.down_proj": (inter, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        tensors[f"{p}.input_layernorm.weight"] = torch.ones(h).half()
+        tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(h).half()
+        for name, (k, n) in shapes.items():
+            for t, value in _awq_linear(k, n, group_size, device).items():
+                tensors[f"{p}.{name}.{t}"] = value
+    save_file(tensors, str(out / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float16",
+              "bos_token_id": 1, "eos_token_id": 2, **cfg,
+              "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                      "zero_point": True, "version": "gemm"}}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _tokenizer(out, v)
+    return out
