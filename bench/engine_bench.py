@@ -19,9 +19,8 @@ import torch
 from engine import LLM, SamplingParams
 
 
-def _free(*objs) -> None:
-    for o in objs:
-        del o
+def _free() -> None:
+    """Return freed GPU memory to the device (callers ``del`` their references first)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -70,7 +69,8 @@ def bench_decode_bs1(model_dir: str, copy_bw: float, rows: list) -> None:
         kv_bytes = llm.engine.runner._bytes_per_block() / llm.engine.config.block_size * 160
         bytes_per_step = _weight_bytes(llm) + kv_bytes
         peak = torch.cuda.max_memory_allocated() / 2**30
-        _free(llm)
+        del llm
+        _free()
         rows.append((f"7B AWQ bs1 decode, {'eager' if eager else 'CUDA graphs'}", f"{results[eager]:.0f} tok/s",
                      f"bound {copy_bw / bytes_per_step:.0f} tok/s", f"{results[eager] * bytes_per_step / copy_bw:.2f}",
                      f"{peak:.1f} GiB"))
@@ -95,7 +95,8 @@ def _hf_generate_tok_s(model_dir: str, batch: int, prompt_len: int, new_tokens: 
     torch.cuda.synchronize()
     tok_s = batch * new_tokens / (time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    _free(model)
+    del model
+    _free()
     return tok_s, peak
 
 
@@ -114,7 +115,8 @@ def bench_throughput(model_dir: str, rows: list, requests: int = 256, prompt_len
     elapsed = time.perf_counter() - start
     ours = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
     peak = torch.cuda.max_memory_allocated() / 2**30
-    _free(llm)
+    del llm, outs
+    _free()
     rows.append((f"{requests} requests x {prompt_len}/{output_len} tokens, output tok/s", f"{ours:.0f} tok/s",
                  f"HF bf16 generate bs128 ({hf_new_tokens} new) {hf:.0f} tok/s", f"{ours / hf:.2f}",
                  f"{peak:.1f} GiB (HF {hf_peak:.1f})"))
@@ -138,6 +140,7 @@ def check_smollm2(model_dir: str, expected: dict, rows: list) -> None:
         step = next(j for j, (a, b) in enumerate(zip(got, ref)) if a != b)
         top = sorted(out.outputs[0].logprobs[step].values(), reverse=True)[:2]
         notes.append(f"prompt {i} diverges at token {step}, top-2 gap {top[0] - top[1]:.4f} nats")
-    _free(llm)
+    del llm, outs
+    _free()
     rows.append(("SmolLM2 AWQ greedy, GPU vs CPU reference (8 x 32 tokens)", f"{same}/8 identical", "; ".join(notes)
                  or "no divergence", f"{same / 8:.2f}", ""))

@@ -5,6 +5,7 @@ Usage on the GPU machine: ``python bench/engine_smoke.py [--bench]``.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -21,6 +22,9 @@ def tokens(model_dir, **kw):
     llm = LLM(model_dir, device="cuda", gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16, **kw)
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 16, 17, 40, 100)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
     return [o.outputs[0].token_ids for o in outs]
 
 
