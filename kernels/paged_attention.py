@@ -178,6 +178,17 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_size. Splits the context in chunks (:func:`decode_split_chunk`) when B * Hkv is too small to fill the GPU,
     then merges them in a second launch.
     """
+    return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, **DECODE_CONFIG)
+
+
+#: Tile and launch settings of the decode kernel (measured on an H200: bench/gpu_suite.py --sweep).
+DECODE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3)
+
+
+def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, chunk: int | None = None,
+                block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """:func:`paged_attention_decode` with explicit settings (the benchmark sweeps them): ``chunk`` tokens per
+    split (a multiple of ``block_n``; None = :func:`decode_split_chunk`), KV tile ``block_n`` tokens."""
     batch, q_heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
@@ -185,7 +196,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return out
     max_tokens = block_tables.shape[1] * block_size
-    chunk = decode_split_chunk(batch, kv_heads, max_tokens, num_sms(q.device))
+    if chunk is None:
+        chunk = decode_split_chunk(batch, kv_heads, max_tokens, num_sms(q.device))
     splits = cdiv(max_tokens, chunk)
     if splits > 1:
         po = torch.empty(batch, q_heads, splits, dim, dtype=torch.float32, device=q.device)
@@ -196,8 +208,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens, out, po, plse, scale * LOG2E, chunk,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), splits, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
-        BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=block_size, BLOCK_N=64, SPLIT=splits > 1, DOT_F32=dot_f32(q),
-        num_warps=4, num_stages=3)
+        BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
+        DOT_F32=dot_f32(q), num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, chunk, splits, out.stride(0), out.stride(1),
                                         DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), num_warps=4)

@@ -1,5 +1,7 @@
 """Triton paged attention (decode with and without split-KV, prefill over a cached prefix) against the torch
 references, on CPU through Triton's interpreter, on fresh random caches and scattered block tables."""
+import itertools
+
 import pytest
 import torch
 from kernels_testenv import on_device  # noqa: F401 (autouse fixture)
@@ -66,7 +68,7 @@ def test_prefill(dtype, prefixes, new, q_heads, kv_heads, block_size):
     lengths = [p + n for p, n in zip(prefixes, new)]
     k_cache, v_cache, tables = make_cache(lengths, kv_heads, dim, block_size, dtype)
     q = torch.randn(sum(new), q_heads, dim, dtype=dtype)
-    cu = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
+    cu = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
     ctx = torch.tensor(lengths, dtype=torch.int32)
     scale = dim ** -0.5
     out = pa.paged_attention_prefill(q, k_cache, v_cache, tables, cu, ctx, scale)
