@@ -1,0 +1,209 @@
+"""4-bit AWQ / GPTQ quantization of a Hugging Face model folder through gptqmodel (CPU is fine).
+
+The result is a standard checkpoint the engine (and vLLM, transformers, gptqmodel) can load: safetensors,
+``config.json`` with ``quantization_config`` (AWQ ``version: gemm`` or GPTQ ``checkpoint_format: gptq``) and the
+tokenizer files, chat template included.  It is written into a temporary folder beside ``out_dir`` and renamed into
+place, so an interrupted run never leaves a half-written checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from .calibration import calibration_samples
+
+METHODS = ("awq", "gptq")
+# Files copied from the source folder when gptqmodel's save did not write them (tokenizer, chat template, ...).
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+              "chat_template.json", "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+Progress = Callable[[str], None]
+
+
+def quantize(model_dir, out_dir, method: str = "awq", bits: int = 4, group_size: int = 128, desc_act: bool = False,
+             calib: list | None = None, progress: Progress | None = None, clip: bool = False) -> Path:
+    """Quantize the unquantized model folder ``model_dir`` into ``out_dir`` and return ``out_dir``.
+
+    ``method`` "awq" (AWQ-gemm) or "gptq" (GPTQ v1 format); ``group_size`` -1 = per-channel; ``desc_act`` is GPTQ's
+    act-order.  ``calib``: calibration samples, a list of strings or of ``{"input_ids", "attention_mask"}`` dicts
+    (default: :func:`quant.calibration.calibration_samples`).  ``progress`` receives one short message per phase and
+    per decoder layer.  ``clip`` turns on AWQ's weight-clipping search (off: it costs about a minute of CPU per
+    layer on the demo model for little gain).  An existing ``out_dir`` is replaced only once the new checkpoint is complete.
+    Raises ValueError for an unknown method or unsupported bits.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if bits not in (4, 8) or (method == "awq" and bits != 4):
+        raise ValueError(f"{method}: {bits}-bit quantization is not supported (AWQ: 4; GPTQ: 4 or 8)")
+    say = progress or (lambda _msg: None)
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    group_size = fit_group_size(model_dir, group_size, say)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        start = time.perf_counter()
+        _run_gptqmodel(model_dir, tmp, method, bits, group_size, desc_act, calib, clip, say)
+        _complete_folder(model_dir, tmp)
+        _replace(tmp, out_dir)
+        say(f"{method.upper()} {bits}-bit g{group_size} checkpoint written in {time.perf_counter() - start:.0f} s")
+        return out_dir
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def linear_in_features(model_dir) -> set[int]:
+    """The distinct in_features of the decoder layers' linear weights, read from the safetensors headers."""
+    from safetensors import safe_open
+
+    sizes = set()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(f, framework="pt") as fh:
+            for name in fh.keys():
+                if ".layers." in name and name.endswith("_proj.weight"):
+                    shape = fh.get_slice(name).get_shape()
+                    if len(shape) == 2:
+                        sizes.add(int(shape[1]))
+    return sizes
+
+
+def fit_group_size(model_dir, group_size: int, say: Progress = lambda _m: None) -> int:
+    """``group_size`` if it divides every linear's in_features, else the largest power-of-two divisor below it that
+    does (AWQ and vLLM's AWQ/GPTQ kernels need whole groups): SmolLM2-135M's hidden size 576 = 4.5 x 128 gives 64.
+    -1 (per-channel) is kept. Raises ValueError when no group size of at least 32 fits."""
+    sizes = linear_in_features(model_dir)
+    if group_size == -1 or all(k % group_size == 0 for k in sizes):
+        return group_size
+    fit = group_size
+    while fit >= 32 and any(k % fit for k in sizes):
+        fit //= 2
+    if fit < 32:
+        raise ValueError(f"group size {group_size} does not divide the in_features {sorted(sizes)}")
+    say(f"group size {group_size} does not divide in_features {sorted(sizes)}: using {fit}")
+    return fit
+
+
+def _run_gptqmodel(model_dir: Path, out: Path, method, bits, group_size, desc_act, calib, clip,
+                   say: Progress) -> None:
+    say("loading gptqmodel")
+    import torch
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if calib is None:
+        calib = calibration_samples(tokenizer)
+    if method == "awq":
+        config = QuantizeConfig(bits=bits, group_size=group_size, quant_method="awq", format="gemm")
+        backend = BACKEND.AWQ_TORCH
+    else:
+        config = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, quant_method="gptq",
+                                format="gptq", act_group_aware=False if desc_act else None)
+        backend = BACKEND.GPTQ_TORCH
+    say(f"loading {model_dir.name}")
+    # fp32 on CPU: bf16/fp16 matmuls without native support are ~5x slower there.
+    model = GPTQModel.load(str(model_dir), config, device="cpu", dtype=torch.float32)
+    _report_layers(model, say)
+    say(f"quantizing ({method.upper()}, {len(calib)} calibration samples)")
+    with _cpu_patches(clip):
+        model.quantize(calib, tokenizer=tokenizer, backend=backend, batch_size=min(len(calib), 16))
+    say("saving checkpoint")
+    with _cpu_patches(clip):
+        model.save(str(out))
+    _restore_dtype(model_dir, out)
+
+
+def _restore_dtype(model_dir: Path, out: Path) -> None:
+    """Cast the float32 tensors gptqmodel saved (embeddings, norms) back to the source model's dtype, and say so in
+    config.json; the quantized tensors (int32 codes, fp16 scales) are left as they are."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = json.loads((model_dir / "config.json").read_text())
+    name = source.get("dtype") or source.get("torch_dtype") or "bfloat16"
+    dtype = getattr(torch, str(name).replace("torch.", ""))
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(f)
+        if any(t.dtype == torch.float32 for t in tensors.values()):
+            save_file({k: t.to(dtype) if t.dtype == torch.float32 else t for k, t in tensors.items()}, f,
+                      metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = str(dtype).replace("torch.", "")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _cpu_patches(clip: bool):
+    """Two settings gptqmodel 7.6 does not expose: AWQ's clipping search (AutoAWQ's ``apply_clip``, hard-coded on in
+    AWQProcessor) and float32 modules for its torch kernels (the model is quantized in fp32 because bf16 matmuls are
+    ~5x slower on CPUs without bf16 units; the packed scales are fp16 either way)."""
+    import torch
+    from gptqmodel.looper.awq_processor import AWQProcessor
+    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+
+    original_init = AWQProcessor.__init__
+    dtypes = {cls: cls.SUPPORTS_DTYPES for cls in (AwqTorchLinear, TorchLinear)}
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.apply_clip = clip
+
+    AWQProcessor.__init__ = init
+    for cls, supported in dtypes.items():
+        cls.SUPPORTS_DTYPES = [*supported, torch.float32]
+    try:
+        yield
+    finally:
+        AWQProcessor.__init__ = original_init
+        for cls, supported in dtypes.items():
+            cls.SUPPORTS_DTYPES = supported
+
+
+def _report_layers(model, say: Progress) -> None:
+    """Report "layer i/n" the first time each decoder layer runs (gptqmodel quantizes them in order)."""
+    layers = getattr(getattr(getattr(model, "model", None), "model", None), "layers", None)
+    if layers is None:
+        return
+    seen = {"max": -1}
+
+    def hook(index: int):
+        def fire(_module, _args):
+            if index > seen["max"]:
+                seen["max"] = index
+                say(f"layer {index + 1}/{len(layers)}")
+        return fire
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(hook(i))
+
+
+def _complete_folder(model_dir: Path, out: Path) -> None:
+    """Copy tokenizer / chat-template / generation files gptqmodel did not write, and check the config."""
+    for name in SIDE_FILES:
+        if (model_dir / name).is_file() and not (out / name).exists():
+            shutil.copy2(model_dir / name, out / name)
+    config = json.loads((out / "config.json").read_text())
+    if "quantization_config" not in config:
+        raise RuntimeError(f"gptqmodel wrote no quantization_config into {out / 'config.json'}")
+    os.chmod(out, 0o755)
+
+
+def _replace(tmp: Path, out_dir: Path) -> None:
+    """Move the finished folder ``tmp`` to ``out_dir``; an old ``out_dir`` is removed only after the swap."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,105 @@
+"""quant: AWQ quantization of the demo model through gptqmodel, its checkpoint read back by gptqmodel and by us,
+and the held-out perplexity of both models (design.md §6). Slow: one AWQ run of the 135M model on CPU."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kernels import quant_formats as qf
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    from appliance.demo_model import DemoModelMissing, demo_model_dir
+
+    try:
+        return demo_model_dir()
+    except DemoModelMissing as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def awq_dir(demo_dir, tmp_path_factory):
+    from quant.quantize import quantize
+
+    messages: list[str] = []
+    out = quantize(demo_dir, tmp_path_factory.mktemp("quant") / "awq", method="awq", group_size=128,
+                   progress=messages.append)
+    out.messages = messages  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_is_a_complete_awq_gemm_folder(awq_dir, demo_dir):
+    config = json.loads((awq_dir / "config.json").read_text())
+    q = config["quantization_config"]
+    assert q["quant_method"] == "awq" and q["bits"] == 4 and q.get("version", q.get("format")) == "gemm"
+    assert q["group_size"] == 64  # hidden size 576 is not a multiple of 128
+    assert config["architectures"] == json.loads((demo_dir / "config.json").read_text())["architectures"]
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (awq_dir / name).is_file(), name
+    assert list(awq_dir.glob("*.safetensors"))
+    assert [p.name for p in awq_dir.parent.iterdir()] == ["awq"]  # no temporary folder left behind
+    assert any("layer 30/30" in m for m in awq_dir.messages) and any("using 64" in m for m in awq_dir.messages)
+    from transformers import AutoTokenizer
+
+    chat = AutoTokenizer.from_pretrained(awq_dir).apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                       tokenize=False)
+    assert "<|im_start|>user" in chat
+
+
+@pytest.mark.slow
+def test_gptqmodel_loads_it_back_and_dequantizes_like_us(awq_dir):
+    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+
+    from quant.evaluate import load_state
+
+    tensors = load_state(awq_dir)
+    config = json.loads((awq_dir / "config.json").read_text())["quantization_config"]
+    model = GPTQModel.load(str(awq_dir), device="cpu", backend=BACKEND.AWQ_TORCH)
+    modules = {n: m for n, m in model.model.named_modules() if isinstance(m, AwqTorchLinear)}
+    assert len(modules) == 30 * 7
+    for name, m in modules.items():
+        theirs = dequantize_gemm(m.qweight, m.qzeros, m.scales, m.bits, m.group_size)
+        ours = qf.dequantize(qf.from_checkpoint(tensors, name, config))
+        assert theirs.dtype == m.scales.dtype == torch.float16
+        assert torch.equal(ours.to(theirs.dtype), theirs.t()), name
+        assert torch.equal(ours, theirs.t().float()), name  # fp16-exact: nothing was lost in either
+
+
+@pytest.mark.slow
+def test_perplexity_finite_and_close_to_unquantized(awq_dir, demo_dir):
+    from quant.evaluate import perplexity
+
+    # a shorter slice than design.md's 32,768 tokens keeps this test to about a minute on 2 cores
+    base = perplexity(demo_dir, max_tokens=4096)
+    quantized = perplexity(awq_dir, max_tokens=4096)
+    assert math.isfinite(base) and math.isfinite(quantized)
+    assert 1 < base < 100
+    assert base < quantized < 1.5 * base
+
+
+def test_calibration_and_heldout_text():
+    from quant.calibration import calibration_samples, calibration_text, heldout_text
+
+    calib, luke = calibration_text(), heldout_text()
+    assert calib.startswith("In the beginning God created the heaven and the earth.")
+    assert "Moses the servant of the LORD died there" in calib and "Joshua" not in calib.split("\n")[-1][:10]
+    assert luke.startswith("Forasmuch as many have taken in hand") and "Zacchaeus" in luke
+    assert "In the beginning" not in luke
+
+    class Tok:  # one token per character keeps this exact
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    samples = calibration_samples(Tok(), num_samples=5, seq_len=100)
+    assert len(samples) == 5 and all(len(s["input_ids"]) == 100 == len(s["attention_mask"]) for s in samples)
+    assert "".join(map(chr, samples[0]["input_ids"])) == calib[:100]
+    assert "".join(map(chr, samples[-1]["input_ids"])) == calib[-100:]
+    with pytest.raises(ValueError):
+        calibration_samples(Tok(), num_samples=1, seq_len=10**7)
