@@ -127,6 +127,26 @@ def test_echo_prefixes_the_prompt(server):
     assert r.choices[0].text == "Echo me " + fake_completion(8, SamplingParams(max_tokens=4))[0]
 
 
+def test_logprobs_in_chat_and_completions_streamed_and_not(server):
+    url, _, _ = server
+    client = sdk(url)
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == full.choices[0].message.content
+    assert [t.logprob for t in content] == [-0.25] * 6
+    assert [(x.token, x.logprob) for x in content[0].top_logprobs] == [(content[0].token, -0.25), ("#", -2.0)]
+    streamed = [t.token for c in client.chat.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert "".join(streamed) == full.choices[0].message.content
+    r = client.completions.create(model=MODEL, prompt="ab", max_tokens=5, logprobs=1, echo=True)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text[2:] and lp.token_logprobs == [-0.25] * 5
+    assert lp.text_offset == [2, 3, 4, 5, 6] and lp.top_logprobs[0] == {lp.tokens[0]: -0.25}
+    chunks = list(client.completions.create(model=MODEL, prompt="ab", max_tokens=5, logprobs=1, stream=True))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
 def test_models_health_version_tokenize_kv(server):
     url, _, _ = server
     cards = sdk(url).models.list().data

@@ -69,6 +69,7 @@ class _Request:
     metrics: RequestMetrics
     gen: list[list[int]] = field(default_factory=list)  # per choice
     done: list[str | None] = field(default_factory=list)  # per choice finish reason
+    logprobs: list[list[dict[int, float]]] = field(default_factory=list)  # per choice, per token
 
 
 class FakeEngine:
@@ -100,7 +101,8 @@ class FakeEngine:
             raise ContextLengthError(self.max_model_len, len(ids), max_tokens)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.waiting.append(_Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
-                                     max_tokens, metrics, [[] for _ in range(params.n)], [None] * params.n))
+                                     max_tokens, metrics, [[] for _ in range(params.n)], [None] * params.n,
+                                     [[] for _ in range(params.n)]))
 
     def abort_request(self, request_id: str) -> None:
         for r in [*self.waiting, *self.running]:
@@ -144,6 +146,8 @@ class FakeEngine:
                 r.done[c] = "stop"
                 continue
             toks.append(ord(reply[len(toks) % len(reply)]))
+            if r.params.logprobs is not None:
+                r.logprobs[c].append({toks[-1]: -0.25, ord("#"): -2.0, ord("~"): -3.0})
             self.generation_tokens_total += 1
             r.metrics.first_token_time = r.metrics.first_token_time or now
             r.metrics.last_token_time = now
@@ -158,7 +162,9 @@ class FakeEngine:
         for c, toks in enumerate(r.gen):
             text = self.tokenizer.decode(toks)
             text = _cut_stop(text, r.params.stop, final=r.done[c] is not None)
-            choices.append(CompletionOutput(index=c, text=text, token_ids=list(toks), finish_reason=r.done[c]))
+            logprobs = list(r.logprobs[c]) if r.params.logprobs is not None else None
+            choices.append(CompletionOutput(index=c, text=text, token_ids=list(toks), finish_reason=r.done[c],
+                                            logprobs=logprobs))
         return RequestOutput(r.request_id, r.prompt, list(r.prompt_ids), choices, all(r.done), r.metrics)
 
     def get_stats(self) -> EngineStats:

@@ -10,14 +10,14 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
 from engine.async_engine import AsyncLLMEngine, RequestStream
 from engine.metrics import EngineMetrics
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, bad_value, engine_unavailable, from_engine_exception
 from engine.server.protocol import UsageInfo
@@ -148,26 +148,40 @@ def as_api_error(e: BaseException) -> BaseException:
         return e
 
 
+class Delta(NamedTuple):
+    """What one choice gained since the last chunk: ``text`` is new; ``choice.token_ids[token_start:]`` (and
+    ``choice.logprobs``) are the new tokens; ``text_start`` is how many characters were sent before."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    first: bool
+    choice: CompletionOutput
+    text_start: int
+    token_start: int
+
+
 class DeltaTracker:
-    """Per choice, how much of the cumulative text was sent; turns cumulative outputs into deltas."""
+    """Per choice, how much of the cumulative text and tokens was sent; turns cumulative outputs into deltas."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.sent: dict[int, int] = {}
+        self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
         self.done: set[int] = set()
 
-    def update(self, i: int, out: RequestOutput) -> list[tuple[int, str, str | None, bool]]:
-        """``(choice index, new text, finish_reason, first)`` per choice of prompt ``i`` with news."""
+    def update(self, i: int, out: RequestOutput) -> list[Delta]:
+        """The deltas of prompt ``i``'s choices that have new text or tokens, just finished, or are new."""
         news = []
         for c in out.outputs:
             index = i * self.n + c.index
             if index in self.done:
                 continue
             first = index not in self.sent
-            new = c.text[self.sent.get(index, 0):]
-            if new or c.finish_reason or first:
-                news.append((index, new, c.finish_reason, first))
-            self.sent[index] = len(c.text)
+            chars, tokens = self.sent.get(index, (0, 0))
+            num_tokens = len(c.token_ids)
+            if first or c.finish_reason or len(c.text) > chars or num_tokens > tokens:
+                news.append(Delta(index, c.text[chars:], c.finish_reason, first, c, chars, tokens))
+            self.sent[index] = (max(chars, len(c.text)), num_tokens)
             if c.finish_reason:
                 self.done.add(index)
         return news

@@ -9,7 +9,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import RequestStream
+from engine.outputs import CompletionOutput
 from engine.server.errors import APIError, bad_value
+from engine.server.logprobs import chat_logprobs
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                     random_id)
@@ -42,17 +44,26 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     streams = await submit(ctx, [prompt], params, request_id, "messages")
     if req.stream:
-        return sse_response(_chunks(ctx, req, streams, request_id))
+        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id))
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
     choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                    finish_reason=c.finish_reason) for c in finals[0].outputs]
+                                    logprobs=_logprobs(llm.tokenizer, req, c, 0), finish_reason=c.finish_reason)
+               for c in finals[0].outputs]
     body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage(finals))
     return JSONResponse(body.model_dump())
 
 
-async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, streams: list[RequestStream],
+def _logprobs(tokenizer: Any, req: ChatCompletionRequest, choice: CompletionOutput, start: int) -> dict | None:
+    """The chat ``logprobs`` of ``choice``'s tokens from ``start`` on, when the request asked for them."""
+    if not req.logprobs or choice.logprobs is None:
+        return None
+    end = len(choice.token_ids)
+    return chat_logprobs(tokenizer, choice.token_ids[start:end], choice.logprobs[start:end], req.top_logprobs or 0)
+
+
+async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionRequest, streams: list[RequestStream],
                   request_id: str) -> AsyncIterator[dict]:
     """``chat.completion.chunk`` dicts: per choice a first delta with the role, then text deltas, the last one
     with its ``finish_reason``; with ``include_usage`` every chunk has ``usage: null`` and one final chunk has
@@ -65,8 +76,9 @@ async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, streams: list
 
     async for i, out in merge(streams):
         final = out
-        for index, text, reason, first in tracker.update(i, out):
-            delta = DeltaMessage(role="assistant" if first else None, content=text)
-            yield chunk([ChatStreamChoice(index=index, delta=delta, finish_reason=reason)])
+        for d in tracker.update(i, out):
+            delta = DeltaMessage(role="assistant" if d.first else None, content=d.text)
+            yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=d.finish_reason,
+                                          logprobs=_logprobs(tokenizer, req, d.choice, d.token_start))])
     if req.include_usage:
         yield {**chunk([]), "usage": usage([final]).model_dump()}

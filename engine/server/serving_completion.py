@@ -9,7 +9,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import RequestStream
+from engine.outputs import CompletionOutput
 from engine.server.errors import APIError
+from engine.server.logprobs import completion_logprobs
 from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
                                    submit, usage)
@@ -42,19 +44,30 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     streams = await submit(ctx, prompts, params, request_id, "prompt")
     created = int(time.time())
     if req.stream:
-        return sse_response(_chunks(ctx, req, streams, request_id, created, echo))
+        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, created, echo))
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
-    choices = [CompletionChoice(index=i * req.n + c.index, text=echo[i] + c.text, finish_reason=c.finish_reason)
+    choices = [CompletionChoice(index=i * req.n + c.index, text=echo[i] + c.text, finish_reason=c.finish_reason,
+                                logprobs=_logprobs(llm.tokenizer, req, c, 0, len(echo[i])))
                for i, out in enumerate(finals) for c in out.outputs]
     body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
                               choices=sorted(choices, key=lambda c: c.index), usage=usage(finals))
     return JSONResponse(body.model_dump())
 
 
-async def _chunks(ctx: ServingContext, req: CompletionRequest, streams: list[RequestStream], request_id: str,
-                  created: int, echo: list[str]) -> AsyncIterator[dict]:
+def _logprobs(tokenizer: Any, req: CompletionRequest, choice: CompletionOutput, start: int,
+              text_offset: int) -> dict | None:
+    """The completions ``logprobs`` of ``choice``'s tokens from ``start`` on, when the request asked for them."""
+    if req.logprobs is None or choice.logprobs is None:
+        return None
+    end = len(choice.token_ids)
+    return completion_logprobs(tokenizer, choice.token_ids[start:end], choice.logprobs[start:end], req.logprobs,
+                               text_offset)
+
+
+async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, streams: list[RequestStream],
+                  request_id: str, created: int, echo: list[str]) -> AsyncIterator[dict]:
     """``text_completion`` chunk dicts, one choice each: text deltas (the first prefixed by the echoed prompt),
     the last one with its ``finish_reason``; usage as in chat."""
     tracker = DeltaTracker(req.n)
@@ -66,9 +79,11 @@ async def _chunks(ctx: ServingContext, req: CompletionRequest, streams: list[Req
 
     async for i, out in merge(streams):
         finals[i] = out
-        for index, text, reason, first in tracker.update(i, out):
-            text = echo[i] + text if first else text
-            if text or reason:
-                yield chunk([CompletionChoice(index=index, text=text, finish_reason=reason)])
+        for d in tracker.update(i, out):
+            text = echo[i] + d.text if d.first else d.text
+            logprobs = _logprobs(tokenizer, req, d.choice, d.token_start, len(echo[i]) + d.text_start)
+            if text or d.finish_reason or (logprobs and logprobs["tokens"]):
+                yield chunk([CompletionChoice(index=d.index, text=text, finish_reason=d.finish_reason,
+                                              logprobs=logprobs)])
     if req.include_usage:
         yield {**chunk([]), "usage": usage(finals).model_dump()}

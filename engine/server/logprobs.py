@@ -1,0 +1,45 @@
+"""OpenAI ``logprobs`` objects built from the engine's per-token ``{token_id: logprob}`` dicts (natural log).
+
+Each engine dict holds the sampled token and the top-k of the raw distribution. ``-inf`` is clamped to -9999.0
+(as vLLM does) so the JSON stays valid.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _lp(value: float) -> float:
+    return max(float(value), -9999.0)
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def _item(tokenizer: Any, token_id: int, logprob: float) -> dict:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], k: int) -> dict:
+    """``{"content": [{token, logprob, bytes, top_logprobs: [k x {token, logprob, bytes}]}]}``, one per token."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        content.append({**_item(tokenizer, tid, entry.get(tid, float("-inf"))),
+                        "top_logprobs": [_item(tokenizer, t, lp) for t, lp in _top(entry, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], k: int,
+                        text_offset: int) -> dict:
+    """Legacy completions shape: ``tokens``, ``token_logprobs``, ``top_logprobs`` (k per token) and
+    ``text_offset`` (character offset of each token, starting at ``text_offset``)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, entry in zip(token_ids, entries):
+        text = tokenizer.decode([tid])
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_lp(entry.get(tid, float("-inf"))))
+        out["top_logprobs"].append({tokenizer.decode([t]): _lp(lp) for t, lp in _top(entry, k)})
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out

@@ -1,0 +1,116 @@
+"""End to end: the official openai SDK against uvicorn serving the real LLMEngine on the demo model (CPU)."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("engine.llm_engine")
+
+from appliance.demo_model import DemoModelMissing, demo_model_dir  # noqa: E402
+from engine.async_engine import AsyncLLMEngine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.server.api_server import build_app  # noqa: E402
+from test_server_fakes import ServerThread, wait_for  # noqa: E402
+
+MAX_MODEL_LEN = 512
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def live():
+    """(base URL, model name, AsyncLLMEngine) of a server over the demo model, shared by this module."""
+    try:
+        model_dir = demo_model_dir()
+    except DemoModelMissing as e:
+        pytest.skip(str(e))
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=str(model_dir), device="cpu",
+                                                     max_model_len=MAX_MODEL_LEN, max_num_seqs=8))
+    with ServerThread(build_app(engine)) as url:
+        wait_for(lambda: engine.is_ready or engine.is_dead, timeout=300, what="model load")
+        assert engine.is_ready, engine.error
+        yield url, engine.model_name, engine
+    engine.shutdown()
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+
+
+def test_chat_answers_and_stream_equals_non_stream(live):
+    url, model, _ = live
+    client = sdk(url)
+    kw = dict(model=model, messages=QUESTION, max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kw)
+    text = full.choices[0].message.content
+    assert "Paris" in text
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
+    assert streamed == text
+    assert "<|im_end|>" not in text and full.usage.completion_tokens <= 10
+
+
+def test_completion_stream_equals_non_stream(live):
+    url, model, _ = live
+    client = sdk(url)
+    kw = dict(model=model, prompt="In the beginning God created", max_tokens=8, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 8
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert streamed == full.choices[0].text and streamed.strip()
+
+
+def test_usage_counts_match_tokenize(live):
+    url, model, _ = live
+    count = httpx.post(f"{url}/tokenize", json={"messages": QUESTION}).json()["count"]
+    body = {"model": model, "messages": QUESTION, "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"] == [] and last["usage"]["prompt_tokens"] == count
+    assert all(json.loads(e)["usage"] is None for e in events[:-2])
+
+
+def test_context_overflow_reports_the_exact_numbers(live):
+    url, model, _ = live
+    prompt = "one two three four five six seven eight nine ten"
+    count = httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()["count"]
+    max_tokens = MAX_MODEL_LEN - count + 1
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(url).completions.create(model=model, prompt=prompt, max_tokens=max_tokens)
+    assert info.value.code == "context_length_exceeded"
+    assert (f"maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {MAX_MODEL_LEN + 1} "
+            f"tokens ({count} in the prompt, {max_tokens} in the completion)") in info.value.body["message"]
+
+
+def test_concurrent_greedy_requests_match_the_single_ones(live):
+    url, model, _ = live
+    client = sdk(url)
+    prompts = ["The sun is", "Water boils at", "The quick brown fox"]
+
+    def ask(p: str) -> str:
+        return client.completions.create(model=model, prompt=p, max_tokens=5, temperature=0).choices[0].text
+
+    alone = [ask(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == alone
+
+
+def test_disconnect_frees_blocks_and_metrics_follow(live):
+    url, model, engine = live
+    body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    wait_for(lambda: engine.get_stats().num_running == 0, timeout=300, what="request aborted")
+    kv = httpx.get(f"{url}/v1/kv").json()
+    assert kv["used"] == 0 and kv["running"] == []
+    metrics = httpx.get(f"{url}/metrics").text
+    assert f'vllm:num_requests_running{{model_name="{model}"}} 0.0' in metrics
+    assert f'vllm:request_success_total{{finished_reason="abort",model_name="{model}"}}' in metrics
+    assert f'vllm:kv_cache_usage_perc{{model_name="{model}"}} 0.0' in metrics
