@@ -57,8 +57,43 @@ def main():
         torch.cuda.synchronize()
         bw = 2 * 20 * 2**30 / (time.perf_counter() - t0)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+        llm = LLM(str(big), device="cuda", max_num_seqs=1, max_model_len=1024, gpu_memory_utilization=0.3)
+        g = llm.engine.runner.graphs
+        g.context_lens[:1] = 100
+        for _ in range(5):
+            g.graphs[1].replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            g.graphs[1].replay()
+        torch.cuda.synchronize()
+        print(f"bs1 graph replay alone: {(time.perf_counter() - t0) * 10:.3f} ms/step")
+        head = llm.engine.runner.model.lm_head
+        x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            head(x)
+        torch.cuda.synchronize()
+        print(f"lm_head: {(time.perf_counter() - t0) * 10:.3f} ms")
+        from torch.profiler import profile, ProfilerActivity
+        eng = llm.engine
+        eng.add_request("p", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        eng.step()
+        for _ in range(5):
+            eng.step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                eng.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        eng.abort_request("p")
+        del llm, g, eng, prof
+        gc.collect()
+        torch.cuda.empty_cache()
         rows = []
         bench_decode_bs1(str(big), bw, rows)
+        from bench.engine_bench import bench_throughput
+        bench_throughput(str(big), rows)
         for r in rows:
             print(" | ".join(map(str, r)))
 
