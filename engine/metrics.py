@@ -12,12 +12,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               disable_created_metrics, generate_latest)
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
 from engine.stats import EngineStats
+
+disable_created_metrics()  # no `*_created` series, as in vLLM (process-wide setting of prometheus_client)
 
 # vLLM's bucket boundaries (seconds), so existing dashboards' quantiles line up.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

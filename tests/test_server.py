@@ -80,6 +80,7 @@ def test_chat_stream_concatenates_to_the_non_streamed_text(server):
                                                  stream=True))
     assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
@@ -104,6 +105,7 @@ def test_stream_include_usage_adds_one_final_usage_chunk(server):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["usage"] is None for c in chunks[:-1])
+    assert "role" in chunks[0]["choices"][0]["delta"] and "role" not in chunks[1]["choices"][0]["delta"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
         "prompt_tokens": CHAT_PROMPT_LEN, "completion_tokens": 5, "total_tokens": CHAT_PROMPT_LEN + 5}
     plain = sse_events(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5, "stream": True})
@@ -281,6 +283,7 @@ def test_metrics_names_and_values(server):
     assert 'vllm:time_to_first_token_seconds_count{model_name="fake-model"} 1.0' in lines
     assert 'vllm:inter_token_latency_seconds_count{model_name="fake-model"} 6.0' in lines
     assert 'vllm:num_requests_running{model_name="fake-model"} 0.0' in lines
+    assert "_created" not in text
 
 
 def test_stream_disconnect_aborts_and_frees_blocks(server):

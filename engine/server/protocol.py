@@ -130,7 +130,9 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: str | None = None
+    """Only what changed: ``role`` appears in a choice's first delta only."""
+
+    role: str | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = None
 
 
