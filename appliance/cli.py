@@ -335,10 +335,10 @@ def doctor(config: Optional[Path] = typer.Option(None, "--config")):
     problems = 0
     for ok, what, fix in doctor_checks(config or cfgmod.config_path()):
         if ok:
-            console.print(f"[green]ok[/green]   {what}", highlight=False)
+            console.print(f"[green]ok[/green]   {what}", highlight=False, soft_wrap=True)
         else:
             problems += 1
-            console.print(f"[red]FAIL[/red] {what} [dim](fix: {fix})[/dim]", highlight=False)
+            console.print(f"[red]FAIL[/red] {what} [dim](fix: {fix})[/dim]", highlight=False, soft_wrap=True)
     if problems:
         raise typer.Exit(1)
 

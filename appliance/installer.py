@@ -90,21 +90,25 @@ def step(console: Console, text: str, total: float | None = None, log: Path | No
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     start = time.monotonic()
     try:
-        with output_to(log, console), Progress(*columns, console=console, transient=True,
-                                                redirect_stdout=False, redirect_stderr=False) as progress:
-            task = progress.add_task(text, total=total)
+        with output_to(log, console):
+            if not console.is_terminal:  # a log or a pipe: no live display, one line when it starts
+                console.print(f"… {text}")
+                yield lambda *args, **kwargs: None
+            else:
+                with Progress(*columns, console=console, transient=True, redirect_stdout=False,
+                              redirect_stderr=False) as progress:
+                    task = progress.add_task(text, total=total)
 
-            def update(done: float | None = None, total_: float | None = None, description: str | None = None):
-                fields = {}
-                if description:
-                    fields["description"] = f"{text}: {description}"
-                if total_ is not None:
-                    fields["total"] = total_
-                if done is not None:
-                    fields["completed"] = done
-                progress.update(task, **fields)
+                    def update(done: float | None = None, total_: float | None = None,
+                               description: str | None = None):
+                        fields = {"description": f"{text}: {description}"} if description else {}
+                        if total_ is not None:
+                            fields["total"] = total_
+                        if done is not None:
+                            fields["completed"] = done
+                        progress.update(task, **fields)
 
-            yield update
+                    yield update
     except BaseException:
         console.print(f"[red]✗[/red] {text} [dim]({time.monotonic() - start:.1f}s)[/dim]")
         if log is not None and log.is_file():

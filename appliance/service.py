@@ -241,6 +241,8 @@ class Background:
             detail = f"background process {pid}"
         elif self._recorded() is not None:
             detail = "stopped (the process exited; see the log)"
+        elif self.log_file.is_file():
+            detail = "stopped"
         else:
             detail = "not started"
         return Status(mode=self.mode, running=pid is not None, pid=pid, detail=detail, log=str(self.log_file))
