@@ -35,5 +35,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(next_pow2(inter), 1024)
     if tokens:
         _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
-                                                          num_warps=4)
+                                                          num_warps=4, enable_fp_fusion=False)
     return out

@@ -61,5 +61,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res = residual if residual is not None else x
         _rms_norm_kernel[(tokens,)](x, res, weight, out, summed, hidden, eps, x.stride(0), res.stride(0), out.stride(0),
                                     summed.stride(0), HAS_RES=residual is not None, BLOCK=block,
-                                    num_warps=min(16, max(1, block // 512)))
+                                    num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
     return out, summed

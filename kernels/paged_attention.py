@@ -165,7 +165,7 @@ def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> 
     programs = batch * kv_heads
     if programs >= 2 * sms:
         return cdiv(max(max_tokens, 1), 64) * 64
-    chunk = 128 if programs <= 16 else 256 if programs <= 64 else 512
+    chunk = 256 if programs <= 16 else 512 if programs <= 64 else 1024  # measured: bench/RESULTS.md
     return min(chunk, cdiv(max(max_tokens, 1), 64) * 64)
 
 

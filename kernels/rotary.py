@@ -82,5 +82,6 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         half = dim // 2
         _rotary_kernel[(tokens,)](positions, q, k, qo, ko, cos_sin, q_heads, k.shape[1], half, q.stride(0), q.stride(1),
                                   k.stride(0), k.stride(1), cos_sin.stride(0), BLOCK_H=next_pow2(max(q_heads, k.shape[1])),
-                                  BLOCK_HALF=next_pow2(half), num_warps=4)
+                                  BLOCK_HALF=next_pow2(half), num_warps=4,
+                                  enable_fp_fusion=False)  # no FMA: round each product like torch
     return qo, ko

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import cdiv, dot_f32, jit, num_sms, tl
+from ._triton import cdiv, device_fn, dot_f32, jit, num_sms, tl
 from .quant_formats import QuantizedWeight
 
 @jit
@@ -70,23 +70,51 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, N, K,
         tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
+@device_fn
+def _dot_acc(a, b, acc, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + a @ b (acc [M, N]); SWAP: acc is [N, M] and gets (a @ b).T, the weight being the left operand."""
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if SWAP:
+        acc = tl.dot(tl.trans(b), tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@device_fn
+def _load_x(x_ptr, perm_ptr, m, mmask, stride_xm, kk, K, HAS_PERM: tl.constexpr):
+    """The activation tile x[m, perm[kk]] (x[m, kk] without act-order): [len(m), len(kk)], 0 outside."""
+    col = kk
+    if HAS_PERM:
+        col = tl.load(perm_ptr + kk, mask=kk < K, other=0)
+    return tl.load(x_ptr + m[:, None] * stride_xm + col[None, :], mask=mmask[:, None] & (kk < K)[None, :], other=0.0)
+
+
 @jit
 def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+                 SWAP: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits): one [BLOCK_M, BLOCK_N] output tile over one K range.
 
-    The weight tile [BLOCK_K, BLOCK_N] is dequantized in registers to x's dtype ((q - z) * s, exact in fp32, then
-    rounded once). SWAP computes the transposed product (weight as the left operand), which suits small M.
+    Default: the weight tile [BLOCK_K, BLOCK_N] is dequantized in registers to x's dtype ((q - z) * s, exact in
+    fp32, rounded once) for one ``tl.dot``. FAST (4-bit, BLOCK_K >= 128, bf16/fp16 x): q - z is exact in x's dtype,
+    so the scale moves after the dot: eight dots with K = BLOCK_K / 8, one per code position j of the words (rows
+    8w + j), each code pair (j, j + 4) made by one ``lop3`` with the magic exponent (128 + c in bf16, 1024 + c in
+    fp16) and one packed ``sub`` of (magic + z) (Kim et al. 2022; Frantar et al., Marlin, 2024), interpreted in
+    plain Triton on CPU. SWAP computes the transposed product (weight as the left operand), which suits small M.
     """
     PF: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     WORDS: tl.constexpr = BLOCK_K // PF
+    IS_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = m < M, n < N
     kr = tl.arange(0, BLOCK_K)
+    w = tl.arange(0, WORDS)
     shift = ((kr % PF) * BITS)[:, None]
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
@@ -95,28 +123,49 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + kr
-        kmask = kk < K
-        col = kk
-        if HAS_PERM:
-            col = tl.load(perm_ptr + kk, mask=kmask, other=0)
-        a = tl.load(x_ptr + m[:, None] * stride_xm + col[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        rows = k0 // PF + tl.arange(0, WORDS)
+        rows = k0 // PF + w
         q = tl.load(qw_ptr + rows[:, None] * N + n[None, :], mask=(rows < K // PF)[:, None] & nmask[None, :], other=0)
-        q = tl.reshape(tl.broadcast_to(q[:, None, :], (WORDS, PF, BLOCK_N)), (BLOCK_K, BLOCK_N))
         grp = k0 // GROUP
         scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
         zero = (tl.load(z_ptr + grp * (N // PF) + n // PF, mask=nmask, other=0) >> ((n % PF) * BITS)) & MASK
-        zf = zero.to(tl.float32) + 8388608.0
-        code = ((q >> shift) & MASK) | 0x4B000000  # the fp32 2**23 + code
-        b = ((code.to(tl.float32, bitcast=True) - zf[None, :]) * scale[None, :]).to(x_ptr.dtype.element_ty)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if SWAP:
-            acc = tl.dot(tl.trans(b), tl.trans(a), acc)
+        if FAST:
+            part = tl.zeros(acc.shape, tl.float32)
+            if IS_BF16:  # (magic + z) in both 16-bit halves
+                zz = ((zero + 0x4300) * 0x10001)[None, :]
+            else:
+                zz = ((zero + 0x6400) * 0x10001)[None, :]
+            for j in tl.static_range(4):
+                qs = q >> (4 * j)  # code j in bits 0-3, code j + 4 in bits 16-19
+                if DOT_F32:  # the interpreter: the same values in plain Triton (its int -> bf16 cast is broken)
+                    lo = ((qs & 15) - zero[None, :]).to(tl.float32).to(x_ptr.dtype.element_ty)
+                    hi = (((qs >> 16) & 15) - zero[None, :]).to(tl.float32).to(x_ptr.dtype.element_ty)
+                elif IS_BF16:
+                    lo, hi = tl.inline_asm_elementwise(
+                        "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
+                        "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True,
+                        pack=1)
+                    lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
+                else:
+                    lo, hi = tl.inline_asm_elementwise(
+                        "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 t, t, $3; "
+                        "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True,
+                        pack=1)
+                    lo, hi = lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+                a = _load_x(x_ptr, perm_ptr, m, mmask, stride_xm, k0 + w * PF + j, K, HAS_PERM)
+                part = _dot_acc(a, lo, part, SWAP, DOT_F32)
+                a = _load_x(x_ptr, perm_ptr, m, mmask, stride_xm, k0 + w * PF + j + 4, K, HAS_PERM)
+                part = _dot_acc(a, hi, part, SWAP, DOT_F32)
+            if SWAP:
+                acc += part * scale[:, None]
+            else:
+                acc += part * scale[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            a = _load_x(x_ptr, perm_ptr, m, mmask, stride_xm, k0 + kr, K, HAS_PERM)
+            q = tl.reshape(tl.broadcast_to(q[:, None, :], (WORDS, PF, BLOCK_N)), (BLOCK_K, BLOCK_N))
+            code = ((q >> shift) & MASK) | 0x4B000000  # the fp32 2**23 + code
+            zf = zero.to(tl.float32) + 8388608.0
+            b = ((code.to(tl.float32, bitcast=True) - zf[None, :]) * scale[None, :]).to(x_ptr.dtype.element_ty)
+            acc = _dot_acc(a, b, acc, SWAP, DOT_F32)
     if SWAP:
         acc = tl.trans(acc)
     omask = mmask[:, None] & nmask[None, :]
@@ -143,23 +192,28 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: 
 
 @jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, BITS: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr):
-    """Grid (cdiv(K, BLOCK_K), cdiv(N, BLOCK_N)): W [K, N] in input-channel order (kernel row k goes to row
-    perm[k]), (q - z) * s computed exactly in fp32 and rounded once to out's dtype. Any group size."""
+                    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Grid (cdiv(K/pf, BLOCK_W), cdiv(N, BLOCK_N)): BLOCK_W packed rows (words) become pf rows each of W [K, N]
+    in input-channel order (kernel row k goes to row perm[k]); (q - z) * s exact in fp32, rounded once to out's
+    dtype. Each word is read once; any group size."""
     PF: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
-    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (k < K)[:, None] & (n < N)[None, :]
-    q = (tl.load(qw_ptr + (k // PF)[:, None] * N + n[None, :], mask=mask, other=0) >> ((k % PF) * BITS)[:, None]) & MASK
-    grp = (k // GROUP)[:, None]
-    z = (tl.load(z_ptr + grp * (N // PF) + (n // PF)[None, :], mask=mask, other=0) >> ((n % PF) * BITS)[None, :]) & MASK
-    s = tl.load(s_ptr + grp * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = (q - z).to(tl.float32) * s
-    dst = k
-    if HAS_PERM:
-        dst = tl.load(perm_ptr + k, mask=k < K, other=0)
-    tl.store(out_ptr + dst[:, None] * N + n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+    mask = (w < K // PF)[:, None] & (n < N)[None, :]
+    q = tl.load(qw_ptr + w[:, None] * N + n[None, :], mask=mask, other=0)
+    for j in tl.static_range(PF):
+        k = w * PF + j
+        if j == 0 or GROUP % PF != 0:  # the codes of one word share a group unless PF does not divide GROUP
+            grp = (k // GROUP)[:, None]
+            z = (tl.load(z_ptr + grp * (N // PF) + (n // PF)[None, :], mask=mask, other=0)
+                 >> ((n % PF) * BITS)[None, :]) & MASK
+            s = tl.load(s_ptr + grp * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
+        val = (((q >> (j * BITS)) & MASK) - z).to(tl.float32) * s
+        dst = k
+        if HAS_PERM:
+            dst = tl.load(perm_ptr + k, mask=k < K, other=0)
+        tl.store(out_ptr + dst[:, None] * N + n[None, :], val.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -168,16 +222,18 @@ def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) 
     k, n = qw.in_features, qw.out_features
     out = torch.empty(k, n, dtype=dtype, device=qw.qweight.device)
     perm = qw.perm if qw.perm is not None else qw.qweight
-    _dequant_kernel[(cdiv(k, 32), cdiv(n, 64))](qw.qweight, qw.scales, qw.qzeros, perm, out, n, k, BITS=qw.bits,
-                                                 GROUP=qw.group_size, BLOCK_K=32, BLOCK_N=64,
-                                                 HAS_PERM=qw.perm is not None, num_warps=4)
+    words = k // qw.pack_factor
+    _dequant_kernel[(cdiv(words, 8), cdiv(n, 128))](qw.qweight, qw.scales, qw.qzeros, perm, out, n, k, BITS=qw.bits,
+                                                    GROUP=qw.group_size, BLOCK_W=8, BLOCK_N=128,
+                                                    HAS_PERM=qw.perm is not None, num_warps=4)
     return out
 
 
 @dataclass(frozen=True)
 class Plan:
     """How one W4A16 call runs: ``path`` "gemv" | "gemm" | "dequant"; tile sizes; K per split (a multiple of
-    block_k; >= K means no split); ``swap`` computes the transposed product in the GEMM."""
+    block_k; >= K means no split); ``swap`` computes the transposed product in the GEMM; ``fast`` its scale-after
+    -the-dot dequantization (4-bit, block_k >= 128, fp16/bf16 activations; see ``_gemm_kernel``)."""
 
     path: str
     block_m: int = 16
@@ -187,6 +243,7 @@ class Plan:
     swap: bool = False
     num_warps: int = 4
     num_stages: int = 3
+    fast: bool = False
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -213,7 +270,7 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan
     if group % pf or m >= DEQUANT_MIN_M:
         return Plan("dequant")
     if m == 1:
-        block_n = 256 if n >= 8192 else 128
+        block_n = 64 if n <= 4096 else 128 if n <= 16384 else 256
         block_k = _pow2_divisor(group, 128)
         return Plan("gemv", block_m=1, block_n=block_n, block_k=block_k,
                     k_per_split=_split(k, block_k, cdiv(n, block_n), 4 * sms), num_warps=4, num_stages=3)
@@ -245,6 +302,10 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
     """Run one :class:`Plan` on x [M, K] (the benchmark sweeps plans through this). Returns [M, N] in x's dtype."""
     m, k = x.shape
     n = qw.out_features
+    if plan.path != "dequant" and (plan.block_k % qw.pack_factor or
+                                   (qw.group_size % plan.block_k and qw.group_size < k)):
+        raise ValueError(f"plan block_k {plan.block_k} must divide the group size {qw.group_size} "
+                         f"and be a multiple of {qw.pack_factor}")
     if x.stride(-1) != 1 or (plan.path == "gemv" and not x.is_contiguous()):
         x = x.contiguous()
     if plan.path == "dequant":
@@ -260,6 +321,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
     common = dict(BITS=qw.bits, GROUP=qw.group_size, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                   HAS_PERM=qw.perm is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
                   num_warps=plan.num_warps, num_stages=plan.num_stages)
+    fast = plan.fast and qw.bits == 4 and plan.block_k >= 128 and x.dtype in (torch.float16, torch.bfloat16)
     if plan.path == "gemv":
         if m != 1:
             raise ValueError(f"the gemv path takes one row, got {m}")
@@ -268,7 +330,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
     else:
         _gemm_kernel[(cdiv(m, plan.block_m), cdiv(n, plan.block_n), splits)](
             x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, target, m, n, k, x.stride(0), plan.k_per_split,
-            BLOCK_M=plan.block_m, SWAP=plan.swap, DOT_F32=dot_f32(x), **common)
+            BLOCK_M=plan.block_m, SWAP=plan.swap, FAST=fast, DOT_F32=dot_f32(x), **common)
     if splits > 1:
         block = 1024
         _splitk_reduce_kernel[(cdiv(m * n, block),)](target, bias_arg, out, m * n, n, splits,

@@ -80,6 +80,9 @@ PLANS = {
     "gemm": w4a16.Plan("gemm", block_m=16, block_n=32, block_k=32),
     "gemm_split_swap": w4a16.Plan("gemm", block_m=16, block_n=64, block_k=32, k_per_split=96, swap=True),
     "dequant": w4a16.Plan("dequant"),
+    "gemm_fast": w4a16.Plan("gemm", block_m=16, block_n=32, block_k=128, fast=True),
+    "gemm_fast_split_swap": w4a16.Plan("gemm", block_m=16, block_n=64, block_k=128, k_per_split=128, swap=True,
+                                       fast=True),
 }
 
 
@@ -90,11 +93,13 @@ CASES = [("awq", 32, False), ("gptq", 64, True), ("gptq_v2", 128, True), ("ct_sy
 @pytest.mark.parametrize("fmt,group,act_order", CASES)
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_paths_every_format(fmt, group, act_order, plan):
+    if PLANS[plan].fast:
+        group = 128 if group in (32, 64) else group  # the fast path's K tile (128) must fit in a group
     k, n = 256, 96
     qw, w = make_weight(fmt, k, n, group, act_order)
     m = 1 if PLANS[plan].path == "gemv" else 5
     x = torch.randn(m, k, dtype=torch.bfloat16)
-    bias = torch.randn(n, dtype=torch.bfloat16) if plan.endswith("split") else None
+    bias = torch.randn(n, dtype=torch.bfloat16) if "split" in plan else None
     check_product(w4a16.run_plan(x, qw, bias, PLANS[plan]), x, w, bias)
 
 
@@ -130,3 +135,12 @@ def test_bad_input_raises():
     qw, _ = make_weight("awq", 64, 32, 32, False)
     with pytest.raises(ValueError, match="features"):
         w4a16.w4a16_linear(torch.randn(1, 63, dtype=torch.bfloat16), qw)
+    with pytest.raises(ValueError, match="group size"):
+        w4a16.run_plan(torch.randn(1, 64, dtype=torch.bfloat16), qw, None, PLANS["gemm_fast"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fast_path_fp16_and_act_order(dtype):
+    qw, w = make_weight("gptq", 384, 64, 128, True, scale_dtype=dtype)
+    x = torch.randn(3, 384, dtype=dtype)
+    check_product(w4a16.run_plan(x, qw, None, PLANS["gemm_fast"]), x, w)
