@@ -161,12 +161,17 @@ def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, chunk, num_splits, stride_
 
 def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> int:
     """Tokens per split of the decode kernel (a multiple of 64), or ``max_tokens`` rounded up (no split) when
-    ``batch * kv_heads`` programs already fill the GPU. Depends only on shapes, so a CUDA graph keeps it."""
+    ``batch * kv_heads`` programs already fill the GPU. ``max_tokens`` is the block table's width in tokens: size
+    block tables to the batch's longest sequence. Depends only on shapes, so a CUDA graph keeps it."""
     programs = batch * kv_heads
+    whole = cdiv(max(max_tokens, 1), 64) * 64
     if programs >= 2 * sms:
-        return cdiv(max(max_tokens, 1), 64) * 64
-    chunk = 256 if programs <= 16 else 512 if programs <= 64 else 1024  # measured: bench/RESULTS.md
-    return min(chunk, cdiv(max(max_tokens, 1), 64) * 64)
+        return whole
+    if programs <= 16:  # H200 sweeps (bench/RESULTS.md): 128 up to 8k tokens, 256 beyond
+        chunk = 128 if max_tokens <= 8192 else 256
+    else:  # about four splits, 256 to 2048 tokens each
+        chunk = min(2048, max(256, next_pow2(cdiv(max_tokens, 4))))
+    return min(chunk, whole)
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

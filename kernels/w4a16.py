@@ -6,14 +6,14 @@ Consumes :class:`kernels.quant_formats.QuantizedWeight` (every checkpoint format
 
 Three paths, picked per shape by :func:`choose_plan` (thresholds measured on an H200, see bench/RESULTS.md):
 
-* ``gemv`` (M = 1): CUDA-core split-K GEMV. The scale and zero factor out of each group,
+* ``gemv`` (M = 1, small N): CUDA-core split-K GEMV. The scale and zero factor out of each group,
   y_n = sum_g s_gn * sum_{k in g} x_k (q_kn - z_gn), so a weight costs a shift, a mask, a subtract and an FMA:
   codes become floats with the "magic number" trick (code | 0x4B000000 is the fp32 2**23 + code; Kim et al.,
   "Who says elephants can't run", 2022, use the same idea in fp16), avoiding the slow int-to-float conversion.
-* ``gemm`` (small and medium M): tensor-core tile GEMM; each K tile of the weight is dequantized to x's dtype in
+* ``gemm`` (M <= 64, and M = 1 on wide layers): tensor-core tile GEMM; each K tile of the weight is dequantized to x's dtype in
   registers (exactly as ``dequantize(qw).to(x.dtype)`` rounds it) and fed to ``tl.dot``; split-K when the output
   tiles alone cannot fill the GPU.
-* ``dequant`` (large M): dequantize the whole weight with a Triton kernel, then cuBLAS (``x @ W``).
+* ``dequant`` (M > 64): dequantize the whole weight with a Triton kernel, then cuBLAS (``x @ W``).
 
 Split-K partial sums (fp32) are added in a fixed order by a second small kernel, so results are deterministic.
 Errors: ``ValueError`` for a QuantizedWeight / x mismatch; shapes the fused kernels cannot tile (a group size
@@ -258,31 +258,51 @@ def _split(k: int, block_k: int, tiles: int, target: int) -> int:
     return cdiv(k_tiles, splits) * block_k
 
 
-#: M at and above which dequantize-then-cuBLAS beats the fused GEMM (measured: bench/RESULTS.md).
-DEQUANT_MIN_M = 512
+#: M above which dequantize-then-cuBLAS beats the fused GEMM (H200 sweeps, bench/RESULTS.md: at M=256 it wins on
+#: three of the four Llama shapes, and by more at M >= 1024).
+DEQUANT_ABOVE_M = 64
+
+#: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 16 | 64, N, K), group size 128
+#: (bench/gpu_suite.py --sweep, 2026-11-30; ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
+TUNED = {
+    (1, 4096, 4096): Plan("gemv", 1, 64, 128, 512),
+    (1, 12288, 4096): Plan("gemm", 16, 256, 128, 768, fast=True),
+    (1, 22016, 4096): Plan("gemm", 16, 256, 128, 640, fast=True),
+    (1, 4096, 11008): Plan("gemm", 16, 256, 128, 768, fast=True),
+    (16, 4096, 4096): Plan("gemm", 16, 128, 128, 512, swap=True),
+    (16, 12288, 4096): Plan("gemm", 16, 256, 128, 768, fast=True),
+    (16, 22016, 4096): Plan("gemm", 16, 256, 128, 640, fast=True),
+    (16, 4096, 11008): Plan("gemm", 16, 256, 128, 768, fast=True),
+    (64, 4096, 4096): Plan("gemm", 64, 128, 128, 512, swap=True),
+    (64, 12288, 4096): Plan("gemm", 64, 64, 128, 2048, swap=True),
+    (64, 22016, 4096): Plan("gemm", 64, 128, 64, 2048, swap=True),
+    (64, 4096, 11008): Plan("gemm", 64, 256, 64, 704, swap=True),
+}
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan:
-    """The path and tiles for an [m, k] x [k, n] W{bits} product with group size ``group`` on a GPU of ``sms``
-    multiprocessors. Pure function of shapes (no host sync, stable under CUDA graphs)."""
+    """The path and tiles for an [m, k] x [k, n] W{bits} product with group size ``group`` (= k per-channel) on a
+    GPU of ``sms`` multiprocessors: a measured plan from TUNED where one fits, else the rules below, which follow
+    the sweeps. Pure function of shapes (no host sync, stable under CUDA graphs)."""
     pf = 32 // bits
-    if group % pf or m >= DEQUANT_MIN_M:
+    if group % pf or m > DEQUANT_ABOVE_M:
         return Plan("dequant")
+    tuned = TUNED.get((1 if m == 1 else 16 if m <= 16 else 64, n, k))
+    if tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k):
+        return tuned
     if m == 1:
         block_n = 64 if n <= 4096 else 128 if n <= 16384 else 256
         block_k = _pow2_divisor(group, 128)
         return Plan("gemv", block_m=1, block_n=block_n, block_k=block_k,
                     k_per_split=_split(k, block_k, cdiv(n, block_n), 4 * sms), num_warps=4, num_stages=3)
-    block_k = _pow2_divisor(group, 128 if m <= 64 else 64)
+    block_k = _pow2_divisor(group, 128)
     if block_k < max(16, pf):
         return Plan("dequant")
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 128 if m <= 64 else 256 if m > 128 else 128
-    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    block_m = 16 if m <= 16 else 64
+    tiles = cdiv(m, block_m) * cdiv(n, 128)
     k_per_split = _split(k, block_k, tiles, 2 * sms) if tiles < sms else k
-    return Plan("gemm", block_m=block_m, block_n=block_n, block_k=block_k, k_per_split=k_per_split,
-                swap=False, num_warps=4 if m <= 64 else 8, num_stages=3)
+    return Plan("gemm", block_m=block_m, block_n=128, block_k=block_k, k_per_split=k_per_split, swap=True)
 
 
 def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -53,7 +53,9 @@ def test_decode(dtype, lengths, q_heads, kv_heads, block_size):
 def test_decode_split_chunks_are_shape_only():
     assert pa.decode_split_chunk(64, 8, 4096, 132) == 4096  # 512 programs fill the GPU: one split
     assert pa.decode_split_chunk(1, 8, 16384, 132) == 256
+    assert pa.decode_split_chunk(1, 8, 4096, 132) == 128
     assert pa.decode_split_chunk(16, 8, 4096, 132) == 1024
+    assert pa.decode_split_chunk(16, 8, 1024, 132) == 256
     assert pa.decode_split_chunk(1, 8, 48, 132) == 64
 
 

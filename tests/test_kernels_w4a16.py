@@ -125,8 +125,12 @@ def test_other_bit_widths(bits):
 
 
 def test_plans_follow_shape():
-    assert w4a16.choose_plan(1, 12288, 4096, 4, 128, 132).path == "gemv"
+    assert w4a16.choose_plan(1, 4096, 4096, 4, 128, 132).path == "gemv"
+    assert w4a16.choose_plan(1, 12288, 4096, 4, 128, 132).fast  # tuned
+    assert not w4a16.choose_plan(1, 12288, 4096, 4, 32, 132).fast  # the tuned tile does not fit a group of 32
+    assert w4a16.choose_plan(1, 1536, 576, 4, 64, 132).path == "gemv"
     assert w4a16.choose_plan(16, 4096, 4096, 4, 128, 132).path == "gemm"
+    assert w4a16.choose_plan(40, 1536, 576, 4, 64, 132).path == "gemm"
     assert w4a16.choose_plan(4096, 4096, 4096, 4, 128, 132).path == "dequant"
     assert w4a16.choose_plan(16, 4096, 4096, 4, 8, 132).path == "dequant"  # no 16-row K tile inside a group
 
