@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from appliance import config as cfgmod
 from appliance import hardware, service, tuner
@@ -496,8 +497,10 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
         raise
     with step(console, f"Asking: {QUESTION}"):
         answer = ask(url, name, opts.api_key)
-    console.print(Panel(answer.strip() or "(empty answer)", title=QUESTION, expand=False))
-    console.print(Panel(usage_text(url, name, opts.api_key), title="Call the endpoint", expand=False))
+    console.print(Panel(Text(answer.strip() or "(empty answer)"), title=QUESTION, expand=False))
+    console.rule("Call the endpoint")  # plain lines below, so they copy and paste as they are
+    console.print(Text(usage_text(url, name, opts.api_key)))
+    console.rule()
     console.print("Manage it with `appliance status`, `appliance logs`, `appliance stop`.")
     return {"config": config_file, "model_dir": served_dir, "source": source, "perplexity": ppl, "plan": plan,
             "answer": answer, "url": url, "mode": mgr.mode}
