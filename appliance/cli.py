@@ -36,8 +36,8 @@ def friendly(fn):
         try:
             return fn(*args, **kwargs)
         except ApplianceError as exc:
-            err_console.print(f"[red]error:[/red] {exc.message}" + (f" [dim](fix: {exc.hint})[/dim]" if exc.hint else ""),
-                              highlight=False, soft_wrap=True)
+            fix = f" [dim](fix: {exc.hint})[/dim]" if exc.hint else ""
+            err_console.print(f"[red]error:[/red] {exc.message}{fix}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
@@ -95,7 +95,8 @@ def quantize(
     model: str = typer.Argument(..., help="model folder or HF cache name"),
     method: str = typer.Option("awq", "--method", help="awq or gptq"),
     out: Path = typer.Option(..., "--out", help="folder for the quantized checkpoint"),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text file (default: KJV Genesis-Deuteronomy)"),
+    calib: Optional[Path] = typer.Option(None, "--calib",
+                                         help="calibration text file (default: KJV Genesis-Deuteronomy)"),
     bits: int = typer.Option(4, "--bits"),
     group_size: int = typer.Option(128, "--group-size"),
     desc_act: bool = typer.Option(False, "--desc-act", help="GPTQ activation order"),
@@ -308,13 +309,16 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
             need = 4 * info.weight_bytes + int(conf.cpu_kv_cache_gib * tuner.GIB)
             ok = hw.available_memory >= need
             checks.append((ok, f"RAM: {hardware.gib(hw.available_memory)} free for about {hardware.gib(need)} "
-                               "(weights dequantized at load + KV cache)", "close other programs or lower cpu_kv_cache_gib"))
+                               "(weights dequantized at load + KV cache)",
+                           "close other programs or lower cpu_kv_cache_gib"))
     mgr = _manager(conf)
     st = mgr.status()
     if isinstance(mgr, service.Systemd):
-        checks.append((st.running, f"unit {mgr.unit_path}: {st.detail}", "see `appliance logs`; `systemctl restart appliance`"))
+        checks.append((st.running, f"unit {mgr.unit_path}: {st.detail}",
+                       "see `appliance logs`; `systemctl restart appliance`"))
     else:
-        checks.append((st.running, f"background server: {st.detail}", "run `appliance install` or see `appliance logs`"))
+        checks.append((st.running, f"background server: {st.detail}",
+                       "run `appliance install` or see `appliance logs`"))
     if st.running:
         import httpx
 

@@ -66,7 +66,8 @@ class Config:
         from engine.config import EngineConfig
 
         if not self.model:
-            raise ConfigError("no model is configured", "run `appliance install` or pass MODEL_DIR to `appliance serve`")
+            raise ConfigError("no model is configured",
+                              "run `appliance install` or pass MODEL_DIR to `appliance serve`")
         try:
             return EngineConfig(
                 model=self.model,
@@ -79,7 +80,8 @@ class Config:
                 kv_cache_dtype=self.kv_cache_dtype,
             )
         except ValueError as exc:
-            raise ConfigError(f"invalid setting: {exc}", "fix it in the config file or the APPLIANCE_* variable") from None
+            raise ConfigError(f"invalid setting: {exc}",
+                              "fix it in the config file or the APPLIANCE_* variable") from None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -98,7 +98,8 @@ def detect(nvml=None) -> Hardware:
         except nvml.NVMLError:
             pass
     if not gpus:
-        return Hardware(kind="cpu", driver=driver, cuda_driver=cuda_driver, reason="the driver reports no GPU", **host())
+        return Hardware(kind="cpu", driver=driver, cuda_driver=cuda_driver, reason="the driver reports no GPU",
+                        **host())
     return Hardware(kind="cuda", gpus=gpus, driver=driver, cuda_driver=cuda_driver, **host())
 
 

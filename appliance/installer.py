@@ -341,7 +341,8 @@ def usage_text(url: str, model: str, api_key: str | None) -> str:
         f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n\n"
         f"from openai import OpenAI\n"
         f"client = OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\")\n"
-        f"reply = client.chat.completions.create(model=\"{model}\", messages=[{{\"role\": \"user\", \"content\": \"Hello!\"}}])\n"
+        f"reply = client.chat.completions.create(model=\"{model}\",\n"
+        f"                                       messages=[{{\"role\": \"user\", \"content\": \"Hello!\"}}])\n"
         f"print(reply.choices[0].message.content)"
     )
 
@@ -369,8 +370,9 @@ def plan_table(model: tuner.ModelInfo, plan: tuner.Plan) -> Table:
 def detect_line(hw: hardware.Hardware) -> str:
     if hw.kind == "cuda":
         g = hw.gpu
+        more = f" ({len(hw.gpus)} GPUs)" if len(hw.gpus) > 1 else ""
         return (f"{g.name}: {hardware.gib(g.total_memory)} total, {hardware.gib(g.free_memory)} free, compute "
-                f"capability {g.compute_capability}, driver {hw.driver}" + (f" ({len(hw.gpus)} GPUs)" if len(hw.gpus) > 1 else ""))
+                f"capability {g.compute_capability}, driver {hw.driver}{more}")
     return (f"cpu: {hw.cpu_name}, {hw.cpu_cores} cores, {hardware.gib(hw.available_memory)} of "
             f"{hardware.gib(hw.total_memory)} RAM free; {hw.reason}")
 

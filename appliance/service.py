@@ -149,7 +149,8 @@ class Systemd:
     def status(self) -> Status:
         active = self._systemctl("is-active", UNIT_NAME, check=False).stdout.strip()
         pid = self._systemctl("show", "-p", "MainPID", "--value", UNIT_NAME, check=False).stdout.strip()
-        return Status(mode=self.mode, running=active == "active", pid=int(pid) if pid.isdigit() and pid != "0" else None,
+        return Status(mode=self.mode, running=active == "active",
+                      pid=int(pid) if pid.isdigit() and pid != "0" else None,
                       detail=f"unit {self.unit_path}: {active or 'unknown'}",
                       log=f"journalctl {'--user-unit' if self.user else '-u'} {UNIT_NAME}")
 

@@ -2,8 +2,9 @@
 hardware, each value with the reason it was chosen. Flags given by the user win over the plan.
 
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size: for "auto" the engine's compute
-dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact reference path), 1 for fp8/int8. On a GPU the KV pool is what is left of ``gpu_memory_utilization`` x total memory after
-the weights and a fixed reserve for activations and the CUDA context; on a CPU it is a slice of free RAM.
+dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact reference path), 1 for fp8/int8.
+On a GPU the KV pool is what is left of ``gpu_memory_utilization`` x total memory after the weights and a fixed
+reserve for activations and the CUDA context; on a CPU it is a slice of free RAM.
 """
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
                                                  f"(other processes hold the rest); {gib(GPU_FREE_MARGIN)} kept spare")
         else:
             util = GPU_DEFAULT_UTILIZATION
-            reasons["gpu_memory_utilization"] = f"the GPU is free: {util:.0%} of {gib(gpu.total_memory)}, the rest spare"
+            reasons["gpu_memory_utilization"] = (f"the GPU is free: {util:.0%} of {gib(gpu.total_memory)}, "
+                                                 "the rest spare")
         kv_bytes = int(gpu.total_memory * util) - model.weight_bytes - GPU_RESERVE
         if kv_bytes < block_bytes:
             raise TuneError(f"the model ({gib(model.weight_bytes)}) does not fit in {util:.0%} of the "

@@ -39,7 +39,8 @@ def test_save_replaces_atomically_and_leaves_no_temp_file(tmp_path):
 
 
 def test_env_overrides_every_kind_of_key(tmp_path, monkeypatch):
-    path = cfgmod.save(Config(model="/m", port=8000, max_model_len=2048, gpu_memory_utilization=0.9), tmp_path / "c.toml")
+    path = cfgmod.save(Config(model="/m", port=8000, max_model_len=2048, gpu_memory_utilization=0.9),
+                       tmp_path / "c.toml")
     monkeypatch.setenv("APPLIANCE_PORT", "9001")
     monkeypatch.setenv("APPLIANCE_GPU_MEMORY_UTILIZATION", "0.5")
     monkeypatch.setenv("APPLIANCE_MODEL", "/other")

@@ -20,7 +20,8 @@ def free_port() -> int:
 
 
 def ppl_rows(output: str) -> dict[str, float]:
-    return {m[1].strip(): float(m[2]) for m in re.finditer(r"│ (unquantized|AWQ 4-bit g\d+)\s*│\s*([\d.]+) │", output)}
+    rows = re.finditer(r"│ (unquantized|AWQ 4-bit g\d+)\s*│\s*([\d.]+) │", output)
+    return {m[1].strip(): float(m[2]) for m in rows}
 
 
 @pytest.mark.slow
