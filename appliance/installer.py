@@ -252,21 +252,26 @@ def quantize_model(source: Path, out: Path, method: str, bits: int, group_size: 
 
 def perplexities(models: dict[str, Path], cache_file: Path, console: Console, log: Path | None = None
                  ) -> dict[str, float]:
-    """Held-out perplexity (design.md §6) of each model, computed once per model folder and cached in JSON."""
+    """Held-out perplexity (design.md §6) of each model, computed once per model folder and evaluator version
+    (a hash of the quant.evaluate and quant.calibration sources) and cached in JSON."""
+    import quant.calibration
+    import quant.evaluate
+
+    evaluator = hashlib.sha256()
+    for module in (quant.evaluate, quant.calibration):
+        evaluator.update(Path(module.__file__).read_bytes())
     try:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
     out = {}
     for label, path in models.items():
-        key = f"{path.resolve()}:{_fingerprint(path)}"
+        key = f"{path.resolve()}:{_fingerprint(path)}:{evaluator.hexdigest()[:10]}"
         if key not in cache:
-            from quant.evaluate import perplexity
-
             with step(console, f"Perplexity of the {label} model on held-out text", log=log):
-                cache[key] = float(perplexity(str(path)))
+                cache[key] = float(quant.evaluate.perplexity(str(path)))
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            service._write_atomic(cache_file, json.dumps(cache, indent=1))
+            service.write_atomic(cache_file, json.dumps(cache, indent=1))
         out[label] = cache[key]
     return out
 

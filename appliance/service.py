@@ -47,7 +47,7 @@ def systemd_running() -> bool:
         return False
 
 
-def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -137,7 +137,7 @@ class Systemd:
     def install(self, config_path: Path, data_dir: Path) -> Path:
         """Write the unit (atomically), reload systemd, enable it and (re)start it."""
         Path(data_dir).mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.unit_path, render_unit(config_path, data_dir, user=self.user))
+        write_atomic(self.unit_path, render_unit(config_path, data_dir, user=self.user))
         self._systemctl("daemon-reload")
         self._systemctl("enable", UNIT_NAME)
         self._systemctl("restart", UNIT_NAME)
@@ -233,7 +233,7 @@ class Background:
             started = psutil.Process(proc.pid).create_time()
         except psutil.Error:
             started = time.time()
-        _write_atomic(self.pid_file, f"{proc.pid} {started}\n")
+        write_atomic(self.pid_file, f"{proc.pid} {started}\n")
         return proc.pid
 
     def status(self) -> Status:
