@@ -5,17 +5,20 @@ timed in the same run).
   (bytes read per step / measured copy bandwidth), and against our own eager engine;
 * 256 concurrent requests (128 prompt / 512 output tokens) against transformers bf16 ``generate`` at batch 128
   on same-shaped random weights;
-* greedy agreement of the GPU path with the CPU reference on the SmolLM2 demo checkpoint, when present.
+* greedy agreement of CUDA graphs, eager Triton and the torch references on a small random model, and of the
+  GPU path with the CPU reference on the SmolLM2 demo checkpoint when it was brought over (in parts).
 """
 from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 
+from bench.random_model import write_random_awq_model
 from engine import LLM, SamplingParams
 
 
@@ -57,77 +60,64 @@ def _decode_tok_s(llm: LLM, prompt_len: int, steps: int) -> float:
     return steps / elapsed
 
 
-def bench_decode_bs1(model_dir: str, copy_bw: float, rows: list) -> None:
-    """copy_bw: measured device copy bandwidth in bytes/s."""
-    results = {}
+def decode_rows(ctx: dict, make_row) -> list:
+    """Batch-1 decode of the 7B-shaped model: graphs on vs the bandwidth bound, and graphs on vs eager."""
+    model_dir = ctx.setdefault("model_7b", str(write_random_awq_model("/tmp/rand_7b")))
+    tok_s, notes = {}, {}
     for eager in (False, True):
         torch.cuda.reset_peak_memory_stats()
         llm = LLM(model_dir, device="cuda", max_num_seqs=1, max_model_len=1024, enforce_eager=eager,
                   gpu_memory_utilization=0.3)
         _decode_tok_s(llm, 32, 16)  # warm-up
-        results[eager] = _decode_tok_s(llm, 32, 256)
+        tok_s[eager] = _decode_tok_s(llm, 32, 256)
         kv_bytes = llm.engine.runner._bytes_per_block() / llm.engine.config.block_size * 160
         bytes_per_step = _weight_bytes(llm) + kv_bytes
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        notes[eager] = (f"{tok_s[eager]:.0f} tok/s; {bytes_per_step / 1e9:.2f} GB/step; "
+                        f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         del llm
         _free()
-        rows.append((f"7B AWQ bs1 decode, {'eager' if eager else 'CUDA graphs'}", f"{results[eager]:.0f} tok/s",
-                     f"bound {copy_bw / bytes_per_step:.0f} tok/s", f"{results[eager] * bytes_per_step / copy_bw:.2f}",
-                     f"{peak:.1f} GiB"))
-    rows.append(("7B AWQ bs1 decode, graphs vs eager", f"{results[False]:.0f} tok/s", f"{results[True]:.0f} tok/s",
-                 f"{results[False] / results[True]:.2f}", ""))
+    bound_us = bytes_per_step / ctx["copy_bw"] * 1e6
+    return [
+        make_row("7B AWQ decode bs1, CUDA graphs, vs bandwidth bound", "Llama-2-7B shape, ctx ~160",
+                 1e6 / tok_s[False], "bytes/step ÷ copy BW", bound_us, 0.70, notes[False]),
+        make_row("7B AWQ decode bs1, CUDA graphs vs eager", "same", 1e6 / tok_s[False], "our eager engine",
+                 1e6 / tok_s[True], 2.0, notes[True] + " (eager)"),
+    ]
 
 
-def _hf_generate_tok_s(model_dir: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg.pop("quantization_config")
-    torch.cuda.reset_peak_memory_stats()
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16).eval()
-    ids = torch.randint(3, cfg["vocab_size"], (batch, prompt_len), device="cuda")
-    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-    model.generate(ids[:, :16], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    torch.cuda.synchronize()
-    tok_s = batch * new_tokens / (time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    del model
-    _free()
-    return tok_s, peak
-
-
-def bench_throughput(model_dir: str, rows: list, requests: int = 256, prompt_len: int = 128,
-                     output_len: int = 512, hf_new_tokens: int = 128) -> None:
+def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 128, output_len: int = 512,
+                    hf_new_tokens: int = 128) -> list:
+    """256 concurrent requests through ``LLM.generate`` vs transformers bf16 ``generate`` at batch 128."""
+    model_dir = ctx.setdefault("model_7b", str(write_random_awq_model("/tmp/rand_7b")))
     hf, hf_peak = _hf_generate_tok_s(model_dir, 128, prompt_len, hf_new_tokens)
     torch.cuda.reset_peak_memory_stats()
     llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.5)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 32000, (prompt_len,), generator=gen).tolist() for _ in range(requests)]
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     torch.cuda.synchronize()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    ours = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    ours = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**30
     del llm, outs
     _free()
-    rows.append((f"{requests} requests x {prompt_len}/{output_len} tokens, output tok/s", f"{ours:.0f} tok/s",
-                 f"HF bf16 generate bs128 ({hf_new_tokens} new) {hf:.0f} tok/s", f"{ours / hf:.2f}",
-                 f"{peak:.1f} GiB (HF {hf_peak:.1f})"))
+    return [make_row(f"{requests} concurrent requests, output tok/s", f"{prompt_len} prompt / {output_len} output",
+                     1e6 / ours, f"HF bf16 generate bs128 ({hf_new_tokens} new tokens)", 1e6 / hf, 15.0,
+                     f"{ours:.0f} vs {hf:.0f} tok/s; peak {peak:.1f} GiB (HF {hf_peak:.1f})")]
 
 
-def check_smollm2(model_dir: str, expected: dict, rows: list) -> None:
-    """Greedy GPU tokens vs the CPU reference's (``expected``: {"prompts": [...], "tokens": [[...]]}).
+def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
+    """Greedy GPU tokens vs the CPU reference's on the SmolLM2 AWQ checkpoint, when it was brought over
+    (``expected.json`` beside it: {"prompts": [...], "tokens": [[...]]}). The row's numbers are counts.
 
-    At a divergence, reports the gap between the GPU's two best log-probabilities at that step: a gap within
-    bf16 rounding (< 0.05 nats) is a tie the two paths may break differently.
+    At a divergence it reports the gap between the GPU's two best log-probabilities at that step: a gap within
+    bf16 rounding (< 0.05 nats) is a near-tie the two paths may break differently.
     """
+    expected_path = Path(model_dir).parent / "expected.json"
+    if not expected_path.is_file():
+        return []
+    expected = json.loads(expected_path.read_text())
     llm = LLM(model_dir, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.2)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     outs = llm.generate(expected["prompts"], params)
@@ -139,8 +129,42 @@ def check_smollm2(model_dir: str, expected: dict, rows: list) -> None:
             continue
         step = next(j for j, (a, b) in enumerate(zip(got, ref)) if a != b)
         top = sorted(out.outputs[0].logprobs[step].values(), reverse=True)[:2]
-        notes.append(f"prompt {i} diverges at token {step}, top-2 gap {top[0] - top[1]:.4f} nats")
+        notes.append(f"prompt {i} diverges at token {step} (top-2 gap {top[0] - top[1]:.3f} nats)")
     del llm, outs
     _free()
-    rows.append(("SmolLM2 AWQ greedy, GPU vs CPU reference (8 x 32 tokens)", f"{same}/8 identical", "; ".join(notes)
-                 or "no divergence", f"{same / 8:.2f}", ""))
+    total = len(expected["tokens"])
+    return [make_row("SmolLM2 AWQ greedy: GPU = CPU reference (counts, not µs)", f"{total} prompts x 32 tokens",
+                     total, "sequences identical", same, 1.0, "; ".join(notes) or "no divergence")]
+
+
+def _small_model_tokens(model_dir: str, **kw) -> list[list[int]]:
+    llm = LLM(model_dir, device="cuda", gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16, **kw)
+    prompts = [list(range(3, 3 + n)) for n in (1, 5, 16, 17, 40, 100)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    del llm
+    _free()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def cuda_path_rows(ctx: dict, make_row) -> list:
+    """On a small random AWQ model: CUDA graphs, eager Triton and the torch references give the same greedy
+    tokens (six prompts of 1-100 tokens across block boundaries, 24 tokens each). Counts, not µs."""
+    small = str(write_random_awq_model("/tmp/rand_small", hidden_size=1024, intermediate_size=2816,
+                                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                       vocab_size=4096, max_position_embeddings=2048))
+    graphs = _small_model_tokens(small)
+    eager = _small_model_tokens(small, enforce_eager=True)
+    os.environ["APPLIANCE_KERNELS"] = "torch"
+    try:
+        ref = _small_model_tokens(small, enforce_eager=True)
+    finally:
+        del os.environ["APPLIANCE_KERNELS"]
+    n = len(ref)
+    return [make_row("engine greedy: CUDA graphs = eager (counts, not µs)", "random 4-layer AWQ, 6 prompts", n,
+                     "sequences identical", sum(a == b for a, b in zip(graphs, eager)), 1.0, ""),
+            make_row("engine greedy: Triton = torch reference (counts, not µs)", "same", n, "sequences identical",
+                     sum(a == b for a, b in zip(eager, ref)), 1.0, "bf16 both; a near-tie may differ")]
+
+
+#: What ``bench/gpu_suite.py`` runs after its kernel rows, in order.
+SUITE_ROWS = [cuda_path_rows, smollm2_rows, decode_rows, throughput_rows]

@@ -451,7 +451,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile configuration too")
     ap.add_argument("--skip-tests", action="store_true", help="skip the kernel test files")
-    ap.add_argument("--only", choices=["w4a16", "decode"], help="run one section of the table")
+    ap.add_argument("--only", choices=["w4a16", "decode", "engine"], help="run one section of the table")
     ap.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     ap.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -482,6 +482,9 @@ def main() -> int:
 
     sections = [("w4a16", w4_section), ("decode", lambda: decode_rows(log, copy_bw, args.sweep))]
     ctx = {"copy_bw": copy_bw, "args": args, "log": log}
+    from bench import engine_bench
+    for fn in engine_bench.SUITE_ROWS:
+        engine_rows(lambda c, fn=fn: fn(c, Row))
     sections += [("engine", lambda fn=fn: fn(ctx)) for fn in ENGINE_ROWS]
     for name, fn in sections:
         if args.only and name != args.only:
@@ -495,8 +498,9 @@ def main() -> int:
         write_out(render(rows, copy_bw, tests), log)  # a run cut short still leaves its rows
     table = render(rows, copy_bw, tests)
     print("\n" + table)
-    with open(args.results, "a") as f:
-        f.write("\n" + table)
+    if not args.dry_run:
+        with open(args.results, "a") as f:
+            f.write("\n" + table)
     write_out(table, log)
     return 1 if FAILURES else 0
 
