@@ -40,7 +40,8 @@ def load_dequantized(model_dir, dtype: torch.dtype = torch.float32):
     config = AutoConfig.from_pretrained(model_dir)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with _no_init():  # every weight is overwritten below; random init of 135M parameters costs seconds
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors = load_state(model_dir)
     state: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
@@ -56,6 +57,14 @@ def load_dequantized(model_dir, dtype: torch.dtype = torch.float32):
                          f"missing weights {sorted(set(missing) - tied)[:5]}")
     model.tie_weights()
     return model.eval()
+
+
+def _no_init():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
 
 
 @torch.inference_mode()

@@ -2,7 +2,8 @@
 
 The result is a standard checkpoint the engine (and vLLM, transformers, gptqmodel) can load: safetensors,
 ``config.json`` with ``quantization_config`` (AWQ ``version: gemm`` or GPTQ ``checkpoint_format: gptq``) and the
-tokenizer files, chat template included.  It is written into a temporary folder beside ``out_dir`` and renamed into
+tokenizer files, chat template included; fp16 (scales, embeddings, norms), as AutoAWQ writes them.  Calibration
+matmuls run in fp32 on CPU (see ``_cpu_patches``).  It is written into a temporary folder beside ``out_dir`` and renamed into
 place, so an interrupted run never leaves a half-written checkpoint.
 """
 from __future__ import annotations
@@ -33,8 +34,10 @@ def quantize(model_dir, out_dir, method: str = "awq", bits: int = 4, group_size:
     ``method`` "awq" (AWQ-gemm) or "gptq" (GPTQ v1 format); ``group_size`` -1 = per-channel; ``desc_act`` is GPTQ's
     act-order.  ``calib``: calibration samples, a list of strings or of ``{"input_ids", "attention_mask"}`` dicts
     (default: :func:`quant.calibration.calibration_samples`).  ``progress`` receives one short message per phase and
-    per decoder layer.  ``clip`` turns on AWQ's weight-clipping search (off: it costs about a minute of CPU per
-    layer on the demo model for little gain).  An existing ``out_dir`` is replaced only once the new checkpoint is complete.
+    per decoder layer.  ``clip`` turns on AWQ's weight-clipping search (off by default: on the demo model it costs
+    about a minute of CPU per layer).  ``group_size`` is lowered to the largest power of two that divides every
+    linear's in_features (see :func:`fit_group_size`; 64 for SmolLM2-135M).  An existing ``out_dir`` is replaced
+    only once the new checkpoint is complete.
     Raises ValueError for an unknown method or unsupported bits.
     """
     if method not in METHODS:
@@ -101,72 +104,54 @@ def _run_gptqmodel(model_dir: Path, out: Path, method, bits, group_size, desc_ac
     if calib is None:
         calib = calibration_samples(tokenizer)
     if method == "awq":
-        config = QuantizeConfig(bits=bits, group_size=group_size, quant_method="awq", format="gemm")
+        # asymmetric (AutoAWQ's zero_point: true), the AWQ default
+        config = QuantizeConfig(bits=bits, group_size=group_size, sym=False, quant_method="awq", format="gemm",
+                                offload_to_disk=False)
         backend = BACKEND.AWQ_TORCH
     else:
         config = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, quant_method="gptq",
-                                format="gptq", act_group_aware=False if desc_act else None)
+                                format="gptq", act_group_aware=False if desc_act else None, offload_to_disk=False)
         backend = BACKEND.GPTQ_TORCH
     say(f"loading {model_dir.name}")
-    # fp32 on CPU: bf16/fp16 matmuls without native support are ~5x slower there.
-    model = GPTQModel.load(str(model_dir), config, device="cpu", dtype=torch.float32)
+    model = GPTQModel.load(str(model_dir), config, device="cpu", dtype=torch.float16)
     _report_layers(model, say)
     say(f"quantizing ({method.upper()}, {len(calib)} calibration samples)")
     with _cpu_patches(clip):
         model.quantize(calib, tokenizer=tokenizer, backend=backend, batch_size=min(len(calib), 16))
     say("saving checkpoint")
-    with _cpu_patches(clip):
-        model.save(str(out))
-    _restore_dtype(model_dir, out)
-
-
-def _restore_dtype(model_dir: Path, out: Path) -> None:
-    """Cast the float32 tensors gptqmodel saved (embeddings, norms) back to the source model's dtype, and say so in
-    config.json; the quantized tensors (int32 codes, fp16 scales) are left as they are."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    source = json.loads((model_dir / "config.json").read_text())
-    name = source.get("dtype") or source.get("torch_dtype") or "bfloat16"
-    dtype = getattr(torch, str(name).replace("torch.", ""))
-    for f in sorted(out.glob("*.safetensors")):
-        tensors = load_file(f)
-        if any(t.dtype == torch.float32 for t in tensors.values()):
-            save_file({k: t.to(dtype) if t.dtype == torch.float32 else t for k, t in tensors.items()}, f,
-                      metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    for key in ("dtype", "torch_dtype"):
-        if key in config:
-            config[key] = str(dtype).replace("torch.", "")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    model.save(str(out))
 
 
 @contextlib.contextmanager
 def _cpu_patches(clip: bool):
-    """Two settings gptqmodel 7.6 does not expose: AWQ's clipping search (AutoAWQ's ``apply_clip``, hard-coded on in
-    AWQProcessor) and float32 modules for its torch kernels (the model is quantized in fp32 because bf16 matmuls are
-    ~5x slower on CPUs without bf16 units; the packed scales are fp16 either way)."""
-    import torch
-    from gptqmodel.looper.awq_processor import AWQProcessor
-    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
-    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+    """Two things gptqmodel 7.6 does not expose, for the duration of a quantization run:
 
-    original_init = AWQProcessor.__init__
-    dtypes = {cls: cls.SUPPORTS_DTYPES for cls in (AwqTorchLinear, TorchLinear)}
+    * AWQ's weight-clipping search (AutoAWQ's ``apply_clip``), hard-coded on in AWQProcessor;
+    * fp32 matmuls on CPU: the model stays fp16 (so the checkpoint is a standard fp16 AWQ/GPTQ one), but every
+      fp16/bf16 ``F.linear`` on a CPU tensor is computed in fp32 and rounded back, ~5x faster on CPUs without
+      half-precision units. (Loading the model in fp32 instead makes gptqmodel 7.6's AWQ write wrong weights.)
+    """
+    import torch
+    import torch.nn.functional as F
+    from gptqmodel.looper.awq_processor import AWQProcessor
+
+    original_init, original_linear = AWQProcessor.__init__, F.linear
 
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         self.apply_clip = clip
 
-    AWQProcessor.__init__ = init
-    for cls, supported in dtypes.items():
-        cls.SUPPORTS_DTYPES = [*supported, torch.float32]
+    def linear(x, weight, bias=None):
+        if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype:
+            bias = None if bias is None else bias.float()
+            return original_linear(x.float(), weight.float(), bias).to(x.dtype)
+        return original_linear(x, weight, bias)
+
+    AWQProcessor.__init__, F.linear = init, linear
     try:
         yield
     finally:
-        AWQProcessor.__init__ = original_init
-        for cls, supported in dtypes.items():
-            cls.SUPPORTS_DTYPES = supported
+        AWQProcessor.__init__, F.linear = original_init, original_linear
 
 
 def _report_layers(model, say: Progress) -> None:
@@ -196,6 +181,8 @@ def _complete_folder(model_dir: Path, out: Path) -> None:
     if "quantization_config" not in config:
         raise RuntimeError(f"gptqmodel wrote no quantization_config into {out / 'config.json'}")
     os.chmod(out, 0o755)
+    for f in out.iterdir():
+        os.chmod(f, 0o644)  # gptqmodel writes the weights 0600; the service may run as another user
 
 
 def _replace(tmp: Path, out_dir: Path) -> None:
