@@ -1,0 +1,118 @@
+"""``appliance bench``: a load sweep against a running server, vLLM ``benchmark_serving``-style.
+
+For each concurrency level, that many clients each stream completions back to back (``/v1/completions`` with
+``stream: true`` and ``ignore_eos``) until ``requests`` have finished; per level it reports req/s, output tok/s
+and TTFT / ITL / E2E latency percentiles. Everything goes over HTTP: it measures what a user sees.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestTiming:
+    """One streamed request: seconds from send to the first text, between text chunks, and to the end;
+    ``output_tokens`` from the stream's final usage chunk."""
+
+    ttft: float
+    itl: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    output_tokens: int = 0
+
+
+@dataclass
+class LevelResult:
+    """One concurrency level. Latencies in seconds; rates per second of wall time."""
+
+    concurrency: int
+    requests: int
+    errors: int
+    output_tokens: int
+    duration: float
+    req_per_s: float
+    output_tok_per_s: float
+    ttft_p50: float
+    ttft_p99: float
+    itl_p50: float
+    itl_p99: float
+    e2e_p50: float
+    e2e_p99: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[min(max(int(round(q)) - 1, 0), 98)]
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
+    start = time.perf_counter()
+    timing, last, usage = None, start, 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                continue
+            now = time.perf_counter()
+            if timing is None:
+                timing = RequestTiming(ttft=now - start)
+            else:
+                timing.itl.append(now - last)
+            last = now
+    timing = timing or RequestTiming(ttft=time.perf_counter() - start)
+    timing.e2e = time.perf_counter() - start
+    timing.output_tokens = usage
+    return timing
+
+
+async def run_level(url: str, model: str, concurrency: int, requests: int, prompt_len: int,
+                    max_tokens: int, api_key: str | None = None) -> LevelResult:
+    """Run ``requests`` streamed completions with ``concurrency`` clients in flight; bounded by the count."""
+    body = {"model": model, "prompt": "hello " * prompt_len, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timings: list[RequestTiming] = []
+    errors = 0
+    todo = iter(range(requests))
+
+    async def worker(client):
+        nonlocal errors
+        for _ in todo:
+            try:
+                timings.append(await _one(client, url, body))
+            except (httpx.HTTPError, RuntimeError):
+                errors += 1
+
+    limits = httpx.Limits(max_connections=concurrency)
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    duration = time.perf_counter() - start
+    itl = [x for t in timings for x in t.itl]
+    ttft, e2e = [t.ttft for t in timings], [t.e2e for t in timings]
+    tokens = sum(t.output_tokens for t in timings)
+    return LevelResult(concurrency, len(timings), errors, tokens, duration, len(timings) / duration, tokens / duration, percentile(ttft, 50), percentile(ttft, 99),
+                       percentile(itl, 50), percentile(itl, 99), percentile(e2e, 50), percentile(e2e, 99))
+
+
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The first model id the server lists (raises httpx.HTTPError when it is unreachable)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]

@@ -1,0 +1,41 @@
+"""``appliance bench``'s load generator against a live server over the fake engine (exact counts, no timing)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from appliance.loadgen import percentile, run_level, served_model
+from engine.async_engine import AsyncLLMEngine
+from engine.server.api_server import build_app
+from test_server_fakes import FakeEngine, ServerThread, wait_for
+
+
+def test_percentile_interpolates():
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 50) == 5.5
+    assert percentile([1, 2, 3], 99) == pytest.approx(2.98)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_level_counts_every_request_and_token(concurrency):
+    fake = FakeEngine(max_num_seqs=4)
+    engine = AsyncLLMEngine(lambda: fake, "fake-model")
+    with ServerThread(build_app(engine)) as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        assert served_model(url) == "fake-model"
+        result = asyncio.run(run_level(url, "fake-model", concurrency, requests=5, prompt_len=4, max_tokens=6))
+    engine.shutdown()
+    assert (result.concurrency, result.requests, result.errors, result.output_tokens) == (concurrency, 5, 0, 30)
+    assert result.output_tok_per_s > 0 and result.req_per_s > 0
+    assert 0 < result.ttft_p50 <= result.ttft_p99 and result.e2e_p50 >= result.ttft_p50
+
+
+def test_level_counts_errors_for_an_unknown_model():
+    engine = AsyncLLMEngine(lambda: FakeEngine(), "fake-model")
+    with ServerThread(build_app(engine)) as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        result = asyncio.run(run_level(url, "no-such-model", 2, requests=3, prompt_len=4, max_tokens=2))
+    engine.shutdown()
+    assert (result.requests, result.errors) == (0, 3)
