@@ -12,8 +12,8 @@ import json
 
 CALIBRATION_BOOKS = ("Genesis", "Exodus", "Leviticus", "Numbers", "Deuteronomy")
 HELDOUT_BOOKS = ("Luke",)
-# AWQ's scale search runs every decoder block 20 times over all calibration tokens: on 2 CPU cores that costs
-# about 1.5 s per layer of the 135M demo model for each 1,000 tokens, so the default is 32 windows of 128 tokens.
+# AWQ's scale search runs each decoder block 20 times over all calibration tokens, so its time grows linearly with
+# them: 16 windows of 128 tokens (2,048 tokens) took about 380 CPU-seconds for the 30-layer demo model on 2 cores.
 DEFAULT_NUM_SAMPLES = 16
 DEFAULT_SEQ_LEN = 128
 

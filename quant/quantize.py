@@ -2,9 +2,9 @@
 
 The result is a standard checkpoint the engine (and vLLM, transformers, gptqmodel) can load: safetensors,
 ``config.json`` with ``quantization_config`` (AWQ ``version: gemm`` or GPTQ ``checkpoint_format: gptq``) and the
-tokenizer files, chat template included; fp16 (scales, embeddings, norms), as AutoAWQ writes them.  Calibration
-matmuls run in fp32 on CPU (see ``_cpu_patches``).  It is written into a temporary folder beside ``out_dir`` and renamed into
-place, so an interrupted run never leaves a half-written checkpoint.
+tokenizer files, chat template included; fp16 (scales, embeddings, norms), as AutoAWQ writes them.
+Calibration matmuls run in fp32 on CPU (see ``_cpu_patches``).  It is written into a temporary folder beside
+``out_dir`` and renamed into place, so an interrupted run never leaves a half-written checkpoint.
 """
 from __future__ import annotations
 

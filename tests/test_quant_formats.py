@@ -160,7 +160,7 @@ def test_gptq_8bit_and_partial_last_group():
     assert torch.equal(qf.dequantize(qw).half(), gptq_dequant_by_gptqmodel(m, 8, v1=False))
 
 
-# ---------------------------------------------------------------------------------------------------- compressed-tensors
+# ------------------------------------------------------------------------------------------ compressed-tensors
 def ct_pack(values: torch.Tensor, bits: int, packed_dim: int) -> torch.Tensor:
     """compressed-tensors ``pack_to_int32``, from its spec: signed int8 codes + 2**(bits-1) as uint32, entry i*pf + j
     of ``packed_dim`` at bits [bits*j, bits*(j+1)) of word i, zero-padded, viewed as int32."""
@@ -201,7 +201,7 @@ def test_compressed_tensors_pack_quantized(group_size, sym, act_order):
     assert torch.equal(qf.dequantize(qw), w)
 
 
-# ---------------------------------------------------------------------------------------------------- layout, API, errors
+# ------------------------------------------------------------------------------------------ layout, API, errors
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_roundtrip(bits):
     codes = torch.randint(0, 1 << bits, (16, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.int32)
@@ -246,3 +246,18 @@ def test_errors_name_what_is_wrong():
                       torch.ones(4, 8).half(), 4, 2, g_idx=torch.tensor([0, 0, 0, 1, 2, 2, 3, 3]))
     with pytest.raises(KeyError, match="l.scales"):
         qf.from_checkpoint({"l.qweight": z32, "l.qzeros": z32}, "l", {"quant_method": "awq", "bits": 4})
+
+
+def test_concat_out_features_stacks_dequantized_rows():
+    parts = []
+    for seed, n in ((0, 64), (1, 32), (2, 32)):  # q, k, v shaped
+        q, z, s, w = make_weight(n, 128, 32, sym=False, seed=seed)
+        parts.append((qf.from_codes(q.t().int(), z.t().int(), s.t().half(), 4, 32, source="gptq_v2"), w))
+    fused = qf.concat_out_features([p for p, _ in parts])
+    assert fused.out_features == 128 and fused.qweight.shape == (16, 128)
+    assert torch.equal(qf.dequantize(fused), torch.cat([w for _, w in parts]))
+    q, z, s, _ = make_weight(32, 128, 64, sym=False)
+    other = qf.from_codes(q.t().int(), z.t().int(), s.t().half(), 4, 64)
+    assert qf.concat_out_features([parts[0][0], other]) is None  # different group size
+    moved = qf.to_device(fused, torch.device("cpu"))
+    assert torch.equal(qf.dequantize(moved), qf.dequantize(fused))
