@@ -85,6 +85,28 @@ def decode_rows(ctx: dict, make_row) -> list:
     ]
 
 
+def _hf_generate_tok_s(model_dir: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg.pop("quantization_config")
+    torch.cuda.reset_peak_memory_stats()
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16).eval()
+    ids = torch.randint(3, cfg["vocab_size"], (batch, prompt_len), device="cuda")
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    model.generate(ids[:, :16], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    torch.cuda.synchronize()
+    tok_s = batch * new_tokens / (time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del model
+    _free()
+    return tok_s, peak
+
+
 def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 128, output_len: int = 512,
                     hf_new_tokens: int = 128) -> list:
     """256 concurrent requests through ``LLM.generate`` vs transformers bf16 ``generate`` at batch 128."""

@@ -87,7 +87,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits. On CUDA the LM head accumulates and writes fp32 (``torch.mm`` with ``out_dtype``), so
+        bf16 rounding of the logits does not create ties between the top tokens."""
+        head = self.lm_head
+        if hidden.is_cuda and head.weight is not None and head.bias is None and head.weight.dtype != torch.float32:
+            return torch.mm(hidden, head.weight.t(), out_dtype=torch.float32)
+        return head(hidden).float()
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.attn for layer in self.layers]
