@@ -114,8 +114,8 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
     hf, hf_peak = _hf_generate_tok_s(model_dir, 128, prompt_len, hf_new_tokens)
     torch.cuda.reset_peak_memory_stats()
     llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.5)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 32000, (prompt_len,), generator=gen).tolist() for _ in range(requests)]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    prompts = [torch.randint(3, 32000, (prompt_len,), generator=gen, device="cpu").tolist() for _ in range(requests)]
     llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -188,5 +188,7 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                      sum(a == b for a, b in zip(eager, ref)), 1.0, "bf16 both; a near-tie may differ")]
 
 
-#: What ``bench/gpu_suite.py`` runs after its kernel rows, in order.
+#: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some.
 SUITE_ROWS = [cuda_path_rows, smollm2_rows, decode_rows, throughput_rows]
+if os.environ.get("ENGINE_ROWS"):
+    SUITE_ROWS = [fn for fn in SUITE_ROWS if fn.__name__ in os.environ["ENGINE_ROWS"].split(",")]
