@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
 from engine_fixtures import demo_dir, prompts
@@ -34,10 +34,23 @@ def model_dir():
 
 def test_greedy_matches_transformers_unquantized(model_dir):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = prompts(tokenizer)
     expected = hf_greedy(hf, tokenizer, texts)
     got = engine_greedy(model_dir, texts)
+    assert [len(t) for t in got] == [NUM_TOKENS] * len(texts)
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_on_awq_weights(awq_demo_model):
+    """The AWQ checkpoint, dequantized into transformers' LlamaForCausalLM, against our engine reading the file."""
+    from quant.evaluate import load_dequantized
+
+    hf = load_dequantized(awq_demo_model, torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(awq_demo_model)
+    texts = prompts(tokenizer)
+    expected = hf_greedy(hf, tokenizer, texts)
+    got = engine_greedy(str(awq_demo_model), texts)
     assert [len(t) for t in got] == [NUM_TOKENS] * len(texts)
     assert got == expected
