@@ -78,6 +78,7 @@ def install(
     max_model_len: Optional[int] = LenOpt,
     kv_cache_dtype: Optional[str] = KvOpt,
     health_timeout: float = typer.Option(600.0, "--health-timeout", hidden=True),
+    eval_tokens: int = typer.Option(32768, "--eval-tokens", hidden=True, help="held-out tokens for perplexity"),
 ):
     """The guided flow: model -> quantize -> detect -> tune -> config -> service -> first answer."""
     from appliance.installer import InstallOptions
@@ -86,7 +87,7 @@ def install(
     run_install(InstallOptions(model=model, method=method, yes=yes, no_service=no_service, host=host, port=port,
                                api_key=api_key, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
-                               health_timeout=health_timeout), console)
+                               health_timeout=health_timeout, eval_tokens=eval_tokens), console)
 
 
 @app.command()

@@ -48,6 +48,7 @@ class InstallOptions:
     bits: int = 4
     group_size: int = 128
     health_timeout: float = 600.0
+    eval_tokens: int = 32768  # held-out tokens for the perplexities (design.md §6)
 
 
 # ------------------------------------------------------------------------------------------------ progress
@@ -250,10 +251,11 @@ def quantize_model(source: Path, out: Path, method: str, bits: int, group_size: 
             raise ApplianceError(f"cannot quantize: {exc}", "check --method, --bits and --group-size") from None
 
 
-def perplexities(models: dict[str, Path], cache_file: Path, console: Console, log: Path | None = None
-                 ) -> dict[str, float]:
-    """Held-out perplexity (design.md §6) of each model, computed once per model folder and evaluator version
-    (a hash of the quant.evaluate and quant.calibration sources) and cached in JSON."""
+def perplexities(models: dict[str, Path], cache_file: Path, console: Console, log: Path | None = None,
+                 tokens: int = 32768) -> dict[str, float]:
+    """Held-out perplexity (design.md §6: the first ``tokens`` tokens of Luke) of each model, computed once per
+    model folder, token count and evaluator version (a hash of the quant.evaluate and quant.calibration sources)
+    and cached in JSON."""
     import quant.calibration
     import quant.evaluate
 
@@ -266,10 +268,10 @@ def perplexities(models: dict[str, Path], cache_file: Path, console: Console, lo
         cache = {}
     out = {}
     for label, path in models.items():
-        key = f"{path.resolve()}:{_fingerprint(path)}:{evaluator.hexdigest()[:10]}"
+        key = f"{path.resolve()}:{_fingerprint(path)}:{tokens}:{evaluator.hexdigest()[:10]}"
         if key not in cache:
             with step(console, f"Perplexity of the {label} model on held-out text", log=log):
-                cache[key] = float(quant.evaluate.perplexity(str(path)))
+                cache[key] = float(quant.evaluate.perplexity(str(path), max_tokens=tokens))
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             service.write_atomic(cache_file, json.dumps(cache, indent=1))
         out[label] = cache[key]
@@ -444,8 +446,8 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
         models["unquantized"] = source
     if method:
         models[f"{method.upper()} {opts.bits}-bit g{group_size}" if not already else method] = served_dir
-    ppl = perplexities(models, data_dir / "models" / PPL_CACHE, console, log=install_log)
-    ppl_table = Table(title="Perplexity on held-out text (lower is better)")
+    ppl = perplexities(models, data_dir / "models" / PPL_CACHE, console, log=install_log, tokens=opts.eval_tokens)
+    ppl_table = Table(title=f"Perplexity on held-out text, {opts.eval_tokens} tokens of Luke (lower is better)")
     ppl_table.add_column("model")
     ppl_table.add_column("perplexity", justify="right")
     for label, value in ppl.items():
