@@ -359,13 +359,50 @@ def top(url: str = typer.Option("http://127.0.0.1:8000", "--url")):
 
 
 @app.command()
-def bench(url: str = typer.Option("http://127.0.0.1:8000", "--url"),
-          concurrency: str = typer.Option("1,4,16,64,256", "--concurrency"),
-          prompt_len: int = typer.Option(128, "--prompt-len"),
-          max_tokens: int = typer.Option(512, "--max-tokens")):
-    """The load sweep (not yet)."""
-    console.print("`appliance bench` is not there yet")
-    raise typer.Exit(2)
+@friendly
+def bench(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the server's base URL"),
+          concurrency: str = typer.Option("1,4,16,64,256", "--concurrency", help="comma-separated levels"),
+          prompt_len: int = typer.Option(128, "--prompt-len", help="prompt length in tokens (about)"),
+          max_tokens: int = typer.Option(512, "--max-tokens", help="tokens generated per request"),
+          requests: int = typer.Option(0, "--requests", help="requests per level (0 = 2 x concurrency, min 4)"),
+          api_key: Optional[str] = typer.Option(None, "--api-key", envvar="APPLIANCE_API_KEY"),
+          as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Load sweep against a running server: req/s, output tok/s, TTFT / ITL / E2E p50 and p99 per concurrency."""
+    import asyncio
+
+    import httpx
+
+    from appliance import loadgen
+
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise ApplianceError(f"--concurrency {concurrency!r} is not a list of numbers", "e.g. --concurrency 1,4,16")
+    if not levels or min(levels) < 1 or prompt_len < 1 or max_tokens < 1:
+        raise ApplianceError("concurrency, prompt length and max tokens must be positive", "e.g. --concurrency 1,4")
+    url = url.rstrip("/")
+    try:
+        model = loadgen.served_model(url, api_key)
+    except httpx.HTTPError as exc:
+        raise ApplianceError(f"no server answers at {url} ({exc})", "start it with `appliance install` or pass --url")
+    results = []
+    for level in levels:
+        n = requests or max(4, 2 * level)
+        if not as_json:
+            console.print(f"concurrency {level}: {n} requests of {prompt_len} + {max_tokens} tokens ...")
+        results.append(asyncio.run(loadgen.run_level(url, model, level, n, prompt_len, max_tokens, api_key)))
+    if as_json:
+        from dataclasses import asdict
+        print(json.dumps([asdict(r) for r in results], indent=2))
+        return
+    table = Table(title=f"{model} at {url}")
+    for col in ("conc.", "req", "err", "req/s", "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p99 s"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(str(r.concurrency), str(r.requests), str(r.errors), f"{r.req_per_s:.2f}",
+                      f"{r.output_tok_per_s:.1f}", f"{r.ttft_p50 * 1e3:.0f} / {r.ttft_p99 * 1e3:.0f}",
+                      f"{r.itl_p50 * 1e3:.1f} / {r.itl_p99 * 1e3:.1f}", f"{r.e2e_p50:.2f} / {r.e2e_p99:.2f}")
+    console.print(table)
 
 
 def main() -> None:

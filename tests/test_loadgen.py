@@ -39,3 +39,26 @@ def test_level_counts_errors_for_an_unknown_model():
         result = asyncio.run(run_level(url, "no-such-model", 2, requests=3, prompt_len=4, max_tokens=2))
     engine.shutdown()
     assert (result.requests, result.errors) == (0, 3)
+
+
+def test_cli_bench_prints_a_row_per_level_and_rejects_bad_input():
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+
+    engine = AsyncLLMEngine(lambda: FakeEngine(max_num_seqs=4), "fake-model")
+    runner = CliRunner()
+    with ServerThread(build_app(engine)) as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        ok = runner.invoke(app, ["bench", "--url", url, "--concurrency", "1,2", "--prompt-len", "4",
+                                 "--max-tokens", "3", "--requests", "2", "--json"])
+        bad = runner.invoke(app, ["bench", "--url", url, "--concurrency", "one"])
+    engine.shutdown()
+    assert ok.exit_code == 0, ok.output
+    import json
+    rows = json.loads(ok.output)
+    assert [(r["concurrency"], r["requests"], r["errors"], r["output_tokens"]) for r in rows] == [(1, 2, 0, 6),
+                                                                                                   (2, 2, 0, 6)]
+    assert bad.exit_code == 1 and "not a list of numbers" in bad.output
+    down = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--concurrency", "1"])
+    assert down.exit_code == 1 and "no server answers" in down.output
