@@ -1,66 +1,203 @@
-"""The block manager: hands out integer KV-cache block ids to sequences (PagedAttention, Kwon et al. 2023).
+"""The block manager: hands out integer KV-cache block ids to sequences (PagedAttention, Kwon et al. 2023), with
+automatic prefix caching (vLLM's APC).
 
 The GPU (or CPU) never sees this bookkeeping: only the block tables and slot mappings the model runner builds
 from it.
+
+Prefix caching. A *full* block (``block_size`` tokens) is named by a hash chained over the whole prefix:
+``hash((parent_hash, token ids of the block))``, the parent being the block before it in the sequence (none for
+the first). Two sequences that share their first ``k * block_size`` tokens therefore name their first ``k`` blocks
+alike, whatever follows. A block gets its hash when it is allocated for the step that fills it (its K/V is written
+in that step, before anything can read it), and is registered in ``cached_blocks`` (hash -> block id) unless
+another block already holds that content. A new sequence looks its full prompt blocks up, in order, and reuses
+the run of hits (reference counts), starting its prefill after them; the last token is always computed, so the
+step has logits to sample from. When the last holder frees a registered block, the block keeps its K/V and
+goes to the back of the free queue: it is *cached* (evictable) and can still be hit; a free block is taken from
+the front, which holds the never-cached blocks first and then the cached ones least recently used first, and a
+cached block taken that way is evicted (unregistered) before reuse.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from engine.sequence import Sequence
+
+
+def block_hash(parent: int | None, token_ids) -> int:
+    """The chained hash of one full block (Python's tuple hash: deterministic for ints)."""
+    return hash((parent, tuple(token_ids)))
 
 
 class BlockManager:
     """A pool of ``num_blocks`` KV blocks of ``block_size`` token slots each.
 
-    Invariant: every block id is either in the free queue or in exactly one running sequence's block table,
-    so ``num_free_blocks + sum(len(seq.block_table)) == num_blocks`` at all times (checked by tests after every
-    finish and abort).
+    Invariants (checked by :meth:`check` in tests after every finish, abort and preemption):
+
+    * every block id is in exactly one of three states: *free* (in ``free_block_ids``, no hash), *cached*
+      (in ``free_block_ids``, reference count 0, registered in ``cached_blocks``; evictable) or *used*
+      (reference count >= 1, not in ``free_block_ids``);
+    * ``ref_counts[b]`` equals the number of block-table entries, over all sequences holding blocks, that are ``b``
+      (a sequence holds a block once at most);
+    * ``free_block_ids`` lists the free blocks first, then the cached ones from least to most recently used;
+    * ``cached_blocks[h] == b`` implies ``block_hashes[b] == h`` and ``block_tokens[b]`` holds the block's tokens.
+
+    So ``num_free_blocks`` (free + cached, what an allocation may take) plus the used blocks is ``num_blocks``,
+    and once every sequence has finished, ``num_free_blocks == num_blocks``: nothing leaks.
+    ``enable_prefix_caching=False`` (the default here; the engine passes ``EngineConfig.enable_prefix_caching``,
+    True by default) gives plain paging: no hashes, freed blocks are simply free.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        #: Allocation order: free blocks, then cached ones least recently used first (values unused).
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached_blocks: dict[int, int] = {}
+        #: Prefix cache lookups in tokens (vLLM semantics): a new sequence's tokens, and how many were found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
+    # ---- accounting ----------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: free plus cached (evictable)."""
         return len(self.free_block_ids)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a reusable prefix and that no sequence holds (evictable)."""
+        return sum(1 for b in self.cached_blocks.values() if self.ref_counts[b] == 0)
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks in use, in [0, 1]."""
+        """Fraction of blocks held by sequences, in [0, 1] (cached blocks count as free, as in vLLM)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def _is_registered(self, block_id: int) -> bool:
+        h = self.block_hashes[block_id]
+        return h is not None and self.cached_blocks.get(h) == block_id
+
+    # ---- prefix lookup -------------------------------------------------------------------------------------
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest run of cached full blocks at the start of ``seq``, leaving its last token out
+        (it must be computed to have logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent, bs = [], None, self.block_size
+        for i in range((len(seq) - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent = block_hash(parent, tokens)
+            block_id = self.cached_blocks.get(parent)
+            if block_id is None or self.block_tokens[block_id] != tokens:  # miss, or a hash collision
+                break
+            hits.append(block_id)
+        return hits
+
     def blocks_missing(self, seq: Sequence) -> int:
-        """How many more blocks ``seq`` needs to hold the K/V of all its tokens."""
-        return max(0, seq.num_blocks_needed(self.block_size) - len(seq.block_table))
+        """How many blocks :meth:`allocate` would take from the free queue for ``seq``: the blocks its tokens
+        still need, less the prefix-cache hits of a sequence without blocks that other sequences already hold
+        (hits that are cached-evictable come out of the free queue too)."""
+        missing = max(0, seq.num_blocks_needed(self.block_size) - len(seq.block_table))
+        if not seq.block_table:
+            missing -= sum(1 for b in self._prefix_hits(seq) if self.ref_counts[b] > 0)
+        return missing
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
+    # ---- allocate / free -----------------------------------------------------------------------------------
+    def _take_free(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        if self._is_registered(block_id):  # evict the least recently used cached block
+            del self.cached_blocks[self.block_hashes[block_id]]
+        self.block_hashes[block_id] = self.block_tokens[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
     def allocate(self, seq: Sequence) -> None:
         """Grow ``seq.block_table`` to cover every token of ``seq``.
 
-        Raises RuntimeError when the pool is short (callers check :meth:`can_allocate` first).
+        A sequence without blocks (new, or preempted) first reuses its cached prefix blocks and starts its
+        computation after them (``seq.num_computed_tokens``); the lookup is counted in
+        ``prefix_cache_queries/hits`` (tokens) the first time a sequence is scheduled. Full blocks that this
+        step's tokens fill get their hash. Raises RuntimeError when the pool is short (callers check
+        :meth:`can_allocate` with :meth:`blocks_missing` first); nothing changes then.
         """
         missing = self.blocks_missing(seq)
         if missing > self.num_free_blocks:
             raise RuntimeError(f"KV cache out of blocks: need {missing}, {self.num_free_blocks} free")
-        for _ in range(missing):
-            seq.block_table.append(self.free_block_ids.popleft())
+        if not seq.block_table:
+            hits = self._prefix_hits(seq)
+            for block_id in hits:
+                if self.ref_counts[block_id] == 0:
+                    del self.free_block_ids[block_id]
+                self.ref_counts[block_id] += 1
+            seq.block_table = list(hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+            if self.enable_prefix_caching and seq.num_output_tokens == 0:
+                self.prefix_cache_queries += len(seq)
+                self.prefix_cache_hits += seq.num_computed_tokens
+        for _ in range(seq.num_blocks_needed(self.block_size) - len(seq.block_table)):
+            seq.block_table.append(self._take_free())
+        self._hash_full_blocks(seq)
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        """Give every full block of ``seq`` its chained hash and register new content (first holder wins)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, parent = self.block_size, None
+        for i in range(len(seq) // bs):
+            block_id = seq.block_table[i]
+            if self.block_hashes[block_id] is None:
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                self.block_hashes[block_id] = block_hash(parent, tokens)
+                self.block_tokens[block_id] = tokens
+                self.cached_blocks.setdefault(self.block_hashes[block_id], block_id)
+            parent = self.block_hashes[block_id]
 
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s blocks to the pool and forget its cached tokens."""
-        self.free_block_ids.extend(seq.block_table)
+        """Release ``seq``'s blocks and forget its computed tokens. A block no one holds any more becomes cached
+        (most recently used) if it is registered, else free. The blocks are released last first, so that a
+        sequence's tail is evicted before the prefix it hangs on."""
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] > 0:
+                continue
+            self.free_block_ids[block_id] = None
+            if not self._is_registered(block_id):
+                self.block_hashes[block_id] = self.block_tokens[block_id] = None
+                self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
+    # ---- introspection -------------------------------------------------------------------------------------
     def block_states(self) -> str:
-        """One character per block: ``.`` free, ``#`` used."""
-        states = ["#"] * self.num_blocks
+        """One character per block: ``.`` free, ``#`` used, ``c`` cached (evictable)."""
+        return "".join("#" if self.ref_counts[b] else "c" if self._is_registered(b) else "."
+                       for b in range(self.num_blocks))
+
+    def check(self, seqs=()) -> None:
+        """Assert the invariants of the class docstring; ``seqs``: every sequence that holds blocks."""
+        counts = [0] * self.num_blocks
+        for seq in seqs:
+            assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id} holds a block twice"
+            for block_id in seq.block_table:
+                counts[block_id] += 1
+        assert counts == self.ref_counts, f"ref counts {self.ref_counts} != holders {counts}"
+        seen_cached = False
         for block_id in self.free_block_ids:
-            states[block_id] = "."
-        return "".join(states)
+            assert self.ref_counts[block_id] == 0, f"block {block_id} is free and held"
+            registered = self._is_registered(block_id)
+            assert registered or self.block_hashes[block_id] is None, f"free block {block_id} has a stale hash"
+            assert registered or not seen_cached, f"free block {block_id} queued behind cached blocks"
+            seen_cached |= registered
+        used = sum(1 for c in self.ref_counts if c)
+        assert used + self.num_free_blocks == self.num_blocks, "a block is neither free, cached nor used"
+        for h, block_id in self.cached_blocks.items():
+            assert self.block_hashes[block_id] == h and self.block_tokens[block_id] is not None

@@ -16,6 +16,7 @@ class EngineConfig:
     ``num_kv_blocks``: force the KV pool size (tests); None = size it from ``gpu_memory_utilization`` on CUDA or
     ``cpu_kv_cache_gib`` on CPU.
     ``max_num_batched_tokens``: token budget of one step; None = max(max_model_len, 2048).
+    ``enable_prefix_caching``: reuse the K/V of full blocks whose whole prefix matches (block_manager.py).
     """
 
     model: str
@@ -32,6 +33,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -67,7 +67,7 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len: the KV cache holds {self.runner.num_blocks * config.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; lower max_model_len or give the KV cache more memory")
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         budget = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
@@ -184,14 +184,17 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
+        cached = bm.num_cached_blocks
         running = {}
         for seq in self.scheduler.running:
             running[seq.request_id] = running.get(seq.request_id, 0) + len(seq.block_table)
         return EngineStats(
             num_running=len({s.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request_id for s in self.scheduler.waiting} - set(running)),
-            block_size=bm.block_size, num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
-            num_cached_blocks=0, kv_cache_usage=bm.usage,
+            # free + cached + used = num_blocks, as /v1/kv shows them; usage counts cached blocks as free (vLLM).
+            block_size=bm.block_size, num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks - cached,
+            num_cached_blocks=cached, kv_cache_usage=bm.usage,
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries_total=bm.prefix_cache_queries, prefix_cache_hits_total=bm.prefix_cache_hits,
             running=sorted(running.items()), block_states=bm.block_states())

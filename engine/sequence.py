@@ -23,9 +23,11 @@ class Sequence:
     """Token ids and KV-cache bookkeeping of one completion.
 
     Invariants: ``token_ids`` = prompt + generated tokens; ``num_computed_tokens`` <= ``len(token_ids)`` counts
-    the tokens whose K/V are in the cache; ``block_table`` holds exactly the blocks covering those tokens plus
-    those allocated for the tokens of the step being run (``len(block_table) * block_size >= len(token_ids)``
-    while running, empty when waiting or finished).
+    the tokens whose K/V are in the cache (when a sequence is scheduled for prefill it starts at the prefix-cache
+    hit, a multiple of the block size, always below ``len(token_ids)``); ``block_table`` holds exactly the blocks
+    covering those tokens plus those allocated for the tokens of the step being run
+    (``len(block_table) * block_size >= len(token_ids)`` while running, empty when waiting or finished); blocks
+    may be shared with other sequences (reference counts in the block manager).
     """
 
     request_id: str

@@ -4,7 +4,9 @@ Flash-Decoding, Dao et al. 2023).
 
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (see ``kv_cache.py``). Grouped-query
 attention: query head h reads KV head ``h // (num_q_heads // num_kv_heads)``. Sequences are computed one at a
-time with exact lengths (no padding), so a sequence's result does not depend on the rest of the batch.
+time with exact lengths (no padding), so a sequence's result does not depend on the rest of the batch; the
+references also compute every query row on its own, so a row's result does not depend on how many rows of its
+sequence are computed together (prefill = decode, bit for bit, on CPU).
 """
 from __future__ import annotations
 
@@ -25,21 +27,27 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``q_len`` positions of a ``kv_len`` context.
+    """Causal attention of the last ``q_len`` positions of a ``kv_len`` context, one query row at a time.
 
-    q: [q_len, Hq, D]; k, v: [kv_len, Hkv, D]. Query i sits at position kv_len - q_len + i. Returns [q_len, Hq, D].
+    q: [q_len, Hq, D]; k, v: [kv_len, Hkv, D]. Query i sits at position p = kv_len - q_len + i and attends to keys
+    0..p. Returns [q_len, Hq, D].
+
+    Row-invariant on purpose: every row is one unmasked SDPA call over exactly its own prefix ``k[:p + 1]``, which is
+    what a decode step computes for that position. A multi-row masked SDPA call rounds a row differently depending on
+    how many rows share the call (CPU flash kernel tiling), so a token recomputed by a prefill (after a preemption,
+    or after a prefix-cache hit) would not match the decode that first produced it.
     """
     q_len, kv_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    mask = None
-    if q_len > 1:
-        pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= pos_q
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    # [Hq, kv_len, D] views whose prefix [:, :p + 1] has the same strides and base as a fresh p + 1 token gather.
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    qt = q.transpose(0, 1)
+    out = torch.empty_like(q)
+    for i in range(q_len):
+        p = kv_len - q_len + i
+        out[i] = F.scaled_dot_product_attention(qt[:, i:i + 1], k[:, :p + 1], v[:, :p + 1], scale=scale)[:, 0]
+    return out
 
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -65,7 +73,9 @@ def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     q: [T, Hq, D], the new tokens of S sequences packed back to back; cu_seqlens_q: int32 [S + 1] offsets into q;
     context_lens: int32 [S] = cached prefix + new tokens; block_tables: int32 [S, max_blocks].
-    Returns [T, Hq, D] in q's dtype.
+    Returns [T, Hq, D] in q's dtype. Each row equals bit for bit what :func:`paged_attention_decode_ref` returns for
+    that position (see :func:`_attend`), so prefill, chunked prefill, prefix-cache hits and recompute after
+    preemption all give the tokens plain decoding gives.
     """
     out = torch.empty_like(q)
     for s in range(cu_seqlens_q.shape[0] - 1):
