@@ -3,7 +3,9 @@
 A step is either a prefill step (new sequences' prompts, up to the token budget) or a decode step (one token
 for every running sequence). New sequences join between steps and finished ones leave at once. When the KV
 pool runs out during decode, the newest running sequence is preempted by recompute: its blocks are freed and
-it goes back to the front of the waiting queue, to be prefilled again (prompt + tokens generated so far).
+it goes back to the front of the waiting queue, to be prefilled again (prompt + tokens generated so far). Its
+full blocks stay in the prefix cache until evicted, so the new prefill usually starts after them; on the CPU path
+a recomputed token's K/V and logits equal the decoded ones bit for bit (tests/test_preemption.py).
 """
 from __future__ import annotations
 

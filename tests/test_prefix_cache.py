@@ -209,7 +209,7 @@ def test_preempted_sequence_resumes_from_its_cached_blocks():
 SYSTEM = ("You are a careful assistant for a small appliance. Answer in one short sentence, name the source of "
           "every fact, and never invent numbers.")
 QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?"]
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)  # logprobs: bit-exact check
 
 
 @pytest.fixture(scope="module")
@@ -237,8 +237,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def tokens_of(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
+def tokens_of(outputs) -> list[tuple[list[int], list]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
 def assert_nothing_held(engine) -> None:
@@ -283,10 +283,10 @@ def test_requests_in_one_batch_share_the_prefix(cold, warm):
 def test_repeated_prompt_and_n_greater_than_one_match_cold(cold, warm):
     """The same prompt again reuses every block but the last token's; n = 2 shares the prompt's blocks."""
     prompt = chats(warm.get_tokenizer())[0]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2)
-    want = [o.token_ids for o in cold.generate([prompt], params)[0].outputs]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2, logprobs=1)
+    want = [(o.token_ids, o.logprobs) for o in cold.generate([prompt], params)[0].outputs]
     for _ in range(2):
-        got = [o.token_ids for o in warm.generate([prompt], params)[0].outputs]
+        got = [(o.token_ids, o.logprobs) for o in warm.generate([prompt], params)[0].outputs]
         assert got == want
     assert want[0] == want[1]
     assert_nothing_held(warm.engine)
