@@ -1,6 +1,7 @@
 """Engine configuration: one typed dataclass, filled by the offline ``LLM`` API or by ``appliance serve``."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -37,6 +38,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        self.model = os.path.expanduser(str(self.model))
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device: must be auto, cuda or cpu, got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
