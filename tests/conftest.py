@@ -29,17 +29,17 @@ def awq_demo_model(demo_model, tmp_path_factory):
     messages: list[str] = []
     out = quantize(demo_model, tmp_path_factory.mktemp("quant") / "awq", method="awq", group_size=128,
                    progress=messages.append)
-    return _Checkpoint(out, messages)
+    return _Checkpoint(out, messages=messages)
 
 
 class _Checkpoint(type(Path())):
     """A Path that also carries ``.messages`` (a plain Path has __slots__, so it cannot)."""
 
-    def __new__(cls, path, messages=None):
-        self = super().__new__(cls, path)
+    def __new__(cls, *parts, messages=None):
+        self = super().__new__(cls, *parts)
         self.messages = messages
         return self
 
-    def __init__(self, path, messages=None):
+    def __init__(self, *parts, messages=None):
         if sys.version_info >= (3, 12):
-            super().__init__(path)
+            super().__init__(*parts)
