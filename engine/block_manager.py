@@ -151,15 +151,16 @@ class BlockManager:
         """Give every full block of ``seq`` its chained hash and register new content (first holder wins)."""
         if not self.enable_prefix_caching:
             return
-        bs, parent = self.block_size, None
-        for i in range(len(seq) // bs):
-            block_id = seq.block_table[i]
-            if self.block_hashes[block_id] is None:
-                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                self.block_hashes[block_id] = block_hash(parent, tokens)
-                self.block_tokens[block_id] = tokens
-                self.cached_blocks.setdefault(self.block_hashes[block_id], block_id)
-            parent = self.block_hashes[block_id]
+        bs, table, full = self.block_size, seq.block_table, len(seq) // self.block_size
+        first = full  # hashed blocks form a prefix of the table: find where it ends, from the back (a decode step
+        while first and self.block_hashes[table[first - 1]] is None:  # fills one block at most)
+            first -= 1
+        parent = self.block_hashes[table[first - 1]] if first else None
+        for i in range(first, full):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent = self.block_hashes[table[i]] = block_hash(parent, tokens)
+            self.block_tokens[table[i]] = tokens
+            self.cached_blocks.setdefault(parent, table[i])
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks and forget its computed tokens. A block no one holds any more becomes cached
