@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -301,6 +302,10 @@ def client_url(host: str, port: int) -> str:
 def wait_healthy(url: str, manager, timeout: float, update=None) -> None:
     """Poll ``/health`` until 200; fail early if the server process is gone, and show its log on failure."""
     import httpx
+
+    # gptqmodel sets the root logger to INFO on import; keep httpx from logging every poll.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     deadline = time.monotonic() + timeout
     last = "no answer yet"

@@ -47,6 +47,7 @@ def test_install_end_to_end_without_systemd(tmp_path):
         assert "Quantizing to 4-bit AWQ" in out
         assert "Started the server in the background" in out and "--no-service" in out
         assert "What is the capital of France?" in out
+        assert "HTTP Request:" not in out + first.stderr  # no library logging under the spinners
         assert f"http://127.0.0.1:{port}/v1" in out and "curl " in out and "OpenAI(base_url=" in out
         ppl = ppl_rows(out)
         assert set(ppl) == {"unquantized", "AWQ 4-bit g64"}, out  # SmolLM2's 576-wide layers take group size 64
