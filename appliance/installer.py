@@ -332,16 +332,18 @@ class ServerFailed(ApplianceError):
         self.log_tail = manager.log_lines(30)
 
 
-def ask(url: str, model: str, api_key: str | None, question: str = QUESTION, max_tokens: int = 48) -> str:
+def ask(url: str, model: str, api_key: str | None, question: str = QUESTION, max_tokens: int = 32) -> str:
+    """One greedy chat request; the answer ends with "…" when it was cut at ``max_tokens``."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600)
     if r.status_code != 200:
         raise ApplianceError(f"the chat request failed: HTTP {r.status_code} {r.text[:200]}", "see `appliance logs`")
-    return r.json()["choices"][0]["message"]["content"]
+    choice = r.json()["choices"][0]
+    return choice["message"]["content"].strip() + (" …" if choice.get("finish_reason") == "length" else "")
 
 
 def usage_text(url: str, model: str, api_key: str | None) -> str:
@@ -511,9 +513,9 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
         raise
     with step(console, f"Asking: {QUESTION}"):
         answer = ask(url, name, opts.api_key)
-    console.print(Panel(Text(answer.strip() or "(empty answer)"), title=QUESTION, expand=False))
+    console.print(Panel(Text(answer or "(empty answer)"), title=QUESTION, expand=False))
     console.rule("Call the endpoint")  # plain lines below, so they copy and paste as they are
-    console.print(Text(usage_text(url, name, opts.api_key)))
+    console.print(Text(usage_text(url, name, opts.api_key)), soft_wrap=True)
     console.rule()
     console.print("Manage it with `appliance status`, `appliance logs`, `appliance stop`.")
     return {"config": config_file, "model_dir": served_dir, "source": source, "perplexity": ppl, "plan": plan,
