@@ -124,18 +124,26 @@ def _run_gptqmodel(model_dir: Path, out: Path, method, bits, group_size, desc_ac
 
 @contextlib.contextmanager
 def _cpu_patches(clip: bool):
-    """Two things gptqmodel 7.6 does not expose, for the duration of a quantization run:
+    """Three things gptqmodel 7.6 does not expose, for the duration of a quantization run:
 
+    * where its per-run processor logs go: a ``logs/`` folder in the current directory, which would litter the
+      user's working directory; they go to a temporary folder that is removed afterwards;
     * AWQ's weight-clipping search (AutoAWQ's ``apply_clip``), hard-coded on in AWQProcessor;
     * fp32 matmuls on CPU: the model stays fp16 (so the checkpoint is a standard fp16 AWQ/GPTQ one), but every
       fp16/bf16 ``F.linear`` on a CPU tensor is computed in fp32 and rounded back, ~5x faster on CPUs without
       half-precision units. (Loading the model in fp32 instead makes gptqmodel 7.6's AWQ write wrong weights.)
     """
+    import tempfile
+
     import torch
     import torch.nn.functional as F
+    from gptqmodel.looper import loop_processor
     from gptqmodel.looper.awq_processor import AWQProcessor
 
     original_init, original_linear = AWQProcessor.__init__, F.linear
+    original_log_dir = loop_processor._PROJECT_LOG_DIR
+    log_dir = tempfile.TemporaryDirectory(prefix="gptqmodel-logs-")
+    loop_processor._PROJECT_LOG_DIR = Path(log_dir.name)
 
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
@@ -152,6 +160,8 @@ def _cpu_patches(clip: bool):
         yield
     finally:
         AWQProcessor.__init__, F.linear = original_init, original_linear
+        loop_processor._PROJECT_LOG_DIR = original_log_dir
+        log_dir.cleanup()
 
 
 def _report_layers(model, say: Progress) -> None:
