@@ -327,10 +327,3 @@ def concat_out_features(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         scales=torch.cat([p.scales for p in parts], dim=1), perm=first.perm, bits=first.bits,
         group_size=first.group_size, in_features=first.in_features,
         out_features=sum(p.out_features for p in parts), source=first.source)
-
-
-def to_device(qw: QuantizedWeight, device: torch.device) -> QuantizedWeight:
-    """The same weight with every tensor on ``device``."""
-    move = (lambda t: None if t is None else t.to(device))
-    return QuantizedWeight(move(qw.qweight), move(qw.qzeros), move(qw.scales), move(qw.perm), qw.bits,
-                           qw.group_size, qw.in_features, qw.out_features, qw.source)

@@ -259,5 +259,5 @@ def test_concat_out_features_stacks_dequantized_rows():
     q, z, s, _ = make_weight(32, 128, 64, sym=False)
     other = qf.from_codes(q.t().int(), z.t().int(), s.t().half(), 4, 64)
     assert qf.concat_out_features([parts[0][0], other]) is None  # different group size
-    moved = qf.to_device(fused, torch.device("cpu"))
+    moved = fused.to(torch.device("cpu"))
     assert torch.equal(qf.dequantize(moved), qf.dequantize(fused))

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.quant_formats import QuantizedWeight, concat_out_features, dequantize, to_device
+from kernels.quant_formats import QuantizedWeight, concat_out_features, dequantize
 from kernels.rotary import rope_cos_sin
 
 
@@ -27,7 +27,7 @@ class Linear(nn.Module):
         self.weight, self.qweight, self.bias = None, None, None
         if device.type == "cuda" and all(isinstance(w, QuantizedWeight) for w in weights):
             packed = concat_out_features(weights)
-            self.qweight = to_device(packed, device) if packed is not None else None
+            self.qweight = packed.to(device) if packed is not None else None
         if self.qweight is None:
             dense = [dequantize(w) if isinstance(w, QuantizedWeight) else w for w in weights]
             self.weight = nn.Parameter(torch.cat(dense).to(device=device, dtype=dtype), requires_grad=False)
