@@ -180,8 +180,15 @@ class BlockManager:
     # ---- introspection -------------------------------------------------------------------------------------
     def block_states(self) -> str:
         """One character per block: ``.`` free, ``#`` used, ``c`` cached (evictable)."""
-        return "".join("#" if self.ref_counts[b] else "c" if self._is_registered(b) else "."
-                       for b in range(self.num_blocks))
+        # Called after every engine step (the server's stats snapshot): touch only the free queue and the cached
+        # blocks, not every block, so the cost falls as the pool fills. Blocks outside the queue are held.
+        states = bytearray(b"#" * self.num_blocks)
+        for block_id in self.free_block_ids:
+            states[block_id] = ord(".")
+        for block_id in self.cached_blocks.values():
+            if not self.ref_counts[block_id]:
+                states[block_id] = ord("c")
+        return states.decode()
 
     def check(self, seqs=()) -> None:
         """Assert the invariants of the class docstring; ``seqs``: every sequence that holds blocks."""
