@@ -29,6 +29,19 @@ import torch
 from ._triton import cdiv, device_fn, dot_f32, jit, num_sms, tl
 from .quant_formats import QuantizedWeight
 
+@device_fn
+def _load_tile(qw_ptr, s_ptr, z_ptr, k0, w, n, nmask, N, K, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """The packed words [WORDS, BLOCK_N] of rows k0 .. k0 + BLOCK_K, and that K tile's fp32 scales and integer
+    zeros [BLOCK_N] (a tile lies inside one group)."""
+    PF: tl.constexpr = 32 // BITS
+    rows = k0 // PF + w
+    q = tl.load(qw_ptr + rows[:, None] * N + n[None, :], mask=(rows < K // PF)[:, None] & nmask[None, :], other=0)
+    grp = k0 // GROUP
+    scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
+    zero = (tl.load(z_ptr + grp * (N // PF) + n // PF, mask=nmask, other=0) >> ((n % PF) * BITS)) & ((1 << BITS) - 1)
+    return q, scale, zero
+
+
 @jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, N, K, k_per_split,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -46,11 +59,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, N, K,
     k_hi = tl.minimum(K, k_lo + k_per_split)
     acc = tl.zeros([WORDS, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        rows = k0 // PF + w
-        q = tl.load(qw_ptr + rows[:, None] * N + n[None, :], mask=(rows < K // PF)[:, None] & nmask[None, :], other=0)
-        grp = k0 // GROUP
-        scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
-        zero = (tl.load(z_ptr + grp * (N // PF) + n // PF, mask=nmask, other=0) >> ((n % PF) * BITS)) & MASK
+        q, scale, zero = _load_tile(qw_ptr, s_ptr, z_ptr, k0, w, n, nmask, N, K, BITS, GROUP)
         zf = zero.to(tl.float32) + 8388608.0  # 2**23 + z: one subtract removes the magic and the zero
         part = tl.zeros([WORDS, BLOCK_N], tl.float32)
         for j in tl.static_range(PF):
@@ -123,11 +132,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        rows = k0 // PF + w
-        q = tl.load(qw_ptr + rows[:, None] * N + n[None, :], mask=(rows < K // PF)[:, None] & nmask[None, :], other=0)
-        grp = k0 // GROUP
-        scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
-        zero = (tl.load(z_ptr + grp * (N // PF) + n // PF, mask=nmask, other=0) >> ((n % PF) * BITS)) & MASK
+        q, scale, zero = _load_tile(qw_ptr, s_ptr, z_ptr, k0, w, n, nmask, N, K, BITS, GROUP)
         if FAST:
             part = tl.zeros(acc.shape, tl.float32)
             if IS_BF16:  # (magic + z) in both 16-bit halves
