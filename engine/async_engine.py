@@ -5,6 +5,11 @@ One thread ("engine thread") owns the ``LLMEngine``: it builds it (model load), 
 Event-loop code talks to it only through a thread-safe command queue (add / abort) and receives each request's
 ``RequestOutput``s on a per-request ``asyncio.Queue`` filled with ``loop.call_soon_threadsafe``.
 Stats are snapshotted by the engine thread after every step, so readers never call into the engine.
+
+Admission: at most ``max_num_seqs + max_waiting`` requests are in the engine at once (submitted and not finished
+or aborted), so at most ``max_waiting`` of them wait for a batch slot; one more is refused at once with
+``EngineOverloadedError`` (the server answers 503 with ``Retry-After``) and leaves nothing behind. The default
+``max_waiting`` is Ollama's ``OLLAMA_MAX_QUEUE`` (512); vLLM itself queues without a bound.
 """
 from __future__ import annotations
 
@@ -25,8 +30,21 @@ from engine.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 
+#: Requests that may wait for a batch slot beyond the ``max_num_seqs`` that run (Ollama's OLLAMA_MAX_QUEUE).
+DEFAULT_MAX_WAITING = 512
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (failed to load, raised in ``step``, or was shut down); nothing can be served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine already holds ``limit`` requests (``max_num_seqs + max_waiting``); the new one was not taken."""
+
+    def __init__(self, limit: int, max_waiting: int) -> None:
+        super().__init__(f"The server is overloaded: {limit} requests are already running or waiting "
+                         f"(max_waiting={max_waiting}); retry later.")
+        self.limit, self.max_waiting = limit, max_waiting
 
 
 _ACCEPTED = object()  # first item on a request's queue once the engine has taken it
@@ -99,11 +117,18 @@ class AsyncLLMEngine:
     ``engine_factory`` builds the ``LLMEngine`` on the engine thread (it may take minutes); ``model_name`` is the
     served name, known before load. States: "new" -> "loading" -> "ready", or "dead" once loading or a step raised
     (``error`` holds the exception). Requests submitted while loading wait for the load.
+    ``max_waiting``: how many requests may wait beyond ``config.max_num_seqs`` (``EngineConfig``'s default when
+    there is no config) before ``add_request`` raises ``EngineOverloadedError``.
     """
 
-    def __init__(self, engine_factory: Callable[[], Any], model_name: str, config: EngineConfig | None = None):
+    def __init__(self, engine_factory: Callable[[], Any], model_name: str, config: EngineConfig | None = None,
+                 max_waiting: int = DEFAULT_MAX_WAITING):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting: must be non-negative, got {max_waiting}")
         self.model_name = model_name
         self.config = config
+        self.max_waiting = max_waiting
+        self.max_requests = (config.max_num_seqs if config is not None else EngineConfig.max_num_seqs) + max_waiting
         self.error: BaseException | None = None
         self._factory = engine_factory
         self._engine: Any = None
@@ -117,12 +142,12 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+    def from_config(cls, config: EngineConfig, max_waiting: int = DEFAULT_MAX_WAITING) -> AsyncLLMEngine:
         """An engine that loads ``LLMEngine(config)`` when started; served as ``served_model_name`` or folder name."""
         def build():
             from engine.llm_engine import LLMEngine
             return LLMEngine(config)
-        return cls(build, config.served_model_name or Path(config.model).name, config)
+        return cls(build, config.served_model_name or Path(config.model).name, config, max_waiting)
 
     # ---- state, read from any thread ----
     @property
@@ -141,6 +166,11 @@ class AsyncLLMEngine:
     def engine(self) -> Any:
         """The loaded ``LLMEngine`` (read-only use: ``tokenizer``, ``max_model_len``); None until ready."""
         return self._engine
+
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted and not yet finished or aborted (what ``max_requests`` bounds)."""
+        return len(self._streams)
 
     def get_stats(self) -> EngineStats | None:
         """The snapshot taken after the latest step (None before the engine is loaded)."""
@@ -174,13 +204,16 @@ class AsyncLLMEngine:
                           arrival_time: float | None = None) -> RequestStream:
         """Submit a request and wait until the engine accepted it; returns its output stream.
 
-        Raises what ``LLMEngine.add_request`` raises (``ContextLengthError``, ``ValueError``) and
+        Raises what ``LLMEngine.add_request`` raises (``ContextLengthError``, ``ValueError``),
+        ``EngineOverloadedError`` when ``max_requests`` requests are already in (nothing is kept of this one) and
         ``EngineDeadError``. The caller must ``stream.abort()`` if it stops reading before the end.
         """
         if self._state == "new":
             raise RuntimeError("AsyncLLMEngine.start() was not called")
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if len(self._streams) >= self.max_requests:
+            raise EngineOverloadedError(self.max_requests, self.max_waiting)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         if self.is_dead:  # checked after registering: _fail_all() cannot miss this stream

@@ -14,7 +14,8 @@ class SamplingParams:
     Invariants checked by :meth:`validate` (raises ``ValueError`` naming the field):
     ``n >= 1``; ``temperature >= 0`` (0 means greedy); ``0 < top_p <= 1``; ``top_k == -1 or top_k >= 0``
     (0 and -1 both mean off); ``0 <= min_p <= 1``; penalties in vLLM's ranges; ``max_tokens >= 1`` or None
-    (None = up to ``max_model_len``); ``0 <= min_tokens <= max_tokens``; ``logprobs`` in [0, 20] or None.
+    (None = up to ``max_model_len``); ``0 <= min_tokens <= max_tokens``; ``logprobs`` in [0, 20] or None; no
+    empty stop string (it would match before any text, as vLLM refuses it too).
     """
 
     n: int = 1
@@ -63,6 +64,7 @@ class SamplingParams:
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must not exceed max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("stop", all(self.stop), "must not contain an empty string"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.server.api_server import build_app
 from test_server_fakes import REPLY, FakeEngine, FakeTokenizer, ServerThread, fake_completion, wait_for
@@ -18,8 +19,10 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT_PROMPT_LEN = len(FakeTokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True))
 
 
-def serve(fake: FakeEngine | None = None, gate: threading.Event | None = None, **app_kw):
-    """A started AsyncLLMEngine over ``fake`` (its load blocked until ``gate`` is set) behind a live server."""
+def serve(fake: FakeEngine | None = None, gate: threading.Event | None = None, engine_kw: dict | None = None,
+          **app_kw):
+    """A started AsyncLLMEngine over ``fake`` (its load blocked until ``gate`` is set; ``engine_kw`` are its
+    keyword arguments) behind a live server."""
     fake = fake or FakeEngine()
 
     def factory():
@@ -27,7 +30,7 @@ def serve(fake: FakeEngine | None = None, gate: threading.Event | None = None, *
             gate.wait(20)
         return fake
 
-    engine = AsyncLLMEngine(factory, MODEL)
+    engine = AsyncLLMEngine(factory, MODEL, **(engine_kw or {}))
     return engine, ServerThread(build_app(engine, **app_kw))
 
 
@@ -182,6 +185,8 @@ def _error(r: httpx.Response, status: int, param: str | None = None, code: str |
     ({"messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
     ({"messages": MESSAGES, "temperature": -1}, "temperature"),
     ({"messages": MESSAGES, "top_p": 0}, "top_p"),
+    ({"messages": MESSAGES, "stop": ["ok", ""]}, "stop"),
+    ({"messages": MESSAGES, "stop": ""}, "stop"),
     ({"model": MODEL}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages.0.role"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
@@ -210,10 +215,35 @@ def test_context_length_error_states_max_total_and_split(server):
     url, _, _ = server
     with pytest.raises(openai.BadRequestError) as info:
         sdk(url).completions.create(model=MODEL, prompt="x" * 200, max_tokens=100)
-    assert info.value.code == "context_length_exceeded"
-    message = info.value.body["message"]
-    assert "maximum context length is 256 tokens" in message
-    assert "requested 300 tokens (200 in the prompt, 100 in the completion)" in message
+    assert info.value.code == "context_length_exceeded" and info.value.body["param"] == "prompt"
+    assert info.value.body["message"] == (
+        "This model's maximum context length is 256 tokens. However, you requested 300 tokens (200 in the prompt, "
+        "100 in the completion). Please reduce the length of the prompt or completion.")
+
+
+def test_context_length_error_names_the_messages_for_chat(server):
+    url, _, _ = server
+    messages = [{"role": "user", "content": "y" * 150}]
+    prompt_len = len(FakeTokenizer().apply_chat_template(messages, add_generation_prompt=True))
+    err = _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 100}), 400,
+                 param="messages", code="context_length_exceeded")
+    assert err["message"] == (
+        f"This model's maximum context length is 256 tokens. However, you requested {prompt_len + 100} tokens "
+        f"({prompt_len} in the messages, 100 in the completion). Please reduce the length of the messages or "
+        f"completion.")
+
+
+@pytest.mark.parametrize("path,body,where", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "z" * 300}]}, "messages"),
+    ("/v1/completions", {"prompt": "z" * 256, "max_tokens": None}, "prompt"),
+])
+def test_prompt_alone_over_the_context_without_max_tokens(server, path, body, where):
+    """No max_tokens: the completion gets what is left, so only the prompt's length is wrong (vLLM's wording)."""
+    url, _, _ = server
+    prompt_len = CHAT_PROMPT_LEN - len(MESSAGES[0]["content"]) + 300 if where == "messages" else 256
+    err = _error(httpx.post(f"{url}{path}", json=body), 400, param=where, code="context_length_exceeded")
+    assert err["message"] == (f"This model's maximum context length is 256 tokens. However, you requested "
+                              f"{prompt_len} tokens in the {where}. Please reduce the length of the {where}.")
 
 
 def test_api_key_guards_v1_only():
@@ -308,3 +338,40 @@ def test_non_streaming_disconnect_aborts(server):
         httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(20, read=0.3))
     wait_for(lambda: len(fake.aborted) == 1, what="abort after disconnect")
     wait_for(lambda: engine.get_stats().num_running == 0, what="engine idle")
+
+
+def test_overload_is_503_with_retry_after_and_keeps_nothing():
+    """max_num_seqs 1 + max_waiting 2: three requests in the engine, the fourth is refused before anything is
+    queued; a batched completion that does not fit is refused whole; freed room is usable at once."""
+    fake = FakeEngine(max_num_seqs=1, step_delay=0.01)
+    engine, srv = serve(fake, engine_kw={"config": EngineConfig(model=MODEL, max_num_seqs=1), "max_waiting": 2})
+    long = {"prompt": "hold", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with srv as url, httpx.Client(base_url=url, timeout=20) as client:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        assert engine.max_requests == 3
+        held = [client.stream("POST", "/v1/completions", json=long) for _ in range(3)]
+        for h in held:
+            assert h.__enter__().status_code == 200  # headers come once the engine took the request
+
+        def overloaded(r: httpx.Response) -> None:
+            err = _error(r, 503, code="server_overloaded")
+            assert err["type"] == "service_unavailable_error" and r.headers["retry-after"] == "1"
+            assert err["message"] == ("The server is overloaded: 3 requests are already running or waiting "
+                                      "(max_waiting=2); retry later.")
+
+        overloaded(client.post("/v1/chat/completions", json={"messages": MESSAGES}))
+        overloaded(client.post("/v1/completions", json={**long, "max_tokens": 3}))
+        assert engine.num_requests == 3 and len(fake.waiting) + len(fake.running) == 3
+        held.pop().__exit__(None, None, None)  # one client leaves: its request is aborted
+        wait_for(lambda: engine.num_requests == 2 and len(fake.waiting) + len(fake.running) == 2,
+                 what="room for one")
+        overloaded(client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3}))
+        wait_for(lambda: len(fake.waiting) + len(fake.running) == 2, what="the half-admitted batch aborted")
+        assert engine.num_requests == 2
+        r = client.post("/v1/completions", json={"prompt": "fits", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == fake_completion(
+            4, SamplingParams(max_tokens=3))[0]
+        for h in held:
+            h.__exit__(None, None, None)
+        wait_for(lambda: engine.num_requests == 0 and not fake.waiting and not fake.running, what="engine empty")
+    engine.shutdown()

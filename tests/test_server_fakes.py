@@ -96,8 +96,8 @@ class FakeEngine:
             raise ValueError("prompt: must not be empty")
         if any(r.request_id == request_id for r in [*self.waiting, *self.running]):
             raise ValueError(f"request_id: duplicate {request_id!r}")
-        max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
-        if len(ids) + max_tokens > self.max_model_len:
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max(max_tokens, 1) > self.max_model_len:  # as LLMEngine: max_tokens < 1 when none was given
             raise ContextLengthError(self.max_model_len, len(ids), max_tokens)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.waiting.append(_Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,

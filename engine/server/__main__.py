@@ -1,4 +1,5 @@
-"""``python -m engine.server --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]``.
+"""``python -m engine.server --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N]
+[engine options]``.
 
 Every ``EngineConfig`` field is an option (``--max-model-len 2048``, ``--enforce-eager``, ...).
 """
@@ -9,6 +10,7 @@ import dataclasses
 import logging
 import typing
 
+from engine.async_engine import DEFAULT_MAX_WAITING
 from engine.config import EngineConfig
 from engine.server.api_server import run_server
 
@@ -32,11 +34,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                        help="requests queued beyond --max-num-seqs before new ones get 503 with Retry-After")
     _engine_options(parser)
     args = vars(parser.parse_args(argv))
-    host, port, api_key, log_level = (args.pop(k) for k in ("host", "port", "api_key", "log_level"))
+    host, port, api_key, log_level, max_waiting = (args.pop(k) for k in ("host", "port", "api_key", "log_level",
+                                                                          "max_waiting"))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level)
+    run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level,
+               max_waiting=max_waiting)
 
 
 if __name__ == "__main__":

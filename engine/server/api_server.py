@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.async_engine import AsyncLLMEngine
+from engine.async_engine import DEFAULT_MAX_WAITING, AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
 from engine.server.errors import APIError, install_error_handlers
@@ -158,9 +158,13 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
 
 
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-               api_key: str | None = None, log_level: str = "info") -> None:
-    """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM."""
-    engine = AsyncLLMEngine.from_config(engine_config)
+               api_key: str | None = None, log_level: str = "info",
+               max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+    """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM.
+
+    ``max_waiting``: requests queued beyond ``max_num_seqs`` before new ones get 503 (``AsyncLLMEngine``).
+    """
+    engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting)
     engine.start()
     try:
         uvicorn.run(build_app(engine, api_key=api_key), host=host, port=port, log_level=log_level,

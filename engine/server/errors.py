@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``, and the app's exception handlers.
 
-Client mistakes are 4xx naming the field; an engine that is loading or dead is 503; a 500 is always a bug.
+Client mistakes are 4xx naming the field; an engine that is loading, overloaded or dead is 503 (with
+``Retry-After`` when retrying helps); a 500 is always a bug.
 """
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineDeadError
+from engine.async_engine import EngineDeadError, EngineOverloadedError
 from engine.errors import ContextLengthError
 from engine.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
+
+#: Seconds an overloaded server asks a client to wait (``Retry-After``); the OpenAI SDKs honour it when retrying.
+OVERLOAD_RETRY_AFTER_S = 1
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 503: "service_unavailable_error"}
@@ -53,13 +57,11 @@ def from_engine_exception(e: Exception, prompt_field: str) -> APIError:
     ``prompt_field`` ("messages" or "prompt") is named in context-length errors.
     """
     if isinstance(e, ContextLengthError):
-        where = "messages" if prompt_field == "messages" else "prompt"
-        return APIError(400, f"This model's maximum context length is {e.max_model_len} tokens. However, you "
-                             f"requested {e.prompt_tokens + e.completion_tokens} tokens ({e.prompt_tokens} in the {where}, "
-                             f"{e.completion_tokens} in the completion). Please reduce the length of the "
-                             f"{where} or completion.", param=prompt_field, code="context_length_exceeded")
+        return APIError(400, e.message(prompt_field), param=prompt_field, code="context_length_exceeded")
     if isinstance(e, EngineDeadError):
         return APIError(503, f"The engine stopped and cannot serve requests: {e}", code="engine_dead")
+    if isinstance(e, EngineOverloadedError):
+        return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
     if isinstance(e, ValueError):
         return bad_value(e)
     raise e

@@ -74,7 +74,8 @@ class SamplingRequest(BaseModel):
                                                "frequency_penalty", "repetition_penalty")
                  if getattr(self, k) is not None}
         return SamplingParams(
-            n=self.n, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            n=self.n, seed=self.seed, stop=[] if self.stop is None else self.stop,
+            stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, **given)
