@@ -60,6 +60,32 @@ def _decode_tok_s(llm: LLM, prompt_len: int, steps: int) -> float:
     return steps / elapsed
 
 
+def _step_profile(llm: LLM, steps: int = 8, top: int = 12) -> list[tuple[str, float, int]]:
+    """GPU time per decode step by kernel (eager engine, batch 1): [(kernel, µs per step, launches per step)],
+    largest first; printed. The sum against the step time shows launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    engine.add_request("prof", list(range(3, 35)), SamplingParams(temperature=0, max_tokens=steps + 4,
+                                                                   ignore_eos=True))
+    engine.step()
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    engine.abort_request("prof")
+    engine.step()
+    rows = sorted(((e.key, e.device_time_total / steps, e.count // steps) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"decode step kernels (eager, bs1): {total:.0f} us of GPU time per step")
+    for name, us, count in rows[:top]:
+        print(f"  {us:8.1f} us  x{count:<4d} {name[:90]}")
+    return rows[:top]
+
+
 def decode_rows(ctx: dict, make_row) -> list:
     """Batch-1 decode of the 7B-shaped model: graphs on vs the bandwidth bound, and graphs on vs eager."""
     model_dir = ctx.setdefault("model_7b", str(write_random_awq_model("/tmp/rand_7b")))
@@ -70,6 +96,8 @@ def decode_rows(ctx: dict, make_row) -> list:
                   gpu_memory_utilization=0.3)
         _decode_tok_s(llm, 32, 16)  # warm-up
         tok_s[eager] = _decode_tok_s(llm, 32, 256)
+        if eager:
+            ctx["log"]["decode_profile"] = _step_profile(llm)
         kv_bytes = llm.engine.runner._bytes_per_block() / llm.engine.config.block_size * 160
         bytes_per_step = _weight_bytes(llm) + kv_bytes
         notes[eager] = (f"{tok_s[eager]:.0f} tok/s; {bytes_per_step / 1e9:.2f} GB/step; "
@@ -107,6 +135,24 @@ def _hf_generate_tok_s(model_dir: str, batch: int, prompt_len: int, new_tokens: 
     return tok_s, peak
 
 
+def _host_profile(llm: LLM, prompts: list, tokens: int = 64, top: int = 25) -> str:
+    """Where the host's time goes while the engine runs the full batch: cProfile of one shorter ``generate``
+    (profiling slows Python, so the figure is not reported), top functions by own time; printed."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print(out.getvalue())
+    return out.getvalue()
+
+
 def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 128, output_len: int = 512,
                     hf_new_tokens: int = 128) -> list:
     """256 concurrent requests through ``LLM.generate`` vs transformers bf16 ``generate`` at batch 128."""
@@ -122,6 +168,7 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     ours = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**30
+    ctx["log"]["throughput_host_profile"] = _host_profile(llm, prompts)
     del llm, outs
     _free()
     return [make_row(f"{requests} concurrent requests, output tok/s", f"{prompt_len} prompt / {output_len} output",

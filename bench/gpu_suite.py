@@ -232,15 +232,19 @@ def w4a16_candidates(m: int, n: int, k: int, sms: int) -> list[w4a16.Plan]:
     P = w4a16.Plan
     bm = 16 if m <= 16 else 64 if m <= 64 else 128
     if m <= 64:
-        for bn in (128, 64, 256):
+        for bn in (128, 256) if m == 1 else (128, 64, 256):
             for swap in (True, False):
                 tiles = cdiv(m, bm) * cdiv(n, bn)
                 for programs in (1, 2, 4):
                     kps = w4a16._split(k, 128, tiles, programs * sms)
                     plans.append(P("gemm", bm, bn, 128, kps, swap, 4, 3, fast=True))
     if m == 1:
-        for bn, bk, programs in ((128, 128, 4), (64, 128, 4), (256, 64, 4), (128, 128, 2), (64, 128, 2)):
-            plans.append(P("gemv", 1, bn, bk, w4a16._split(k, bk, cdiv(n, bn), programs * sms), False, 4, 3))
+        for bn, bk, warps, programs in ((128, 128, 4, 2), (128, 128, 4, 4), (128, 128, 4, 1), (128, 128, 8, 2),
+                                        (64, 128, 4, 2), (64, 128, 4, 4), (256, 128, 8, 1), (256, 128, 8, 2),
+                                        (128, 64, 4, 4), (256, 64, 8, 2), (64, 64, 2, 4), (128, 128, 4, 8)):
+            plans.append(P("gemv", 1, bn, bk, w4a16._split(k, bk, cdiv(n, bn), programs * sms), False, warps, 3))
+        plans.append(P("gemv", 1, 128, 128, w4a16._split(k, 128, cdiv(n, 128), 2 * sms), False, 4, 3,
+                       serial=False))
     elif m <= 64:
         for bn, bk, swap in ((128, 128, True), (256, 128, False), (128, 64, True)):
             tiles = cdiv(m, bm) * cdiv(n, bn)
@@ -255,11 +259,15 @@ def w4a16_candidates(m: int, n: int, k: int, sms: int) -> list[w4a16.Plan]:
                             plans.append(P("gemm", bm, bn, 128, kps, False, warps, stages, fast=True))
         plans.append(P("gemm", 128, 128, 64, w4a16._split(k, 64, cdiv(m, 128) * cdiv(n, 128), 2 * sms), False, 8, 3))
         plans.append(P("dequant"))
+    if m == 1:  # the GEMV candidates first: the time slice may run out
+        plans = plans[:1] + sorted(plans[1:], key=lambda p: p.path != "gemv")
     return list(dict.fromkeys(plans))
 
 
+#: the M values the sweep times (``--sweep-m``)
+SWEEP_MS = (1, 16, 64, 256, 1024, 4096)
 #: seconds the sweep may spend on one (shape, M), compiles included (the first shape pays most of them)
-SWEEP_SLICE = {1: 16, 16: 10, 64: 10, 256: 12, 1024: 6, 4096: 6}
+SWEEP_SLICE = {1: 30, 16: 25, 64: 25, 256: 12, 1024: 6, 4096: 6}
 
 
 def sweep_w4a16(log: dict) -> dict:
@@ -270,7 +278,7 @@ def sweep_w4a16(log: dict) -> dict:
         copies = rotation(k * n // 2 + cdiv(k, 128) * n * 5 // 2)
         qws = [random_w4(k, n) for _ in range(copies)]
         w16 = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(rotation(k * n * 2))]
-        for m in (1, 16, 64, 256, 1024, 4096):
+        for m in SWEEP_MS:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             results = []
             deadline = time.monotonic() + SWEEP_SLICE[m]
@@ -288,6 +296,9 @@ def sweep_w4a16(log: dict) -> dict:
             base = time_calls([lambda i=i: F.linear(x, w16[i]) for i in schedule(len(w16), 8)], replays=5)
             results.sort(key=lambda r: r[0])
             best[(k, n, m)] = results[0][1]
+            if m in (1, 16, 64):  # the engine rows of this run use the winners too (choose_plan reads TUNED)
+                w4a16.TUNED[(m, n, k)] = results[0][1]
+                w4a16.choose_plan.cache_clear()
             print(f"sweep {k}->{n} M={m}: bf16 {base:.1f} us; default {w4a16.choose_plan(m, n, k, 4, 128, sms)}")
             for us, plan in results[:4]:
                 print(f"    {us:8.1f} us  {base / us:5.2f}x  {plan}")
@@ -450,11 +461,15 @@ def header() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile configuration too")
+    ap.add_argument("--sweep-m", help="comma-separated M values for --sweep (default all)")
     ap.add_argument("--skip-tests", action="store_true", help="skip the kernel test files")
-    ap.add_argument("--only", choices=["w4a16", "decode", "engine"], help="run one section of the table")
+    ap.add_argument("--only", help="comma-separated sections to run: w4a16, decode, engine (default all)")
     ap.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     ap.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global SWEEP_MS
+    if args.sweep_m:
+        SWEEP_MS = tuple(int(m) for m in args.sweep_m.split(","))
     if args.dry_run:
         global DEV, W4_SHAPES, DECODE_CASES, DECODE_SWEEP_CASES, Q_HEADS, KV_HEADS, HEAD_DIM, ROTATE_BYTES, MIN_CALLS
         ROTATE_BYTES, MIN_CALLS = 1, 1
@@ -487,7 +502,7 @@ def main() -> int:
         engine_rows(lambda c, fn=fn: fn(c, Row))
     sections += [("engine", lambda fn=fn: fn(ctx)) for fn in ENGINE_ROWS]
     for name, fn in sections:
-        if args.only and name != args.only:
+        if args.only and name not in args.only.split(","):
             continue
         try:
             rows += fn()

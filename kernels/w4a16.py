@@ -6,16 +6,19 @@ Consumes :class:`kernels.quant_formats.QuantizedWeight` (every checkpoint format
 
 Three paths, picked per shape by :func:`choose_plan` (thresholds measured on an H200, see bench/RESULTS.md):
 
-* ``gemv`` (M = 1, small N): CUDA-core split-K GEMV. The scale and zero factor out of each group,
-  y_n = sum_g s_gn * sum_{k in g} x_k (q_kn - z_gn), so a weight costs a shift, a mask, a subtract and an FMA:
-  codes become floats with the "magic number" trick (code | 0x4B000000 is the fp32 2**23 + code; Kim et al.,
-  "Who says elephants can't run", 2022, use the same idea in fp16), avoiding the slow int-to-float conversion.
-* ``gemm`` (M <= 64, and M = 1 on wide layers): tensor-core tile GEMM; each K tile of the weight is dequantized to x's dtype in
+* ``gemv`` (M = 1): CUDA-core split-K GEMV. The scale and zero factor out of each group,
+  y_n = sum_g s_gn * sum_{k in g} x_k (q_kn - z_gn), and codes become floats linear in the code without an
+  int-to-float conversion (the "magic number" idea of Kim et al., "Who says elephants can't run", 2022): for
+  4-bit codes one ``prmt`` per code places a nibble-masked byte under the exponent byte (f = 0.5 + c/256), so a
+  weight costs about a ``prmt`` and an FMA. Split-K partial sums are added by the last program of each column
+  block in the same launch (an arrival counter), in a fixed order.
+* ``gemm`` (1 < M <= 64): tensor-core tile GEMM; each K tile of the weight is dequantized to x's dtype in
   registers (exactly as ``dequantize(qw).to(x.dtype)`` rounds it) and fed to ``tl.dot``; split-K when the output
   tiles alone cannot fill the GPU.
 * ``dequant`` (M > 64): dequantize the whole weight with a Triton kernel, then cuBLAS (``x @ W``).
 
-Split-K partial sums (fp32) are added in a fixed order by a second small kernel, so results are deterministic.
+The GEMM's split-K partial sums (fp32) are added in a fixed order by a second small kernel: results are
+deterministic on every path.
 Errors: ``ValueError`` for a QuantizedWeight / x mismatch; shapes the fused kernels cannot tile (a group size
 with no power-of-two divisor >= 16 for the GEMM) fall back to the ``dequant`` path.
 """
@@ -30,53 +33,137 @@ from ._triton import cdiv, device_fn, dot_f32, jit, num_sms, tl
 from .quant_formats import QuantizedWeight
 
 @device_fn
-def _load_tile(qw_ptr, s_ptr, z_ptr, k0, w, n, nmask, N, K, BITS: tl.constexpr, GROUP: tl.constexpr):
+def _load_tile(qw_ptr, s_ptr, z_ptr, k0, k_end, w, n, nmask, N, BITS: tl.constexpr, GROUP: tl.constexpr):
     """The packed words [WORDS, BLOCK_N] of rows k0 .. k0 + BLOCK_K, and that K tile's fp32 scales and integer
-    zeros [BLOCK_N] (a tile lies inside one group)."""
+    zeros [BLOCK_N] (a tile lies inside one group); zeros from row ``k_end`` (a multiple of the pack factor) on."""
     PF: tl.constexpr = 32 // BITS
     rows = k0 // PF + w
-    q = tl.load(qw_ptr + rows[:, None] * N + n[None, :], mask=(rows < K // PF)[:, None] & nmask[None, :], other=0)
+    q = tl.load(qw_ptr + rows[:, None] * N + n[None, :], mask=(rows < k_end // PF)[:, None] & nmask[None, :], other=0)
     grp = k0 // GROUP
-    scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
-    zero = (tl.load(z_ptr + grp * (N // PF) + n // PF, mask=nmask, other=0) >> ((n % PF) * BITS)) & ((1 << BITS) - 1)
+    gmask = nmask & (n * 0 + k0 < k_end)
+    scale = tl.load(s_ptr + grp * N + n, mask=gmask, other=0.0).to(tl.float32)
+    zero = (tl.load(z_ptr + grp * (N // PF) + n // PF, mask=gmask, other=0) >> ((n % PF) * BITS)) & ((1 << BITS) - 1)
     return q, scale, zero
 
 
-@jit
-def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, N, K, k_per_split,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), splits): y[n] for one block of outputs over one K range (a multiple of BLOCK_K;
-    BLOCK_K divides GROUP, so a tile has one scale and one zero per column). With SPLIT it writes fp32 partial sums
-    ``out[split, n]``; without, y + bias in out's dtype."""
+@device_fn
+def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
+               EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """sum_k x_k (q_kn - z_n) s_n over one K tile, per packed row: [WORDS, BLOCK_N] fp32.
+
+    Codes become floats linear in the code, and one FMA per weight accumulates x f; the group's zero and the
+    offset come out once per tile: sum x (c - z) = UP sum x f - (OFF + z) sum x (the cancellation costs ~4 of
+    fp32's 24 bits). 4-bit: the even and the odd codes are masked into the low nibbles of the four bytes once per
+    word, then one ``prmt`` per code places a byte under the exponent byte 0x3F: f = 0.5 + c / 256 exactly
+    (ASM; plain shifts and masks give the same bits in the interpreter). Other widths: one shift and one mask put
+    the code in the top BITS bits of the mantissa: f = 1 + c / 2**BITS. EVEN_K: the tile lies inside K, so x
+    needs no bounds mask."""
     PF: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    WORDS: tl.constexpr = BLOCK_K // PF
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    w = tl.arange(0, WORDS)
-    k_lo = tl.program_id(1) * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    acc = tl.zeros([WORDS, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        q, scale, zero = _load_tile(qw_ptr, s_ptr, z_ptr, k0, w, n, nmask, N, K, BITS, GROUP)
-        zf = zero.to(tl.float32) + 8388608.0  # 2**23 + z: one subtract removes the magic and the zero
-        part = tl.zeros([WORDS, BLOCK_N], tl.float32)
-        for j in tl.static_range(PF):
-            kk = k0 + w * PF + j
+    TOP: tl.constexpr = 23 - BITS
+    part = tl.zeros(q.shape, tl.float32)
+    xsum = tl.zeros([q.shape[0]], tl.float32)
+    if BITS == 4:
+        UP: tl.constexpr = 256
+        OFF: tl.constexpr = 128
+        nibbles = (q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F)  # codes 0, 2, 4, 6 and 1, 3, 5, 7 by byte
+        exponent = tl.zeros(q.shape, tl.int32) + exp_byte  # 0x3F000000 from a kernel argument: ptxas then keeps
+        # it in a register and the byte selector immediate (a literal would take the immediate slot instead)
+    else:
+        UP: tl.constexpr = 1 << BITS
+        OFF: tl.constexpr = 1 << BITS
+    for j in tl.static_range(PF):
+        kk = k0 + w * PF + j
+        if EVEN_K:
+            if HAS_PERM:
+                kk = tl.load(perm_ptr + kk)
+            xj = tl.load(x_ptr + kk).to(tl.float32)
+        else:
             if HAS_PERM:
                 kk = tl.load(perm_ptr + kk, mask=kk < K, other=0)
             xj = tl.load(x_ptr + kk, mask=k0 + w * PF + j < K, other=0.0).to(tl.float32)
-            code = ((q >> (j * BITS)) & MASK) | 0x4B000000  # the fp32 2**23 + code
-            part += xj[:, None] * (code.to(tl.float32, bitcast=True) - zf[None, :])
-        acc += part * scale[None, :]
+        xsum += xj
+        if BITS == 4 and ASM:
+            bits = tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {0x7054 | (j // 2) << 8};", "=r,r,r",
+                                             [nibbles[j % 2], exponent], dtype=tl.int32, is_pure=True, pack=1)
+        elif BITS == 4:
+            bits = (((nibbles[j % 2] >> (8 * (j // 2))) & 0xF) << 16) | exponent
+        elif TOP >= j * BITS:
+            bits = ((q << (TOP - j * BITS)) & (((1 << BITS) - 1) << TOP)) | 0x3F800000
+        else:
+            bits = ((q >> (j * BITS - TOP)) & (((1 << BITS) - 1) << TOP)) | 0x3F800000
+        part += xj[:, None] * bits.to(tl.float32, bitcast=True)
+    return part * (scale * UP)[None, :] - xsum[:, None] * (scale * (zero + OFF))[None, :]
+
+
+@jit
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, N, K, k_per_split,
+                 splits, exp_byte, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
+                 EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), splits): y[n] for one block of outputs over one K range (a multiple of BLOCK_K;
+    BLOCK_K divides GROUP, so a tile has one scale and one zero per column). The next tile is loaded before this
+    one is multiplied (a second tile in flight; a third measured no faster on an H200). EVEN_K: K is a multiple of BLOCK_K; ASM: compiled
+    (inline PTX), not interpreted.
+
+    Without SPLIT it writes y + bias in out's dtype. With SPLIT each program writes fp32 partial sums
+    ``part[split, n]``; with SERIAL the last program of a column block to finish (an atomic counter in
+    ``lock[pid_n]``, which that program resets to 0) adds them in split order and writes y + bias: deterministic,
+    one launch. Without SERIAL, ``_splitk_reduce_kernel`` adds them."""
+    PF: tl.constexpr = 32 // BITS
+    pid_n = tl.program_id(0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    w = tl.arange(0, BLOCK_K // PF)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_end = tl.minimum((K + PF - 1) // PF * PF, k_lo + k_per_split)
+    acc = tl.zeros([BLOCK_K // PF, BLOCK_N], tl.float32)
+    q, scale, zero = _load_tile(qw_ptr, s_ptr, z_ptr, k_lo, k_end, w, n, nmask, N, BITS, GROUP)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        q_next, scale_next, zero_next = _load_tile(qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, w, n, nmask, N,
+                                                   BITS, GROUP)
+        acc += _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS, HAS_PERM, EVEN_K, ASM)
+        q, scale, zero = q_next, scale_next, zero_next
     y = tl.sum(acc, axis=0)
     if SPLIT:
-        tl.store(out_ptr + tl.program_id(1) * N + n, y, mask=nmask)
+        tl.store(part_ptr + tl.program_id(1) * N + n, y, mask=nmask)
+        if SERIAL:
+            tl.debug_barrier()  # every thread's partial sums are written before the counter moves
+            arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                y = tl.zeros([BLOCK_N], tl.float32)
+                for s in range(splits):
+                    y += tl.load(part_ptr + s * N + n, mask=nmask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+                tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@device_fn
+def _fast_pair(q, zero, zz, j: tl.constexpr, IS_BF16: tl.constexpr, DOT_F32: tl.constexpr, dtype: tl.constexpr):
+    """Codes j and j + 4 of the words q [WORDS, BLOCK_N] minus the zeros, exact in x's 16-bit dtype: one ``lop3``
+    with the magic exponent (128 + c in bf16, 1024 + c in fp16) and one packed ``sub`` of (magic + z) ``zz`` per
+    two codes; plain Triton with the same values in the interpreter (its int -> bf16 cast is broken)."""
+    qs = q >> (4 * j)  # code j in bits 0-3, code j + 4 in bits 16-19
+    if DOT_F32:
+        lo = ((qs & 15) - zero[None, :]).to(tl.float32).to(dtype)
+        hi = (((qs >> 16) & 15) - zero[None, :]).to(tl.float32).to(dtype)
+    elif IS_BF16:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
+            "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 t, t, $3; "
+            "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        lo, hi = lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+    return lo, hi
 
 
 @device_fn
@@ -132,7 +219,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        q, scale, zero = _load_tile(qw_ptr, s_ptr, z_ptr, k0, w, n, nmask, N, K, BITS, GROUP)
+        q, scale, zero = _load_tile(qw_ptr, s_ptr, z_ptr, k0, K, w, n, nmask, N, BITS, GROUP)
         if FAST:
             part = tl.zeros(acc.shape, tl.float32)
             if IS_BF16:  # (magic + z) in both 16-bit halves
@@ -140,22 +227,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
             else:
                 zz = ((zero + 0x6400) * 0x10001)[None, :]
             for j in tl.static_range(4):
-                qs = q >> (4 * j)  # code j in bits 0-3, code j + 4 in bits 16-19
-                if DOT_F32:  # the interpreter: the same values in plain Triton (its int -> bf16 cast is broken)
-                    lo = ((qs & 15) - zero[None, :]).to(tl.float32).to(x_ptr.dtype.element_ty)
-                    hi = (((qs >> 16) & 15) - zero[None, :]).to(tl.float32).to(x_ptr.dtype.element_ty)
-                elif IS_BF16:
-                    lo, hi = tl.inline_asm_elementwise(
-                        "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
-                        "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True,
-                        pack=1)
-                    lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
-                else:
-                    lo, hi = tl.inline_asm_elementwise(
-                        "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 t, t, $3; "
-                        "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True,
-                        pack=1)
-                    lo, hi = lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+                lo, hi = _fast_pair(q, zero, zz, j, IS_BF16, DOT_F32, x_ptr.dtype.element_ty)
                 a = _load_x(x_ptr, perm_ptr, m, mmask, stride_xm, k0 + w * PF + j, K, HAS_PERM)
                 part = _dot_acc(a, lo, part, SWAP, DOT_F32)
                 a = _load_x(x_ptr, perm_ptr, m, mmask, stride_xm, k0 + w * PF + j + 4, K, HAS_PERM)
@@ -238,7 +310,8 @@ def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) 
 class Plan:
     """How one W4A16 call runs: ``path`` "gemv" | "gemm" | "dequant"; tile sizes; K per split (a multiple of
     block_k; >= K means no split); ``swap`` computes the transposed product in the GEMM; ``fast`` its scale-after
-    -the-dot dequantization (4-bit, block_k >= 128, fp16/bf16 activations; see ``_gemm_kernel``)."""
+    -the-dot dequantization (4-bit, block_k >= 128, fp16/bf16 activations; see ``_gemm_kernel``); ``serial``: the
+    GEMV adds its split-K partial sums in the same launch (see ``_gemv_kernel``), else in a second kernel."""
 
     path: str
     block_m: int = 16
@@ -249,6 +322,7 @@ class Plan:
     num_warps: int = 4
     num_stages: int = 3
     fast: bool = False
+    serial: bool = True
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -270,10 +344,10 @@ DEQUANT_ABOVE_M = 64
 #: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 16 | 64, N, K), group size 128
 #: (bench/gpu_suite.py --sweep, 2026-11-30; ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
 TUNED = {
-    (1, 4096, 4096): Plan("gemv", 1, 64, 128, 512),
-    (1, 12288, 4096): Plan("gemm", 16, 256, 128, 768, fast=True),
-    (1, 22016, 4096): Plan("gemm", 16, 256, 128, 640, fast=True),
-    (1, 4096, 11008): Plan("gemm", 16, 256, 128, 768, fast=True),
+    (1, 4096, 4096): Plan("gemv", 1, 128, 128, 512),
+    (1, 12288, 4096): Plan("gemv", 1, 128, 128, 768),
+    (1, 22016, 4096): Plan("gemv", 1, 128, 128, 640),
+    (1, 4096, 11008): Plan("gemv", 1, 128, 128, 1280),
     (16, 4096, 4096): Plan("gemm", 16, 128, 128, 512, swap=True),
     (16, 12288, 4096): Plan("gemm", 16, 256, 128, 768, fast=True),
     (16, 22016, 4096): Plan("gemm", 16, 256, 128, 640, fast=True),
@@ -297,7 +371,7 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan
     if tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k):
         return tuned
     if m == 1:
-        block_n = 64 if n <= 4096 else 128 if n <= 16384 else 256
+        block_n = 64 if n <= 1024 else 128
         block_k = _pow2_divisor(group, 128)
         return Plan("gemv", block_m=1, block_n=block_n, block_k=block_k,
                     k_per_split=_split(k, block_k, cdiv(n, block_n), 4 * sms), num_warps=4, num_stages=3)
@@ -321,6 +395,19 @@ def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     x2 = x.reshape(-1, qw.in_features)
     plan = choose_plan(x2.shape[0], qw.out_features, qw.in_features, qw.bits, qw.group_size, num_sms(x.device))
     return run_plan(x2, qw, bias, plan).reshape(*x.shape[:-1], qw.out_features)
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` int32 split-K arrival counters on ``device``, all 0 between GEMV calls (each call's last
+    program resets its counter). One buffer per device: calls on one stream run one after another. Allocated on
+    first use, which must come before any CUDA-graph capture (the engine warms every shape up first)."""
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < count:
+        buf = _LOCKS[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, plan: Plan) -> torch.Tensor:
@@ -350,8 +437,15 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
     if plan.path == "gemv":
         if m != 1:
             raise ValueError(f"the gemv path takes one row, got {m}")
-        _gemv_kernel[(cdiv(n, plan.block_n), splits)](x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, target,
-                                                      n, k, plan.k_per_split, **common)
+        serial = splits > 1 and plan.serial
+        locks = _locks(x.device, cdiv(n, plan.block_n)) if serial else target
+        _gemv_kernel[(cdiv(n, plan.block_n), splits)](x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, out,
+                                                      target, locks, n, k, plan.k_per_split, splits, 0x3F000000,
+                                                      SERIAL=serial,
+                                                      EVEN_K=k % plan.block_k == 0, ASM=not dot_f32(x),
+                                                      **common)
+        if serial or splits == 1:
+            return out
     else:
         _gemm_kernel[(cdiv(m, plan.block_m), cdiv(n, plan.block_n), splits)](
             x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, target, m, n, k, x.stride(0), plan.k_per_split,

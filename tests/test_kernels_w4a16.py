@@ -77,6 +77,7 @@ def test_dequantize_bit_exact(fmt, group, act_order):
 PLANS = {
     "gemv": w4a16.Plan("gemv", block_m=1, block_n=64, block_k=32),
     "gemv_split": w4a16.Plan("gemv", block_m=1, block_n=32, block_k=32, k_per_split=64),
+    "gemv_split_two_launches": w4a16.Plan("gemv", block_m=1, block_n=32, block_k=32, k_per_split=96, serial=False),
     "gemm": w4a16.Plan("gemm", block_m=16, block_n=32, block_k=32),
     "gemm_split_swap": w4a16.Plan("gemm", block_m=16, block_n=64, block_k=32, k_per_split=96, swap=True),
     "dequant": w4a16.Plan("dequant"),
@@ -103,6 +104,21 @@ def test_paths_every_format(fmt, group, act_order, plan):
     check_product(w4a16.run_plan(x, qw, bias, PLANS[plan]), x, w, bias)
 
 
+def test_gemv_split_k_reduction_in_one_launch_is_deterministic():
+    """The last program to finish adds the partial sums in split order, like the second kernel does: the same bits;
+    every arrival counter is back at 0 afterwards (the next call depends on it)."""
+    qw, w = make_weight("gptq", 256, 96, 32, True)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    one = w4a16.Plan("gemv", block_m=1, block_n=32, block_k=32, k_per_split=64)
+    two = w4a16.Plan("gemv", block_m=1, block_n=32, block_k=32, k_per_split=64, serial=False)
+    y = w4a16.run_plan(x, qw, bias, one)
+    check_product(y, x, w, bias)
+    assert torch.equal(y, w4a16.run_plan(x, qw, bias, two))
+    assert torch.equal(y, w4a16.run_plan(x, qw, bias, one))
+    assert int(w4a16._locks(x.device, 3)[:3].abs().sum()) == 0
+
+
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_linear_default_plans(m, dtype):
@@ -126,8 +142,9 @@ def test_other_bit_widths(bits):
 
 def test_plans_follow_shape():
     assert w4a16.choose_plan(1, 4096, 4096, 4, 128, 132).path == "gemv"
-    assert w4a16.choose_plan(1, 12288, 4096, 4, 128, 132).fast  # tuned
-    assert not w4a16.choose_plan(1, 12288, 4096, 4, 32, 132).fast  # the tuned tile does not fit a group of 32
+    assert w4a16.choose_plan(1, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(1, 12288, 4096)]
+    assert w4a16.choose_plan(16, 12288, 4096, 4, 128, 132).fast  # tuned
+    assert not w4a16.choose_plan(16, 12288, 4096, 4, 32, 132).fast  # the tuned tile does not fit a group of 32
     assert w4a16.choose_plan(1, 1536, 576, 4, 64, 132).path == "gemv"
     assert w4a16.choose_plan(16, 4096, 4096, 4, 128, 132).path == "gemm"
     assert w4a16.choose_plan(40, 1536, 576, 4, 64, 132).path == "gemm"
