@@ -57,7 +57,8 @@ def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.con
     word, then one ``prmt`` per code places a byte under the exponent byte 0x3F: f = 0.5 + c / 256 exactly
     (ASM; plain shifts and masks give the same bits in the interpreter). Other widths: one shift and one mask put
     the code in the top BITS bits of the mantissa: f = 1 + c / 2**BITS. EVEN_K: the tile lies inside K, so x
-    needs no bounds mask."""
+    needs no bounds mask; then (4-bit, no act-order) each word's eight inputs come in one 16-byte load, split in
+    registers (measured 3-8% faster on an H200 than eight 2-byte loads)."""
     PF: tl.constexpr = 32 // BITS
     TOP: tl.constexpr = 23 - BITS
     part = tl.zeros(q.shape, tl.float32)
@@ -71,12 +72,24 @@ def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.con
     else:
         UP: tl.constexpr = 1 << BITS
         OFF: tl.constexpr = 1 << BITS
+    x_row = x_ptr + k0 + w * PF  # the words' first inputs: each code's x is a constant offset from it
+    if BITS == 4 and EVEN_K and not HAS_PERM:
+        x8 = tl.load(x_row[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)
+        a, b = tl.split(tl.reshape(x8, [x8.shape[0], 4, 2]))      # a: j even, b: j odd
+        a0, a1 = tl.split(tl.reshape(a, [x8.shape[0], 2, 2]))     # a0: j = 0, 4; a1: j = 2, 6
+        b0, b1 = tl.split(tl.reshape(b, [x8.shape[0], 2, 2]))
+        x0, x4 = tl.split(a0)
+        x2, x6 = tl.split(a1)
+        x1, x5 = tl.split(b0)
+        x3, x7 = tl.split(b1)
     for j in tl.static_range(PF):
         kk = k0 + w * PF + j
-        if EVEN_K:
-            if HAS_PERM:
-                kk = tl.load(perm_ptr + kk)
-            xj = tl.load(x_ptr + kk).to(tl.float32)
+        if BITS == 4 and EVEN_K and not HAS_PERM:
+            xj = (x0, x1, x2, x3, x4, x5, x6, x7)[j]
+        elif EVEN_K and not HAS_PERM:
+            xj = tl.load(x_row + j).to(tl.float32)
+        elif EVEN_K:
+            xj = tl.load(x_ptr + tl.load(perm_ptr + kk)).to(tl.float32)
         else:
             if HAS_PERM:
                 kk = tl.load(perm_ptr + kk, mask=kk < K, other=0)
@@ -346,7 +359,7 @@ DEQUANT_ABOVE_M = 64
 TUNED = {
     (1, 4096, 4096): Plan("gemv", 1, 128, 128, 512),
     (1, 12288, 4096): Plan("gemv", 1, 128, 128, 768),
-    (1, 22016, 4096): Plan("gemv", 1, 128, 128, 640),
+    (1, 22016, 4096): Plan("gemv", 1, 128, 128, 1280),
     (1, 4096, 11008): Plan("gemv", 1, 128, 128, 1280),
     (16, 4096, 4096): Plan("gemm", 16, 128, 128, 512, swap=True),
     (16, 12288, 4096): Plan("gemm", 16, 256, 128, 768, fast=True),
