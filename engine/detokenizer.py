@@ -24,11 +24,27 @@ def new_state(num_prompt_tokens: int) -> DetokenizerState:
     return DetokenizerState(prefix_offset=max(num_prompt_tokens - _WINDOW, 0), read_offset=num_prompt_tokens)
 
 
+_DECODERS: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokenizer, its decode function)
+
+
+def _decoder(tokenizer):
+    """decode(ids, skip_special_tokens) -> str without cleanup of tokenization spaces: the Rust ``tokenizers``
+    object behind a fast tokenizer when there is one (the same text, ~3x faster per call than going through
+    transformers, which matters at hundreds of sequences per step), else ``tokenizer.decode``."""
+    fast = getattr(tokenizer, "_tokenizer", None)
+    if fast is not None and callable(getattr(fast, "decode", None)):
+        return lambda ids, skip: fast.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
 def step(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
     """Append the text that ``token_ids[state.read_offset:]`` completes to ``state.text``; return that delta."""
-    kwargs = {"skip_special_tokens": skip_special_tokens, "clean_up_tokenization_spaces": False}
-    prefix = tokenizer.decode(token_ids[state.prefix_offset:state.read_offset], **kwargs)
-    full = tokenizer.decode(token_ids[state.prefix_offset:], **kwargs)
+    entry = _DECODERS.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        entry = _DECODERS[id(tokenizer)] = (tokenizer, _decoder(tokenizer))
+    decode = entry[1]
+    prefix = decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
+    full = decode(token_ids[state.prefix_offset:], skip_special_tokens)
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""
     delta = full[len(prefix):]
