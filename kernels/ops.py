@@ -4,7 +4,7 @@ up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA
 | op | Triton | reference |
 |---|---|---|
 | ``linear(x, weight, bias)`` | (cuBLAS, ``F.linear``) | ``linear.linear_ref`` |
-| ``w4a16_linear(x, qw, bias)`` | ``w4a16.w4a16_linear`` | ``quant_formats.reference_linear`` |
+| ``w4a16_linear(x, qw, bias, silu_gated)`` | ``w4a16.w4a16_linear`` | ``quant_formats.reference_linear`` |
 | ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping)`` | ``kv_cache.write_kv_cache`` | ``write_kv_cache_ref`` |
 | ``paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)`` | ``paged_attention`` | ``_ref`` |
 | ``paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)`` | idem | idem |
@@ -33,10 +33,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias) if x.is_cuda else linear_mod.linear_ref(x, weight, bias)
 
 
-def w4a16_linear(x: torch.Tensor, qw: quant_formats.QuantizedWeight,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    fn = w4a16.w4a16_linear if use_triton(x) else quant_formats.reference_linear
-    return fn(x, qw, bias)
+def w4a16_linear(x: torch.Tensor, qw: quant_formats.QuantizedWeight, bias: torch.Tensor | None = None,
+                 silu_gated: bool = False) -> torch.Tensor:
+    """x [..., K] (or cat(gate, up) [..., 2K] with ``silu_gated``, the input then being silu(gate) * up)."""
+    if use_triton(x):
+        return w4a16.w4a16_linear(x, qw, bias, silu_gated)
+    return quant_formats.reference_linear(activation.silu_and_mul_ref(x) if silu_gated else x, qw, bias)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:

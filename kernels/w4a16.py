@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import activation
 from ._triton import cdiv, device_fn, dot_f32, jit, num_sms, tl
 from .quant_formats import QuantizedWeight
 
@@ -47,8 +48,28 @@ def _load_tile(qw_ptr, s_ptr, z_ptr, k0, k_end, w, n, nmask, N, BITS: tl.constex
 
 
 @device_fn
+def _load_x_f32(ptrs, mask, K, GATED: tl.constexpr):
+    """x at ``ptrs`` as fp32, 0 where ``mask`` is False (None: no mask). GATED: x is cat(gate, up) [2K] and the
+    input is silu(gate) * up, rounded as ``activation.silu_and_mul`` rounds it (silu, then the product, each to
+    x's dtype), so the fused GEMV sees the very values the separate kernel would write."""
+    if mask is None:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        dtype = ptrs.dtype.element_ty
+        if mask is None:
+            up = tl.load(ptrs + K).to(tl.float32)
+        else:
+            up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
+        x = (act * up).to(dtype).to(tl.float32)
+    return x
+
+
+@device_fn
 def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
-               EVEN_K: tl.constexpr, ASM: tl.constexpr):
+               EVEN_K: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr):
     """sum_k x_k (q_kn - z_n) s_n over one K tile, per packed row: [WORDS, BLOCK_N] fp32.
 
     Codes become floats linear in the code, and one FMA per weight accumulates x f; the group's zero and the
@@ -58,7 +79,7 @@ def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.con
     (ASM; plain shifts and masks give the same bits in the interpreter). Other widths: one shift and one mask put
     the code in the top BITS bits of the mantissa: f = 1 + c / 2**BITS. EVEN_K: the tile lies inside K, so x
     needs no bounds mask; then (4-bit, no act-order) each word's eight inputs come in one 16-byte load, split in
-    registers (measured 3-8% faster on an H200 than eight 2-byte loads)."""
+    registers (measured 3-8% faster on an H200 than eight 2-byte loads). GATED: see :func:`_load_x_f32`."""
     PF: tl.constexpr = 32 // BITS
     TOP: tl.constexpr = 23 - BITS
     part = tl.zeros(q.shape, tl.float32)
@@ -74,7 +95,7 @@ def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.con
         OFF: tl.constexpr = 1 << BITS
     x_row = x_ptr + k0 + w * PF  # the words' first inputs: each code's x is a constant offset from it
     if BITS == 4 and EVEN_K and not HAS_PERM:
-        x8 = tl.load(x_row[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)
+        x8 = _load_x_f32(x_row[:, None] + tl.arange(0, 8)[None, :], None, K, GATED)
         a, b = tl.split(tl.reshape(x8, [x8.shape[0], 4, 2]))      # a: j even, b: j odd
         a0, a1 = tl.split(tl.reshape(a, [x8.shape[0], 2, 2]))     # a0: j = 0, 4; a1: j = 2, 6
         b0, b1 = tl.split(tl.reshape(b, [x8.shape[0], 2, 2]))
@@ -87,13 +108,13 @@ def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.con
         if BITS == 4 and EVEN_K and not HAS_PERM:
             xj = (x0, x1, x2, x3, x4, x5, x6, x7)[j]
         elif EVEN_K and not HAS_PERM:
-            xj = tl.load(x_row + j).to(tl.float32)
+            xj = _load_x_f32(x_row + j, None, K, GATED)
         elif EVEN_K:
-            xj = tl.load(x_ptr + tl.load(perm_ptr + kk)).to(tl.float32)
+            xj = _load_x_f32(x_ptr + tl.load(perm_ptr + kk), None, K, GATED)
         else:
             if HAS_PERM:
                 kk = tl.load(perm_ptr + kk, mask=kk < K, other=0)
-            xj = tl.load(x_ptr + kk, mask=k0 + w * PF + j < K, other=0.0).to(tl.float32)
+            xj = _load_x_f32(x_ptr + kk, k0 + w * PF + j < K, K, GATED)
         xsum += xj
         if BITS == 4 and ASM:
             bits = tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {0x7054 | (j // 2) << 8};", "=r,r,r",
@@ -112,10 +133,11 @@ def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.con
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, N, K, k_per_split,
                  splits, exp_byte, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
-                 EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                 EVEN_K: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), splits): y[n] for one block of outputs over one K range (a multiple of BLOCK_K;
     BLOCK_K divides GROUP, so a tile has one scale and one zero per column). The next tile is loaded before this
-    one is multiplied (a second tile in flight; a third measured no faster on an H200). EVEN_K: K is a multiple of BLOCK_K; ASM: compiled
+    one is multiplied (a second tile in flight; a third measured no faster on an H200). GATED: x is
+    cat(gate, up) [2K] of an MLP and the input is silu(gate) * up (the activation kernel fused into the loads). EVEN_K: K is a multiple of BLOCK_K; ASM: compiled
     (inline PTX), not interpreted.
 
     Without SPLIT it writes y + bias in out's dtype. With SPLIT each program writes fp32 partial sums
@@ -135,7 +157,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
     for k0 in range(k_lo, k_hi, BLOCK_K):
         q_next, scale_next, zero_next = _load_tile(qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, w, n, nmask, N,
                                                    BITS, GROUP)
-        acc += _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS, HAS_PERM, EVEN_K, ASM)
+        acc += _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS, HAS_PERM, EVEN_K, ASM,
+                          GATED)
         q, scale, zero = q_next, scale_next, zero_next
     y = tl.sum(acc, axis=0)
     if SPLIT:
@@ -397,17 +420,23 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan
     return Plan("gemm", block_m=block_m, block_n=128, block_k=block_k, k_per_split=k_per_split, swap=True)
 
 
-def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                 silu_gated: bool = False) -> torch.Tensor:
     """Triton ``quant_formats.reference_linear``: y [..., N] = x [..., K] @ dequantize(qw).T (+ bias), in x's dtype.
 
-    x: fp16/bf16 on the weight's device, last dim K; bias [N] or None. No host sync: graph-safe once the kernels
-    for the shape are compiled (warm up before capture). The path is :func:`choose_plan`'s.
+    x: fp16/bf16 on the weight's device, last dim K; bias [N] or None. ``silu_gated``: x is cat(gate, up)
+    [..., 2K] and the product takes ``activation.silu_and_mul(x)`` (fused into the GEMV's loads at M = 1, where
+    the separate kernel would be a launch of its own). No host sync: graph-safe once the kernels for the shape
+    are compiled (warm up before capture). The path is :func:`choose_plan`'s.
     """
-    if x.shape[-1] != qw.in_features:
-        raise ValueError(f"w4a16_linear: x has {x.shape[-1]} features, the weight expects {qw.in_features}")
-    x2 = x.reshape(-1, qw.in_features)
+    width = qw.in_features * (2 if silu_gated else 1)
+    if x.shape[-1] != width:
+        raise ValueError(f"w4a16_linear: x has {x.shape[-1]} features, the weight expects {width}")
+    x2 = x.reshape(-1, width)
     plan = choose_plan(x2.shape[0], qw.out_features, qw.in_features, qw.bits, qw.group_size, num_sms(x.device))
-    return run_plan(x2, qw, bias, plan).reshape(*x.shape[:-1], qw.out_features)
+    if silu_gated and plan.path != "gemv":
+        x2, silu_gated = activation.silu_and_mul(x2), False
+    return run_plan(x2, qw, bias, plan, silu_gated).reshape(*x.shape[:-1], qw.out_features)
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -423,9 +452,13 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
     return buf
 
 
-def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, plan: Plan) -> torch.Tensor:
-    """Run one :class:`Plan` on x [M, K] (the benchmark sweeps plans through this). Returns [M, N] in x's dtype."""
-    m, k = x.shape
+def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, plan: Plan,
+             silu_gated: bool = False) -> torch.Tensor:
+    """Run one :class:`Plan` on x [M, K] (the benchmark sweeps plans through this). Returns [M, N] in x's dtype.
+    ``silu_gated`` (the gemv path only): x is [1, 2K], see :func:`w4a16_linear`."""
+    if silu_gated and plan.path != "gemv":
+        raise ValueError("silu_gated inputs run on the gemv path only")
+    m, k = x.shape[0], qw.in_features
     n = qw.out_features
     if plan.path != "dequant" and (plan.block_k % qw.pack_factor or
                                    (qw.group_size % plan.block_k and qw.group_size < k)):
@@ -456,6 +489,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
                                                       target, locks, n, k, plan.k_per_split, splits, 0x3F000000,
                                                       SERIAL=serial,
                                                       EVEN_K=k % plan.block_k == 0, ASM=not dot_f32(x),
+                                                      GATED=silu_gated,
                                                       **common)
         if serial or splits == 1:
             return out

@@ -104,6 +104,23 @@ def test_paths_every_format(fmt, group, act_order, plan):
     check_product(w4a16.run_plan(x, qw, bias, PLANS[plan]), x, w, bias)
 
 
+@pytest.mark.parametrize("fmt,group,act_order", [("awq", 32, False), ("gptq", 64, True)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_silu_gated_input(fmt, group, act_order, m):
+    """down_proj(silu(gate) * up): at M=1 the GEMV applies the activation in its loads, rounded like the
+    activation kernel, so it equals the separate kernels bit for bit; at M=3 the separate kernel runs."""
+    from kernels import activation
+
+    qw, w = make_weight(fmt, 256, 96, group, act_order)
+    x = torch.randn(m, 512, dtype=torch.bfloat16)
+    y = w4a16.w4a16_linear(x, qw, None, silu_gated=True)
+    h = activation.silu_and_mul(x)
+    assert torch.equal(y, w4a16.w4a16_linear(h, qw))
+    check_product(y, h, w)
+    with pytest.raises(ValueError, match="expects 512"):
+        w4a16.w4a16_linear(h, qw, None, silu_gated=True)
+
+
 def test_gemv_split_k_reduction_in_one_launch_is_deterministic():
     """The last program to finish adds the partial sums in split order, like the second kernel does: the same bits;
     every arrival counter is back at 0 afterwards (the next call depends on it)."""

@@ -35,10 +35,12 @@ class Linear(nn.Module):
             parts = [b if b is not None else torch.zeros(_out_features(w)) for b, w in zip(biases, weights)]
             self.bias = nn.Parameter(torch.cat(parts).to(device=device, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_gated: bool = False) -> torch.Tensor:
+        """x [T, K] -> [T, N]; ``silu_gated``: x is an MLP's cat(gate, up) [T, 2K] and the input is
+        silu(gate) * up (on the W4A16 GEMV the activation runs inside the product's loads)."""
         if self.qweight is not None:
-            return ops.w4a16_linear(x, self.qweight, self.bias)
-        return ops.linear(x, self.weight, self.bias)
+            return ops.w4a16_linear(x, self.qweight, self.bias, silu_gated)
+        return ops.linear(ops.silu_and_mul(x) if silu_gated else x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +64,3 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return ops.rotary(positions, q, k, self.cos_sin)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return ops.silu_and_mul(x)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.models.loader import CheckpointError, CheckpointReader
 
 
@@ -53,7 +53,7 @@ class LlamaDecoderLayer(nn.Module):
         o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta)
         hidden = self.o_proj(o.reshape(-1, q_size))
         x, residual = self.post_attention_layernorm(hidden, residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x))), residual
+        return self.down_proj(self.gate_up_proj(x), silu_gated=True), residual
 
 
 class LlamaForCausalLM(nn.Module):
