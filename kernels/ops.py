@@ -10,6 +10,7 @@ up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA
 | ``paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)`` | idem | idem |
 | ``rms_norm(x, weight, eps, residual=None)`` | ``norm.rms_norm`` | ``norm.rms_norm_ref`` |
 | ``rotary(positions, q, k, cos_sin)`` | ``rotary.rotary`` | ``rotary.rotary_ref`` |
+| ``rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping)`` | ``rotary.rotary_write_kv`` | ``rotary_write_kv_ref`` |
 | ``silu_and_mul(x)`` | ``activation.silu_and_mul`` | ``activation.silu_and_mul_ref`` |
 """
 from __future__ import annotations
@@ -65,6 +66,12 @@ def rms_norm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.
 def rotary(positions, q, k, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
     fn = rotary_mod.rotary if use_triton(q) else rotary_mod.rotary_ref
     return fn(positions, q, k, cos_sin)
+
+
+def rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """Rotate q and k, write the rotated k and v to the caches through the slot mapping; returns the rotated q."""
+    fn = rotary_mod.rotary_write_kv if use_triton(q) else rotary_mod.rotary_write_kv_ref
+    return fn(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping)
 
 
 def silu_and_mul(x) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Rotary position embedding (RoFormer, Su et al. 2021), GPT-NeoX "rotate half" form: the torch reference
-and the Triton kernel."""
+and the Triton kernel, alone or with the KV-cache write of the rotated k and of v fused in."""
 from __future__ import annotations
 
 import torch
 
 from ._triton import jit, next_pow2, tl
+from .kv_cache import write_kv_cache_ref
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, base: float, device=None) -> torch.Tensor:
@@ -39,10 +40,14 @@ def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 @jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_heads, half,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_KV: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr):
     """Grid (T,): all q and k heads of one token share one cos/sin row. Outputs are contiguous [T, H, D].
 
-    Rounds like the reference in x's dtype: cos and sin, each product, then the sum.
+    Rounds like the reference in x's dtype: cos and sin, each product, then the sum. WRITE_KV: the rotated k and
+    the token's v go straight to its KV-cache slot (``kv_cache`` layout; slot -1 writes nothing) instead of
+    ``ko`` (the caches share strides).
     """
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -52,6 +57,10 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(dt).to(tl.float32)[None, :]
     sin = tl.load(cs_ptr + pos * stride_cs + half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)[None, :]
     h = tl.arange(0, BLOCK_H)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        cache_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        kv_mask = (h < tl.where(slot >= 0, k_heads, 0))[:, None] & dmask[None, :]
     for which in tl.static_range(2):
         if which == 0:
             src, dst, heads, st, sh = q_ptr, qo_ptr, q_heads, stride_qt, stride_qh
@@ -63,25 +72,68 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
         x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
         o1 = (x1 * cos).to(dt).to(tl.float32) + (-x2 * sin).to(dt).to(tl.float32)
         o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
-        out = dst + t * heads * 2 * half + h[:, None] * 2 * half + d[None, :]
-        tl.store(out, o1.to(dt), mask=mask)
-        tl.store(out + half, o2.to(dt), mask=mask)
+        if WRITE_KV and which == 1:
+            out = kc_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
+            tl.store(out, o1.to(dt).to(kc_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(out + half, o2.to(dt).to(kc_ptr.dtype.element_ty), mask=kv_mask)
+        else:
+            out = dst + t * heads * 2 * half + h[:, None] * 2 * half + d[None, :]
+            tl.store(out, o1.to(dt), mask=mask)
+            tl.store(out + half, o2.to(dt), mask=mask)
+    if WRITE_KV:
+        vbase = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+        out = vc_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
+        tl.store(out, tl.load(vbase, mask=kv_mask).to(vc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(out + half, tl.load(vbase + half, mask=kv_mask).to(vc_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    write_kv = v is not None
+    if write_kv and v.stride(-1) != 1:
+        v = v.contiguous()
+    tokens, q_heads, dim = q.shape
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = qo if write_kv else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens:
+        half = dim // 2
+        cache = k_cache if write_kv else qo
+        extra = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1)) if write_kv else (q, qo, qo, positions,
+                                                                                            0, 0)
+        _rotary_kernel[(tokens,)](positions, q, k, qo, ko, cos_sin, q_heads, k.shape[1], half, q.stride(0), q.stride(1),
+                                  k.stride(0), k.stride(1), cos_sin.stride(0), *extra, cache.stride(0),
+                                  cache.stride(1), cache.stride(2) if write_kv else 0,
+                                  BLOCK_H=next_pow2(max(q_heads, k.shape[1])), BLOCK_HALF=next_pow2(half),
+                                  WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, num_warps=4,
+                                  enable_fp_fusion=False)  # no FMA: round each product like torch
+    return qo, ko
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`rotary_ref`: rotate q [T, Hq, D] and k [T, Hkv, D] (views are fine: last dim contiguous) by
     positions (int64 [T]) in one launch; returns new contiguous tensors, equal to the reference's."""
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    tokens, q_heads, dim = q.shape
-    qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if tokens:
-        half = dim // 2
-        _rotary_kernel[(tokens,)](positions, q, k, qo, ko, cos_sin, q_heads, k.shape[1], half, q.stride(0), q.stride(1),
-                                  k.stride(0), k.stride(1), cos_sin.stride(0), BLOCK_H=next_pow2(max(q_heads, k.shape[1])),
-                                  BLOCK_HALF=next_pow2(half), num_warps=4,
-                                  enable_fp_fusion=False)  # no FMA: round each product like torch
-    return qo, ko
+    return _launch(positions, q, k, cos_sin)
+
+
+def rotary_write_kv_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+    """:func:`rotary_ref`, then ``kv_cache.write_kv_cache_ref`` of the rotated k and of v [T, Hkv, D]; returns
+    the rotated q. Caches [num_blocks, block_size, Hkv, D]; slot_mapping int64 [T], -1 = skip."""
+    qr, kr = rotary_ref(positions, q, k, cos_sin)
+    write_kv_cache_ref(kr, v, k_cache, v_cache, slot_mapping)
+    return qr
+
+
+def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Triton :func:`rotary_write_kv_ref` in one launch (a decode step's rotary and KV write, fused): the same
+    values in q and in the caches. The two caches must share strides (as the model runner allocates them)."""
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("rotary_write_kv: k_cache and v_cache must have the same strides")
+    return _launch(positions, q, k, cos_sin, v, k_cache, v_cache, slot_mapping)[0]

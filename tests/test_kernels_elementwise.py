@@ -57,6 +57,28 @@ def test_rotary(dtype, tokens, q_heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,dim,block_size", [(1, 4, 2, 64, 16), (9, 9, 3, 64, 8),
+                                                                    (4, 3, 1, 80, 16)])
+def test_rotary_write_kv(dtype, tokens, q_heads, kv_heads, dim, block_size):
+    """Rotary with the KV write fused: the same q, and the same caches, as rotary then write_kv_cache (slot -1
+    skipped, every other slot written)."""
+    cos_sin = rotary.rope_cos_sin(dim, 4096, 10000.0, device=DEVICE)
+    positions = torch.randint(0, 4096, (tokens,))
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, dtype=dtype)
+    q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, dim) for t in (q, k, v))
+    blocks = 4
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    slots[tokens // 2] = -1
+    caches = torch.randn(2, blocks, block_size, kv_heads, dim).to(dtype)  # one allocation, as the engine's
+    refs = caches.clone()
+    qo = rotary.rotary_write_kv(positions, q, k, v, cos_sin, caches[0], caches[1], slots)
+    qr = rotary.rotary_write_kv_ref(positions, q, k, v, cos_sin, refs[0], refs[1], slots)
+    torch.testing.assert_close(qo, qr, **exact(dtype))
+    torch.testing.assert_close(caches, refs, **exact(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,inter", [(1, 64), (5, 1536), (3, 1100)])
 def test_silu_and_mul(dtype, tokens, inter):
     x = torch.randn(tokens, 2 * inter, dtype=dtype) * 4
