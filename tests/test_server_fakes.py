@@ -11,8 +11,11 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import pytest
 import uvicorn
 
 from engine.errors import ContextLengthError
@@ -221,3 +224,26 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextmanager
+def demo_model_server(**config_kw) -> Iterator[tuple[str, object]]:
+    """``(base URL, AsyncLLMEngine)`` of uvicorn serving the real engine over the demo model on the CPU, loaded;
+    ``config_kw`` are ``EngineConfig`` fields. Skips the test when the demo model is not installed."""
+    from appliance.demo_model import DemoModelMissing, demo_model_dir
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+    from engine.server.api_server import build_app
+
+    try:
+        model_dir = demo_model_dir()
+    except DemoModelMissing as e:
+        pytest.skip(str(e))
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=str(model_dir), device="cpu", **config_kw))
+    try:
+        with ServerThread(build_app(engine)) as url:
+            wait_for(lambda: engine.is_ready or engine.is_dead, timeout=300, what="model load")
+            assert engine.is_ready, engine.error
+            yield url, engine
+    finally:
+        engine.shutdown()

@@ -10,11 +10,7 @@ import pytest
 
 pytest.importorskip("engine.llm_engine")
 
-from appliance.demo_model import DemoModelMissing, demo_model_dir  # noqa: E402
-from engine.async_engine import AsyncLLMEngine  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.server.api_server import build_app  # noqa: E402
-from test_server_fakes import ServerThread, wait_for  # noqa: E402
+from test_server_fakes import demo_model_server, wait_for  # noqa: E402
 
 MAX_MODEL_LEN = 512
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -23,17 +19,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def live():
     """(base URL, model name, AsyncLLMEngine) of a server over the demo model, shared by this module."""
-    try:
-        model_dir = demo_model_dir()
-    except DemoModelMissing as e:
-        pytest.skip(str(e))
-    engine = AsyncLLMEngine.from_config(EngineConfig(model=str(model_dir), device="cpu",
-                                                     max_model_len=MAX_MODEL_LEN, max_num_seqs=8))
-    with ServerThread(build_app(engine)) as url:
-        wait_for(lambda: engine.is_ready or engine.is_dead, timeout=300, what="model load")
-        assert engine.is_ready, engine.error
+    with demo_model_server(max_model_len=MAX_MODEL_LEN, max_num_seqs=8) as (url, engine):
         yield url, engine.model_name, engine
-    engine.shutdown()
 
 
 def sdk(url: str) -> openai.OpenAI:
