@@ -13,11 +13,13 @@ from kernels import ops
 class AttentionMetadata:
     """Built by the model runner from block tables; the only view of the scheduler the model ever gets.
 
-    is_prefill: every sequence brings its new tokens (a prompt, or a prompt plus generated tokens after a
-        preemption); otherwise every sequence brings exactly one token (decode).
+    is_prefill: every sequence brings its new tokens (a prompt, a chunk of one, a prompt plus generated tokens
+        after a preemption, or a single decode token in a mixed step); otherwise every sequence brings exactly
+        its last token (decode).
     slot_mapping: int64 [T]: the KV-cache slot (block_id * block_size + offset) of each new token; -1 = padding.
     block_tables: int32 [S, max_blocks]: each sequence's block ids, padded with -1.
-    context_lens: int32 [S]: tokens in the cache after this step's tokens are written.
+    context_lens: int32 [S]: tokens in the cache after this step's tokens are written (a prefill chunk's
+        context ends at its last token, before the sequence's end).
     cu_seqlens_q: int32 [S + 1]: offsets of each sequence's new tokens in the packed batch (prefill only).
     """
 

@@ -5,16 +5,22 @@ The GPU (or CPU) never sees this bookkeeping: only the block tables and slot map
 from it.
 
 Prefix caching. A *full* block (``block_size`` tokens) is named by a hash chained over the whole prefix:
-``hash((parent_hash, token ids of the block))``, the parent being the block before it in the sequence (none for
-the first). Two sequences that share their first ``k * block_size`` tokens therefore name their first ``k`` blocks
+``hash((parent_hash, token ids of the block))``, the parent being the block before it in the sequence (none for the
+first). Two sequences that share their first ``k * block_size`` tokens therefore name their first ``k`` blocks
 alike, whatever follows. A block gets its hash when it is allocated for the step that fills it (its K/V is written
-in that step, before anything can read it), and is registered in ``cached_blocks`` (hash -> block id) unless
-another block already holds that content. A new sequence looks its full prompt blocks up, in order, and reuses
-the run of hits (reference counts), starting its prefill after them; the last token is always computed, so the
-step has logits to sample from. When the last holder frees a registered block, the block keeps its K/V and
-goes to the back of the free queue: it is *cached* (evictable) and can still be hit; a free block is taken from
-the front, which holds the never-cached blocks first and then the cached ones least recently used first, and a
-cached block taken that way is evicted (unregistered) before reuse.
+in that step, before anything can read it; a block that a prefill chunk leaves partly filled gets it with the chunk
+that completes it, so only blocks whose tokens are all computed are ever hit), and is registered in
+``cached_blocks`` (hash -> block id) unless another block already holds that content. A new sequence looks its full
+prompt blocks up, in order, and reuses the run of hits (reference counts), starting its prefill after them; the last
+token is always computed, so the step has logits to sample from. When the last holder frees a registered block, the
+block keeps its K/V and goes to the back of the free queue: it is *cached* (evictable) and can still be hit; a free
+block is taken from the front, which holds the never-cached blocks first and then the cached ones least recently
+used first, and a cached block taken that way is evicted (unregistered) before reuse.
+
+Swapping. :meth:`BlockManager.swap_out` releases a preempted sequence's blocks like :meth:`BlockManager.free` but
+keeps its computed tokens; the scheduler pairs the released ids with CPU swap blocks (swap_pool.py) for the model
+runner to copy. Every block is copied, shared ones included, so the swapped sequence owns a private copy of its
+whole context; :meth:`BlockManager.swap_in` gives it fresh blocks (no prefix lookup) to copy it back into.
 """
 from __future__ import annotations
 
@@ -99,17 +105,28 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def blocks_missing(self, seq: Sequence) -> int:
-        """How many blocks :meth:`allocate` would take from the free queue for ``seq``: the blocks its tokens
-        still need, less the prefix-cache hits of a sequence without blocks that other sequences already hold
-        (hits that are cached-evictable come out of the free queue too)."""
-        missing = max(0, seq.num_blocks_needed(self.block_size) - len(seq.block_table))
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens a sequence without blocks would start its prefill from: its prefix-cache hit (a multiple of
+        the block size, below ``len(seq)``); ``seq.num_computed_tokens`` for a sequence that holds blocks."""
+        return seq.num_computed_tokens if seq.block_table else len(self._prefix_hits(seq)) * self.block_size
+
+    def blocks_missing(self, seq: Sequence, num_tokens: int | None = None) -> int:
+        """How many blocks :meth:`allocate` would take from the free queue for ``seq`` to hold its first
+        ``num_tokens`` tokens (default: all): the blocks those tokens still need, less the prefix-cache hits of a
+        sequence without blocks that other sequences already hold (hits that are cached-evictable come out of
+        the free queue too)."""
+        num_tokens = len(seq) if num_tokens is None else num_tokens
+        missing = max(0, self.blocks_for_tokens(num_tokens) - len(seq.block_table))
         if not seq.block_table:
             missing -= sum(1 for b in self._prefix_hits(seq) if self.ref_counts[b] > 0)
         return missing
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
 
     # ---- allocate / free -----------------------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -120,16 +137,18 @@ class BlockManager:
         self.ref_counts[block_id] = 1
         return block_id
 
-    def allocate(self, seq: Sequence) -> None:
-        """Grow ``seq.block_table`` to cover every token of ``seq``.
+    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Grow ``seq.block_table`` to cover the first ``num_tokens`` tokens of ``seq`` (default: all of them;
+        fewer for a prefill chunk).
 
-        A sequence without blocks (new, or preempted) first reuses its cached prefix blocks and starts its
-        computation after them (``seq.num_computed_tokens``); the lookup is counted in
+        A sequence without blocks (new, or preempted by recompute) first reuses its cached prefix blocks and
+        starts its computation after them (``seq.num_computed_tokens``); the lookup is counted in
         ``prefix_cache_queries/hits`` (tokens) the first time a sequence is scheduled. Full blocks that this
         step's tokens fill get their hash. Raises RuntimeError when the pool is short (callers check
         :meth:`can_allocate` with :meth:`blocks_missing` first); nothing changes then.
         """
-        missing = self.blocks_missing(seq)
+        num_tokens = len(seq) if num_tokens is None else num_tokens
+        missing = self.blocks_missing(seq, num_tokens)
         if missing > self.num_free_blocks:
             raise RuntimeError(f"KV cache out of blocks: need {missing}, {self.num_free_blocks} free")
         if not seq.block_table:
@@ -140,18 +159,21 @@ class BlockManager:
                 self.ref_counts[block_id] += 1
             seq.block_table = list(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
-            if self.enable_prefix_caching and seq.num_output_tokens == 0:
-                self.prefix_cache_queries += len(seq)
-                self.prefix_cache_hits += seq.num_computed_tokens
-        for _ in range(seq.num_blocks_needed(self.block_size) - len(seq.block_table)):
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                if self.enable_prefix_caching:
+                    self.prefix_cache_queries += len(seq)
+                    self.prefix_cache_hits += seq.num_computed_tokens
+        for _ in range(self.blocks_for_tokens(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free())
-        self._hash_full_blocks(seq)
+        self._hash_full_blocks(seq, num_tokens)
 
-    def _hash_full_blocks(self, seq: Sequence) -> None:
-        """Give every full block of ``seq`` its chained hash and register new content (first holder wins)."""
+    def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Give every block full within the first ``num_tokens`` tokens of ``seq`` its chained hash and register
+        new content (first holder wins)."""
         if not self.enable_prefix_caching:
             return
-        bs, table, full = self.block_size, seq.block_table, len(seq) // self.block_size
+        bs, table, full = self.block_size, seq.block_table, num_tokens // self.block_size
         first = full  # hashed blocks form a prefix of the table: find where it ends, from the back (a decode step
         while first and self.block_hashes[table[first - 1]] is None:  # fills one block at most)
             first -= 1
@@ -162,10 +184,10 @@ class BlockManager:
             self.block_tokens[table[i]] = tokens
             self.cached_blocks.setdefault(parent, table[i])
 
-    def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks and forget its computed tokens. A block no one holds any more becomes cached
-        (most recently used) if it is registered, else free. The blocks are released last first, so that a
-        sequence's tail is evicted before the prefix it hangs on."""
+    def _release(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references to its blocks. A block no one holds any more becomes cached (most recently
+        used) if it is registered, else free. The blocks are released last first, so that a sequence's tail is
+        evicted before the prefix it hangs on."""
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] > 0:
@@ -175,7 +197,33 @@ class BlockManager:
                 self.block_hashes[block_id] = self.block_tokens[block_id] = None
                 self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table = []
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks (see :meth:`_release`) and forget its computed tokens."""
+        self._release(seq)
         seq.num_computed_tokens = 0
+
+    # ---- swapping (the CPU side is swap_pool.py) -------------------------------------------------------------
+    def swap_out(self, seq: Sequence) -> list[int]:
+        """Release ``seq``'s blocks, keeping ``seq.num_computed_tokens``; returns them in block-table order, for
+        the caller to copy their K/V out before anything overwrites them (the next forward pass).
+
+        Shared blocks (reference count > 1) stay with their other holders; the caller copies them all the same,
+        so a swapped sequence owns a private copy of every block it held.
+        """
+        blocks = list(seq.block_table)
+        self._release(seq)
+        return blocks
+
+    def swap_in(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Give ``seq`` (holding no blocks) ``num_blocks`` fresh blocks from the free queue, without a prefix
+        lookup, for the caller to copy its swapped K/V into; their full blocks get their hash as after a prefill.
+        Raises RuntimeError when the pool is short (callers check :meth:`can_allocate`); nothing changes then."""
+        if seq.block_table or num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"cannot swap in {num_blocks} blocks: {self.num_free_blocks} free")
+        seq.block_table = [self._take_free() for _ in range(num_blocks)]
+        self._hash_full_blocks(seq, seq.num_computed_tokens)
+        return list(seq.block_table)
 
     # ---- introspection -------------------------------------------------------------------------------------
     def block_states(self) -> str:

@@ -16,8 +16,17 @@ class EngineConfig:
     capped at 8192.
     ``num_kv_blocks``: force the KV pool size (tests); None = size it from ``gpu_memory_utilization`` on CUDA or
     ``cpu_kv_cache_gib`` on CPU.
-    ``max_num_batched_tokens``: token budget of one step; None = max(max_model_len, 2048).
+    ``max_num_batched_tokens``: token budget of one step (decode tokens + prefill tokens); None =
+    max(max_model_len, 2048, max_num_seqs). At least ``max_num_seqs`` (every running sequence can decode in one
+    step), and without chunked prefill at least ``max_model_len`` (every prompt fits one step).
+    ``enable_chunked_prefill``: decodes first, then prefills split into chunks that fit the rest of the budget,
+    in one mixed step (vLLM V1); False: prefill-only or decode-only steps, whole prompts (scheduler.py).
     ``enable_prefix_caching``: reuse the K/V of full blocks whose whole prefix matches (block_manager.py).
+    ``swap_space``: GiB of CPU memory for the K/V of preempted sequences (vLLM's ``--swap-space``); 0 = preempt by
+    recompute only.
+
+    Raises ValueError("<field>: ...") for a value out of range; :meth:`token_budget` checks the budget against
+    ``max_model_len`` once the engine knows it.
     """
 
     model: str
@@ -34,7 +43,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    swap_space: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -47,3 +58,27 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             raise ValueError(f"kv_cache_dtype: must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space: must be at least 0 GiB, got {self.swap_space}")
+        if self.max_num_batched_tokens is not None:
+            self.token_budget(self.max_model_len or 0)  # the engine checks again once it knows max_model_len
+
+    def token_budget(self, max_model_len: int) -> int:
+        """The tokens one step may compute, for an engine of ``max_model_len`` (vLLM's checks).
+
+        Raises ValueError when ``max_num_batched_tokens`` is below 1 or ``max_num_seqs``, or, without chunked
+        prefill, below ``max_model_len``.
+        """
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            return max(max_model_len, 2048, self.max_num_seqs)
+        if budget < 1:
+            raise ValueError(f"max_num_batched_tokens: must be at least 1, got {budget}")
+        if budget < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens: {budget} is smaller than max_num_seqs={self.max_num_seqs}; "
+                             "every running sequence must be able to decode in one step")
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(f"max_num_batched_tokens: {budget} is smaller than max_model_len={max_model_len}, "
+                             "so a long prompt could never be scheduled; raise max_num_batched_tokens, lower "
+                             "max_model_len or set enable_chunked_prefill")
+        return budget

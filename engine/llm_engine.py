@@ -1,9 +1,11 @@
 """The synchronous engine: requests in, one model step at a time, ``RequestOutput`` s out.
 
 One request from arrival to finish: ``add_request`` tokenizes and validates it and queues one ``Sequence`` per
-choice; each ``step`` asks the scheduler for a batch, runs it through the model runner, appends the sampled
-tokens, detokenizes incrementally, applies the stop rules (EOS, stop token ids, stop strings, max_tokens,
-max_model_len) and frees the blocks of whatever finished.
+choice; each ``step`` asks the scheduler for a batch, runs it through the model runner (swaps, then one forward
+pass), advances every scheduled sequence's computed tokens, appends the sampled tokens (none for a prefill
+chunk that stops short of its prompt's end: such a sequence is neither detokenized nor reported), detokenizes
+incrementally, applies the stop rules (EOS, stop token ids, stop strings, max_tokens, max_model_len) and frees
+the blocks of whatever finished.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.swap_pool import SwapPool
 
 
 @dataclass
@@ -62,14 +65,16 @@ class LLMEngine:
         self.model_name = config.served_model_name or Path(config.model).name
         model_cfg = json.loads((Path(config.model) / "config.json").read_text())
         self.max_model_len = config.max_model_len or min(model_cfg.get("max_position_embeddings", 4096), 8192)
+        budget = config.token_budget(self.max_model_len)  # raises before the model loads
         self.runner = ModelRunner(config, self.max_model_len)
         if self.runner.num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"max_model_len: the KV cache holds {self.runner.num_blocks * config.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; lower max_model_len or give the KV cache more memory")
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        budget = config.max_num_batched_tokens or max(self.max_model_len, 2048)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget)
+        self.swap_pool = SwapPool(self.runner.num_swap_blocks)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget,
+                                   config.enable_chunked_prefill, self.swap_pool)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
@@ -130,14 +135,17 @@ class LLMEngine:
         for seq in batch.seqs:
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-            if batch.is_prefill and seq.num_output_tokens == 0:
-                self._prompt_tokens_total += seq.num_prompt_tokens
-        tokens = self.runner.run(batch.seqs, batch.is_prefill, self.eos_token_ids)
+        tokens = iter(self.runner.run(batch, self.eos_token_ids))
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, token in zip(batch.seqs, tokens):
+        for seq, num_new_tokens, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            seq.num_computed_tokens += num_new_tokens
+            if not samples:  # a prefill chunk short of the prompt's end: nothing to sample, detokenize or emit
+                continue
             req = self.requests[seq.request_id]
-            seq.num_computed_tokens = len(seq)
+            token = next(tokens)
+            if seq.num_output_tokens == 0:
+                self._prompt_tokens_total += seq.num_prompt_tokens
             seq.token_ids.append(token)
             self._generation_tokens_total += 1
             req.metrics.first_token_time = req.metrics.first_token_time or now
@@ -190,7 +198,8 @@ class LLMEngine:
             running[seq.request_id] = running.get(seq.request_id, 0) + len(seq.block_table)
         return EngineStats(
             num_running=len({s.request_id for s in self.scheduler.running}),
-            num_waiting=len({s.request_id for s in self.scheduler.waiting} - set(running)),
+            # swapped-out requests wait too (vLLM V1 has no separate gauge for them)
+            num_waiting=len({s.request_id for s in (*self.scheduler.waiting, *self.scheduler.swapped)} - set(running)),
             # free + cached + used = num_blocks, as /v1/kv shows them; usage counts cached blocks as free (vLLM).
             block_size=bm.block_size, num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks - cached,
             num_cached_blocks=cached, kv_cache_usage=bm.usage,

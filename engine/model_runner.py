@@ -1,6 +1,9 @@
-"""The model runner: owns the model and the KV cache, turns a scheduled batch into tensors, runs one step.
+"""The model runner: owns the model, the KV cache and the swap space, turns a scheduled batch into tensors, runs
+one step.
 
-The scheduler hands it sequences; it hands the model only token ids, positions, slot mappings and block tables.
+The scheduler hands it a ``ScheduledBatch`` (sequences, tokens per sequence, block pairs to swap); it hands the
+model only token ids, positions, slot mappings and block tables. A pure decode step may replay a CUDA graph; a
+step with prefill rows (whole prompts, chunks, or a mix of decode rows and chunks) runs eagerly.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
 from engine.sampler import sample
+from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 
@@ -32,7 +36,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     """Runs the model over the paged KV cache.
 
-    KV cache: one (k, v) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype.
+    KV cache: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer in the model dtype, K at
+    [0] and V at [1] (the attention layer's ``k_cache`` / ``v_cache`` views). Swap space: the same shape with
+    ``num_swap_blocks`` blocks (``swap_space`` GiB) on the CPU, pinned when the cache is on CUDA.
     """
 
     def __init__(self, config: EngineConfig, max_model_len: int):
@@ -43,6 +49,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, self.device)
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(max_model_len)
+        self.num_swap_blocks = int(config.swap_space * 2**30 // self._bytes_per_block())
         self._allocate_kv_cache()
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -68,10 +75,29 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         layer = self.model.layers[0]
-        shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        shape = (2, self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        swap_shape = (2, self.num_swap_blocks) + shape[2:]
+        pin = self.device.type == "cuda"
+        self.kv_caches, self.swap_caches = [], []
         for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache, attn.v_cache = kv[0], kv[1]
+            self.kv_caches.append(kv)
+            self.swap_caches.append(torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin))
+
+    @torch.inference_mode()
+    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
+        """Copy whole K/V blocks: (KV block, swap block) pairs out to the swap space, then (swap block, KV block)
+        pairs back in; one gather and one scatter per layer and direction."""
+        for pairs, src_caches, dst_caches in ((blocks_to_swap_out, self.kv_caches, self.swap_caches),
+                                              (blocks_to_swap_in, self.swap_caches, self.kv_caches)):
+            if not pairs:
+                continue
+            src, dst = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*pairs))
+            src = src.to(src_caches[0].device)
+            dst = dst.to(dst_caches[0].device)
+            for src_cache, dst_cache in zip(src_caches, dst_caches):
+                dst_cache.index_copy_(1, dst, src_cache.index_select(1, src).to(dst_cache.device))
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
@@ -81,20 +107,22 @@ class ModelRunner:
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def prepare_prefill(self, seqs: list[Sequence]):
-        """Inputs for the uncomputed tokens of each sequence (its prompt, or prompt + output after preemption)."""
+    def prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        """Inputs for tokens ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence: its prompt, a
+        chunk of it, prompt + output after a recompute preemption, or one decode token in a mixed step."""
         ids, positions, slots, cu = [], [], [], [0]
-        for seq in seqs:
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:]
-            positions += range(start, len(seq))
-            slots += [self._slot(seq, p) for p in range(start, len(seq))]
+        for seq, n in zip(seqs, num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [self._slot(seq, p) for p in range(start, end)]
             cu.append(len(ids))
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             block_tables=self._block_tables(seqs),
-            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)],
+                                      dtype=torch.int32, device=self.device),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device))
         return ids, positions, meta, [c - 1 for c in cu[1:]]
 
@@ -111,17 +139,29 @@ class ModelRunner:
         return ids, positions, meta, list(range(len(seqs)))
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int]) -> list[int]:
-        """One forward pass over the batch; returns one sampled token per sequence."""
-        ids, positions, meta, last = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
+    def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> list[int]:
+        """Swap the batch's blocks, then one forward pass over its sequences; returns one sampled token per
+        sequence whose ``batch.samples`` entry is True, in batch order (none for an unfinished prefill chunk)."""
+        self.swap(batch.blocks_to_swap_out, batch.blocks_to_swap_in)
+        seqs = batch.seqs
+        if not seqs:
+            return []
+        if batch.is_prefill:
+            ids, positions, meta, last = self.prepare_prefill(seqs, batch.num_new_tokens)
+        else:
+            ids, positions, meta, last = self.prepare_decode(seqs)
         ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        if self.graphs is not None and not is_prefill and self.graphs.bucket_for(len(seqs)) is not None:
+        if self.graphs is not None and not batch.is_prefill and self.graphs.bucket_for(len(seqs)) is not None:
             hidden = self.graphs.replay(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)
-        logits = self.model.compute_logits(hidden[last])
-        for seq in seqs:
+        sampling = [i for i, samples in enumerate(batch.samples) if samples]
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden[[last[i] for i in sampling]])
+        sampling_seqs = [seqs[i] for i in sampling]
+        for seq in sampling_seqs:
             if seq.generator is None and not seq.params.greedy:
                 seq.generator = self.generator
-        return sample(logits, seqs, eos_token_ids)
+        return sample(logits, sampling_seqs, eos_token_ids)

@@ -15,6 +15,7 @@ _seq_ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
@@ -24,10 +25,13 @@ class Sequence:
 
     Invariants: ``token_ids`` = prompt + generated tokens; ``num_computed_tokens`` <= ``len(token_ids)`` counts
     the tokens whose K/V are in the cache (when a sequence is scheduled for prefill it starts at the prefix-cache
-    hit, a multiple of the block size, always below ``len(token_ids)``); ``block_table`` holds exactly the blocks
-    covering those tokens plus those allocated for the tokens of the step being run
-    (``len(block_table) * block_size >= len(token_ids)`` while running, empty when waiting or finished); blocks
-    may be shared with other sequences (reference counts in the block manager).
+    hit, a multiple of the block size, always below ``len(token_ids)``; with chunked prefill it stays below
+    ``len(token_ids) - 1`` until the prompt's last chunk is computed, and no token is sampled before);
+    ``block_table`` holds exactly the blocks covering those tokens plus those allocated for the tokens of the step
+    being run (empty when waiting, swapped or finished); blocks may be shared with other sequences (reference
+    counts in the block manager). While SWAPPED, ``swap_table`` holds the CPU swap blocks (swap_pool.py) with the
+    K/V of its ``num_computed_tokens`` tokens, one per block it held; otherwise it is empty.
+    ``num_cached_tokens``: prefix-cache hit (tokens) of its first scheduling; -1 before it.
     """
 
     request_id: str
@@ -39,7 +43,9 @@ class Sequence:
     num_prompt_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    swap_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
@@ -72,6 +78,7 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def num_blocks_needed(self, block_size: int) -> int:
-        """Blocks needed to hold the K/V of every token in ``token_ids``."""
-        return (len(self.token_ids) + block_size - 1) // block_size
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to compute before the next token can be sampled: 1 for a decode, more for a prefill."""
+        return len(self.token_ids) - self.num_computed_tokens
