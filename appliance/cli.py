@@ -182,6 +182,8 @@ def serve(
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype"),
+    swap_space: Optional[float] = typer.Option(None, "--swap-space",
+                                               help="GiB of CPU memory for preempted requests' KV (0 = recompute)"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
     if config is not None and not config.is_file():
@@ -189,7 +191,7 @@ def serve(
     conf = _config(config)
     overrides = {"model": str(model_dir) if model_dir else None, "host": host, "port": port, "api_key": api_key,
                  "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
-                 "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype}
+                 "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "swap_space": swap_space}
     for key, value in overrides.items():
         if value is not None:
             setattr(conf, key, value)

@@ -59,6 +59,7 @@ class Config:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
+    swap_space: float = 0.0
     data_dir: str | None = None
 
     def engine_config(self):
@@ -78,6 +79,7 @@ class Config:
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=self.max_model_len,
                 kv_cache_dtype=self.kv_cache_dtype,
+                swap_space=self.swap_space,
             )
         except ValueError as exc:
             raise ConfigError(f"invalid setting: {exc}",

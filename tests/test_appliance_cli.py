@@ -135,3 +135,15 @@ def test_usage_text_has_url_model_curl_and_sdk():
     assert "http://127.0.0.1:8000/v1" in text and "curl http://127.0.0.1:8000/v1/chat/completions" in text
     assert "Authorization: Bearer k1" in text and 'OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="k1")' in text
     assert installer.client_url("0.0.0.0", 9000) == "http://127.0.0.1:9000"
+
+
+def test_serve_passes_swap_space_to_the_engine(tmp_path, monkeypatch):
+    from engine.server import api_server
+
+    started = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(config))
+    model = str(make_model(tmp_path / "m"))
+    result = runner.invoke(app, ["serve", model, "--swap-space", "3"])
+    assert result.exit_code == 0, result.output
+    assert [(c.model, c.swap_space) for c in started] == [(model, 3.0)]
+    one_line_error(runner.invoke(app, ["serve", model, "--swap-space", "-1"]), "swap_space: must be at least 0 GiB")

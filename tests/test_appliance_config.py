@@ -14,7 +14,8 @@ def clean_env(monkeypatch, tmp_path):
 def test_round_trip_keeps_every_value(tmp_path):
     conf = Config(model="/models/x-awq", served_model_name="x", source_model="/src/x", quantization="awq",
                   host="0.0.0.0", port=8123, api_key="secret", device="cpu", gpu_memory_utilization=0.75,
-                  cpu_kv_cache_gib=2.5, max_num_seqs=8, max_model_len=4096, kv_cache_dtype="fp8", data_dir="/d")
+                  cpu_kv_cache_gib=2.5, max_num_seqs=8, max_model_len=4096, kv_cache_dtype="fp8", swap_space=4.0,
+                  data_dir="/d")
     path = cfgmod.save(conf, tmp_path / "sub" / "config.toml")
     assert path == tmp_path / "sub" / "config.toml"
     assert cfgmod.load(path) == conf
@@ -50,6 +51,16 @@ def test_env_overrides_every_kind_of_key(tmp_path, monkeypatch):
     assert (conf.port, conf.gpu_memory_utilization, conf.model, conf.max_model_len, conf.api_key) == \
         (9001, 0.5, "/other", None, "k")
     assert cfgmod.load(path, env=False).port == 8000
+
+
+def test_swap_space_reaches_the_engine_config(tmp_path, monkeypatch):
+    path = cfgmod.save(Config(model="/m"), tmp_path / "c.toml")
+    assert cfgmod.load(path).engine_config().swap_space == 0.0
+    monkeypatch.setenv("APPLIANCE_SWAP_SPACE", "2.5")
+    assert cfgmod.load(path).engine_config().swap_space == 2.5
+    monkeypatch.setenv("APPLIANCE_SWAP_SPACE", "-1")
+    with pytest.raises(ConfigError, match="swap_space: must be at least 0 GiB, got -1.0"):
+        cfgmod.load(path).engine_config()
 
 
 def test_bad_env_value_names_the_variable(tmp_path, monkeypatch):
