@@ -11,7 +11,22 @@ import torch
 from engine.sequence import Sequence
 
 
-def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def mask_min_tokens(logits: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> torch.Tensor:
+    """Until ``seq`` has ``min_tokens`` output tokens, its stop tokens (``stop_token_ids``, and the EOS ids unless
+    ``ignore_eos``) get -inf so they cannot be sampled (vLLM's ``_apply_min_tokens_penalty``). logits: [V]."""
+    p = seq.params
+    if seq.num_output_tokens >= p.min_tokens:
+        return logits
+    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+    logits = logits.clone()
+    logits[stop_ids] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """vLLM's (and OpenAI's) penalties on one row [V]: the repetition penalty divides positive and multiplies
+    negative logits of every token seen in the prompt or the output; then the frequency penalty times each token's
+    count in the output, and the presence penalty for each token present in the output, are subtracted."""
     p = seq.params
     if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
         return logits
@@ -23,6 +38,13 @@ def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
         logits = torch.where(seen, penalised, logits)
     return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def process_logits(logits: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> torch.Tensor:
+    """One row [V] in vLLM's order: min_tokens mask, penalties; then, unless greedy, temperature, top-k, top-p
+    and min-p. The next token is the arg-max (greedy) or a draw from the softmax of the result."""
+    logits = apply_penalties(mask_min_tokens(logits, seq, eos_token_ids), seq)
+    return logits if seq.params.greedy else _filter(logits, seq)
 
 
 def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -55,20 +77,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) 
     logits = logits.cpu()
     tokens = []
     for row, seq in zip(logits, seqs):
-        p = seq.params
-        if seq.num_output_tokens < p.min_tokens:
-            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            row = row.clone()
-            row[stop_ids] = float("-inf")
-        row = _apply_penalties(row, seq)
-        if p.greedy:
-            token = int(torch.argmax(row))
+        processed = process_logits(row, seq, eos_token_ids)
+        if seq.params.greedy:
+            token = int(torch.argmax(processed))
         else:
-            probs = _filter(row, seq).softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=seq.generator))
+            token = int(torch.multinomial(processed.softmax(-1), 1, generator=seq.generator))
         tokens.append(token)
         if seq.logprobs is not None:
-            seq.logprobs.append(_logprobs_entry(logits[len(tokens) - 1], token, p.logprobs or 0))
+            seq.logprobs.append(_logprobs_entry(row, token, seq.params.logprobs or 0))
     return tokens
 
 

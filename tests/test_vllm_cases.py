@@ -16,6 +16,9 @@ Case 9 (preemption) is tests/test_preemption.py.
 | 8 seed in a batch | test_case08_seeded_sample_same_alone_and_in_batch |
 | 9 preemption | tests/test_preemption.py |
 | 10 client disconnect | test_case10_disconnect_aborts_within_one_step_and_frees_blocks |
+
+Also: ``min_tokens`` over HTTP (test_min_tokens_defers_stop_strings_stop_token_ids_and_eos; the sampler's exact
+logits are tests/test_sampler.py) and the 64-client load test (tests/test_load.py).
 """
 from __future__ import annotations
 
@@ -129,17 +132,28 @@ def visible(raw: str, stop: str, finished: bool) -> str:
     return raw[:len(raw) - hold]
 
 
-def test_case01_stop_string_spanning_tokens_streaming(live):
+PROSE_GREEDY = {"prompt": PROSE, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def prose(live) -> tuple[str, list[str], list[int], list[int], list[dict]]:
+    """The greedy continuation of PROSE (24 tokens): its text, each token's text, where each token starts and
+    ends in the text, and each position's top-2 logprobs."""
+    client, model, _, _, _ = live
+    full = post(client, "/v1/completions", {"model": model, **PROSE_GREEDY, "logprobs": 2})["choices"][0]
+    text, tokens, starts = full["text"], full["logprobs"]["tokens"], full["logprobs"]["text_offset"]
+    assert "".join(tokens) == text and len(tokens) == 24 and text.isascii()
+    ends = [s + len(t) for s, t in zip(starts, tokens)]  # characters decoded after k + 1 tokens
+    return text, tokens, starts, ends, full["logprobs"]["top_logprobs"]
+
+
+def test_case01_stop_string_spanning_tokens_streaming(live, prose):
     """A stop string starting inside one token and ending inside the token two further on: nothing of it reaches
     the client; a partial match is held back exactly while it can still match and released when it cannot; text
     held back when generation ends is flushed; the stream concatenates to the non-streamed text."""
     client, model, _, log, _ = live
-    base = {"model": model, "prompt": PROSE, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0}
-    full = post(client, "/v1/completions", base)["choices"][0]
-    text, tokens, starts = full["text"], full["logprobs"]["tokens"], full["logprobs"]["text_offset"]
-    assert "".join(tokens) == text and len(tokens) == 24 and text.isascii()
-    ends = [s + len(t) for s, t in zip(starts, tokens)]  # characters decoded after k + 1 tokens
+    text, tokens, starts, ends, _ = prose
+    base = {"model": model, **PROSE_GREEDY, "logprobs": 0}
     i = next(i for i in range(8, 20) if len(tokens[i]) >= 2 and len(tokens[i + 2]) >= 2
              and text.find(text[starts[i] + 1:ends[i + 2] - 1]) == starts[i] + 1)
     spanning = text[starts[i] + 1:ends[i + 2] - 1]  # from inside token i to inside token i + 2
@@ -399,3 +413,42 @@ def test_case10_disconnect_aborts_within_one_step_and_frees_blocks(live, monkeyp
     assert metric(client, model, "vllm:kv_cache_usage_perc") == usage0
     assert f'vllm:request_success_total{{finished_reason="abort",model_name="{model}"}}' in client.get(
         "/metrics").text
+
+
+# ---- min_tokens (vLLM: no stop check of any kind before min_tokens output tokens) --------------------------
+def test_min_tokens_defers_stop_strings_stop_token_ids_and_eos(live, prose):
+    """A stop string whose first match ends before ``min_tokens`` is passed over and the next match stops; a stop
+    token id is masked, so the first token becomes the runner-up; the EOS that ends a chat answer is masked."""
+    client, model, _, _, tok = live
+    text, tokens, _, ends, top = prose
+    stop = tokens[1]
+    matches = [i for i in range(len(text)) if text.startswith(stop, i)]
+    ended_by = [next(k for k, end in enumerate(ends, 1) if end >= i + len(stop)) for i in matches]
+    assert len(matches) >= 2 and ended_by[0] < ended_by[-1]  # a match before min_tokens, another after
+    min_tokens = ended_by[0] + 1
+    later = next(i for i, k in zip(matches, ended_by) if k >= min_tokens)
+    for extra, (cut, used) in [({}, (matches[0], ended_by[0])),
+                               ({"min_tokens": min_tokens}, (later, ended_by[matches.index(later)]))]:
+        r = post(client, "/v1/completions", {"model": model, **PROSE_GREEDY, "stop": [stop], **extra})
+        assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == \
+            (text[:cut], "stop", used), extra
+
+    [first_id] = tok.encode(tokens[0], add_special_tokens=False)
+    r = post(client, "/v1/completions", {"model": model, **PROSE_GREEDY, "stop_token_ids": [first_id]})
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == \
+        ("", "stop", 1)
+    runner_up = sorted(top[0].items(), key=lambda kv: -kv[1])[1][0]
+    r = post(client, "/v1/completions", {"model": model, **PROSE_GREEDY, "max_tokens": 1, "min_tokens": 1,
+                                          "stop_token_ids": [first_id]})
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == (runner_up, "length")
+
+    question = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16, "temperature": 0}
+    answer = post(client, "/v1/chat/completions", question)
+    used = answer["usage"]["completion_tokens"]
+    assert answer["choices"][0]["finish_reason"] == "stop" and used < 12
+    longer = post(client, "/v1/chat/completions", {**question, "min_tokens": 12})
+    content = longer["choices"][0]["message"]["content"]
+    assert longer["usage"]["completion_tokens"] >= 12 and "<|im_end|>" not in content
+    assert content.startswith(answer["choices"][0]["message"]["content"]) and len(content) > len(
+        answer["choices"][0]["message"]["content"])
