@@ -87,7 +87,7 @@ class LLMEngine:
         """Validate, tokenize and queue a request.
 
         Raises ContextLengthError when prompt + max_tokens exceed max_model_len, ValueError for an empty prompt,
-        a duplicate id or a token id outside the vocabulary.
+        a duplicate id or a prompt or stop token id outside the vocabulary.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -98,6 +98,8 @@ class LLMEngine:
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):  # the sampler indexes the logits with them
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max(max_tokens, 1) > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(ids), max_tokens)

@@ -4,7 +4,10 @@ Source: vLLM ``SamplingParams`` (vllm/sampling_params.py); OpenAI API reference 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -12,10 +15,11 @@ class SamplingParams:
     """How to sample one request's completion(s).
 
     Invariants checked by :meth:`validate` (raises ``ValueError`` naming the field):
-    ``n >= 1``; ``temperature >= 0`` (0 means greedy); ``0 < top_p <= 1``; ``top_k == -1 or top_k >= 0``
-    (0 and -1 both mean off); ``0 <= min_p <= 1``; penalties in vLLM's ranges; ``max_tokens >= 1`` or None
+    every float field finite (JSON bodies may carry ``Infinity`` / ``NaN``); ``n >= 1``; ``temperature >= 0``
+    (0 means greedy); ``0 < top_p <= 1``; ``top_k == -1 or top_k >= 0`` (0 and -1 both mean off); ``0 <= min_p <= 1``; penalties in vLLM's ranges; ``max_tokens >= 1`` or None
     (None = up to ``max_model_len``); ``0 <= min_tokens <= max_tokens``; ``logprobs`` in [0, 20] or None; no
-    empty stop string (it would match before any text, as vLLM refuses it too).
+    empty stop string (it would match before any text, as vLLM refuses it too); ``stop_token_ids`` non-negative
+    (the engine also checks them against the vocabulary); ``seed`` a signed 64-bit integer (vLLM's range).
     """
 
     n: int = 1
@@ -50,7 +54,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError("<field>: <reason>")`` for the first out-of-range field."""
-        checks = [
+        checks = [(name, math.isfinite(getattr(self, name)), "must be a finite number") for name in _FLOATS]
+        checks += [
             ("n", self.n >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0, "must be non-negative"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
@@ -65,6 +70,8 @@ class SamplingParams:
              "must not exceed max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(self.stop), "must not contain an empty string"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative token ids"),
+            ("seed", self.seed is None or -2**63 <= self.seed < 2**63, "must be a signed 64-bit integer"),
         ]
         for name, ok, why in checks:
             if not ok:

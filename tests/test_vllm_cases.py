@@ -452,3 +452,21 @@ def test_min_tokens_defers_stop_strings_stop_token_ids_and_eos(live, prose):
     assert longer["usage"]["completion_tokens"] >= 12 and "<|im_end|>" not in content
     assert content.startswith(answer["choices"][0]["message"]["content"]) and len(content) > len(
         answer["choices"][0]["message"]["content"])
+
+
+# ---- a request must never take the engine down --------------------------------------------------------------
+@pytest.mark.parametrize("fields,param", [
+    ({"min_tokens": 1, "stop_token_ids": [10**9]}, "stop_token_ids"),  # used to kill the engine (IndexError)
+    ({"min_tokens": 1, "stop_token_ids": [-1]}, "stop_token_ids"),  # used to mask the last vocabulary entry
+    ({"seed": 2**64}, "seed"),
+    ({"min_tokens": 1, "temperature": float("inf")}, "temperature"),  # JSON ``Infinity``: NaN logits killed it
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+], ids=["stop-id-over-vocab", "negative-stop-id", "seed-over-64-bits", "infinite-temperature", "nan-penalty"])
+def test_values_that_killed_the_engine_are_400_and_it_survives(live, fields, param):
+    client, model, engine, _, _ = live
+    body = {"model": model, "prompt": PROSE, "max_tokens": 3, "temperature": 0.5}
+    r = client.post("/v1/completions", content=json.dumps({**body, **fields}),  # Python's json writes Infinity, NaN
+                    headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+    assert engine.is_ready and client.get("/health").status_code == 200
+    assert post(client, "/v1/completions", body)["usage"]["completion_tokens"] == 3
