@@ -31,7 +31,8 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the layer's cache through the slot mapping, then attends over the cache.
+    """Rotates q and k (RoPE), writes this step's K/V into the layer's cache through the slot mapping, then
+    attends over the cache. The rotation and the write are one kernel (``ops.rotary_write_kv``).
 
     ``k_cache``/``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim] are assigned by the model runner.
     """
@@ -41,9 +42,11 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D]."""
-        ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] before rotation, positions int64 [T], cos_sin the rotary table
+        (``kernels.rotary.rope_cos_sin``) → [T, Hq, D]."""
+        q = ops.rotary_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return ops.paged_attention_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q,
                                                meta.context_lens, self.scale)

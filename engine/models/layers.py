@@ -56,11 +56,9 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE with a precomputed float32 cos/sin table [max_positions, head_dim]."""
+    """Default (unscaled) RoPE: the precomputed float32 cos/sin table ``cos_sin`` [max_positions, head_dim]. The
+    rotation itself runs in ``PagedAttention``, fused with the KV-cache write."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float, device: torch.device):
         super().__init__()
         self.register_buffer("cos_sin", rope_cos_sin(head_dim, max_positions, base, device), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return ops.rotary(positions, q, k, self.cos_sin)

@@ -49,8 +49,7 @@ class LlamaDecoderLayer(nn.Module):
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta)
+        o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta, positions, rotary.cos_sin)
         hidden = self.o_proj(o.reshape(-1, q_size))
         x, residual = self.post_attention_layernorm(hidden, residual)
         return self.down_proj(self.gate_up_proj(x), silu_gated=True), residual
