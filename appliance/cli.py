@@ -184,6 +184,8 @@ def serve(
     kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype"),
     swap_space: Optional[float] = typer.Option(None, "--swap-space",
                                                help="GiB of CPU memory for preempted requests' KV (0 = recompute)"),
+    max_waiting: Optional[int] = typer.Option(None, "--max-waiting",
+                                              help="requests queued beyond --max-num-seqs before new ones get 503"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
     if config is not None and not config.is_file():
@@ -191,18 +193,22 @@ def serve(
     conf = _config(config)
     overrides = {"model": str(model_dir) if model_dir else None, "host": host, "port": port, "api_key": api_key,
                  "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
-                 "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "swap_space": swap_space}
+                 "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "swap_space": swap_space,
+                 "max_waiting": max_waiting}
     for key, value in overrides.items():
         if value is not None:
             setattr(conf, key, value)
     if conf.model and not (Path(conf.model) / "config.json").is_file():
         raise ApplianceError(f"model folder {conf.model} has no config.json", "run `appliance install` again")
     engine_config = conf.engine_config()
+    if conf.max_waiting < 0:
+        raise ApplianceError(f"max_waiting: must be at least 0, got {conf.max_waiting}",
+                             "fix it in the config file, APPLIANCE_MAX_WAITING or --max-waiting")
     try:
         from engine.server.api_server import run_server
     except ImportError as exc:
         raise ApplianceError(f"the server is not available ({exc})", "reinstall with `pip install -e .`") from None
-    run_server(engine_config, host=conf.host, port=conf.port, api_key=conf.api_key)
+    run_server(engine_config, host=conf.host, port=conf.port, api_key=conf.api_key, max_waiting=conf.max_waiting)
 
 
 # -------------------------------------------------------------------------------------------------- lifecycle

@@ -28,6 +28,7 @@ except ModuleNotFoundError:  # Python 3.10
 import tomli_w
 
 from appliance.errors import ApplianceError
+from engine.async_engine import DEFAULT_MAX_WAITING
 
 SYSTEM_CONFIG = Path("/etc/appliance/config.toml")
 SYSTEM_DATA_DIR = Path("/var/lib/appliance")
@@ -60,6 +61,7 @@ class Config:
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
     swap_space: float = 0.0
+    max_waiting: int = DEFAULT_MAX_WAITING  # requests queued beyond max_num_seqs before new ones get 503
     data_dir: str | None = None
 
     def engine_config(self):

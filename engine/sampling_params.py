@@ -14,12 +14,13 @@ _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penal
 class SamplingParams:
     """How to sample one request's completion(s).
 
-    Invariants checked by :meth:`validate` (raises ``ValueError`` naming the field):
-    every float field finite (JSON bodies may carry ``Infinity`` / ``NaN``); ``n >= 1``; ``temperature >= 0``
-    (0 means greedy); ``0 < top_p <= 1``; ``top_k == -1 or top_k >= 0`` (0 and -1 both mean off); ``0 <= min_p <= 1``; penalties in vLLM's ranges; ``max_tokens >= 1`` or None
-    (None = up to ``max_model_len``); ``0 <= min_tokens <= max_tokens``; ``logprobs`` in [0, 20] or None; no
-    empty stop string (it would match before any text, as vLLM refuses it too); ``stop_token_ids`` non-negative
-    (the engine also checks them against the vocabulary); ``seed`` a signed 64-bit integer (vLLM's range).
+    Invariants checked by :meth:`validate` (raises ``ValueError`` naming the field): every float field finite
+    (JSON bodies may carry ``Infinity`` / ``NaN``); ``n >= 1``; ``temperature >= 0`` (0 means greedy);
+    ``0 < top_p <= 1``; ``top_k == -1 or top_k >= 0`` (0 and -1 both mean off); ``0 <= min_p <= 1``; penalties
+    in vLLM's ranges; ``max_tokens >= 1`` or None (None = up to ``max_model_len``); ``0 <= min_tokens <=
+    max_tokens``; ``logprobs`` in [0, 20] or None; no empty stop string (it would match before any text; vLLM
+    refuses it too); ``stop_token_ids`` non-negative (the engine also checks them against the vocabulary);
+    ``seed`` a signed 64-bit integer (vLLM's range).
     """
 
     n: int = 1

@@ -147,3 +147,18 @@ def test_serve_passes_swap_space_to_the_engine(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert [(c.model, c.swap_space) for c in started] == [(model, 3.0)]
     one_line_error(runner.invoke(app, ["serve", model, "--swap-space", "-1"]), "swap_space: must be at least 0 GiB")
+
+
+def test_serve_passes_max_waiting_to_the_server(tmp_path, monkeypatch):
+    from engine.async_engine import DEFAULT_MAX_WAITING
+    from engine.server import api_server
+
+    started = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(kw["max_waiting"]))
+    model = str(make_model(tmp_path / "m"))
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    assert runner.invoke(app, ["serve", model, "--max-waiting", "7"]).exit_code == 0
+    monkeypatch.setenv("APPLIANCE_MAX_WAITING", "9")
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    assert started == [DEFAULT_MAX_WAITING, 7, 9] and DEFAULT_MAX_WAITING == 512
+    one_line_error(runner.invoke(app, ["serve", model, "--max-waiting", "-1"]), "max_waiting: must be at least 0")
