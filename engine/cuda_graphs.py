@@ -3,8 +3,9 @@
 A decode step launches hundreds of small kernels; replaying a captured graph removes the launch gaps
 (vLLM's ``CUDAGraphRunner``). Invariants: the captured kernels never sync with the host and never autotune
 (they are warmed up once per bucket before capture); the buffers below are the only inputs and ``hidden`` the
-only output, so a step copies its inputs in, replays, and reads ``hidden[:n]``. Padding rows of a bucket
-write to slot -1 (skipped) and attend over one token of block 0, so they touch no live KV.
+only output, so a step copies its inputs in (one host-to-device copy), replays, and reads ``hidden[:n]``.
+Padding rows of a bucket write to slot -1 (skipped) and read one token of a block they held before (or block
+0), so they change no live KV and their outputs are dropped.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode graphs of ``model`` for every bucket, sharing one memory pool and one set of buffers.
 
-    Buffers (on the model's device): input_ids int64 [B], positions int64 [B], slot_mapping int64 [B],
-    block_tables int32 [B, max_blocks], context_lens int32 [B], hidden [B, hidden_size] in the model dtype,
-    where B is the largest bucket.
+    Buffers (on the model's device, views of one byte buffer ``staging`` with a pinned host mirror): input_ids
+    int64 [B], positions int64 [B], slot_mapping int64 [B], context_lens int32 [B], block_tables int32
+    [B, max_blocks]; and hidden [B, hidden_size] in the model dtype, where B is the largest bucket.
     """
 
     def __init__(self, model, max_num_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
@@ -33,11 +34,25 @@ class DecodeGraphs:
         self.model = model
         self.buckets = batch_buckets(max_num_seqs)
         b = self.buckets[-1]
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(b, dtype=torch.int32, device=device)
+        self.max_blocks = max_blocks
+        # every input of a step in one byte buffer, mirrored in pinned host memory: a step fills the host copy
+        # and moves it with one copy (int64 ids, positions, slots; int32 context lens, block tables)
+        sizes = [(torch.int64, b), (torch.int64, b), (torch.int64, b), (torch.int32, b), (torch.int32, b * max_blocks)]
+        nbytes = sum(dt.itemsize * n for dt, n in sizes)
+        self.staging = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        views, host_views, offset = [], [], 0
+        for dt, n in sizes:
+            views.append(self.staging[offset:offset + dt.itemsize * n].view(dt))
+            host_views.append(self.host[offset:offset + dt.itemsize * n].view(dt).numpy())
+            offset += dt.itemsize * n
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, tables = views
+        self.block_tables = tables.view(b, max_blocks)
+        self._h_ids, self._h_pos, self._h_slots, self._h_ctx, h_tables = host_views
+        self._h_tables = h_tables.reshape(b, max_blocks)
+        self._h_slots[:] = -1
+        self._h_ctx[:] = 1
+        self.staging.copy_(self.host)
         self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
@@ -67,17 +82,21 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     @torch.inference_mode()
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Run one decode step of n sequences through the bucket's graph; returns hidden [n, hidden_size]."""
-        n = input_ids.shape[0]
+    def replay(self, ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
+               block_tables: list[list[int]]) -> torch.Tensor:
+        """Run one decode step of n = len(ids) sequences through the bucket's graph (n <= the largest bucket;
+        each block table at most ``max_blocks`` long); returns hidden [n, hidden_size]. The inputs reach the GPU
+        in one host-to-device copy; padding rows get slot -1 and context length 1."""
+        n = len(ids)
         bucket = self.bucket_for(n)
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.slot_mapping[n:bucket] = -1
-        self.block_tables[:n, :width] = meta.block_tables
-        self.context_lens[:n] = meta.context_lens
-        self.context_lens[n:bucket] = 1
+        self._h_ids[:n] = ids
+        self._h_pos[:n] = positions
+        self._h_slots[:n] = slots
+        self._h_slots[n:bucket] = -1
+        self._h_ctx[:n] = context_lens
+        self._h_ctx[n:bucket] = 1
+        for row, table in zip(self._h_tables, block_tables):
+            row[:len(table)] = table
+        self.staging.copy_(self.host, non_blocking=True)  # the host buffer is reused only after the step's sync
         self.graphs[bucket].replay()
         return self.hidden[:n]

@@ -146,16 +146,18 @@ class ModelRunner:
         seqs = batch.seqs
         if not seqs:
             return []
-        if batch.is_prefill:
-            ids, positions, meta, last = self.prepare_prefill(seqs, batch.num_new_tokens)
-        else:
-            ids, positions, meta, last = self.prepare_decode(seqs)
-        ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        positions = torch.tensor(positions, dtype=torch.int64, device=self.device)
         if self.graphs is not None and not batch.is_prefill and self.graphs.bucket_for(len(seqs)) is not None:
-            hidden = self.graphs.replay(ids, positions, meta)
+            hidden = self.graphs.replay([s.last_token_id for s in seqs], [len(s) - 1 for s in seqs],
+                                        [self._slot(s, len(s) - 1) for s in seqs], [len(s) for s in seqs],
+                                        [s.block_table for s in seqs])
+            last = list(range(len(seqs)))
         else:
-            hidden = self.model(ids, positions, meta)
+            if batch.is_prefill:
+                ids, positions, meta, last = self.prepare_prefill(seqs, batch.num_new_tokens)
+            else:
+                ids, positions, meta, last = self.prepare_decode(seqs)
+            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                                torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
         sampling = [i for i, samples in enumerate(batch.samples) if samples]
         if not sampling:
             return []
