@@ -16,13 +16,14 @@ from engine.server.api_server import run_server
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
-    """Add ``--<field>`` for each ``EngineConfig`` field, typed from its annotation (bools are flags)."""
+    """Add ``--<field>`` for each ``EngineConfig`` field, typed from its annotation. Bools are flags with a
+    ``--no-<field>`` form, as vLLM's (``--no-enable-prefix-caching``), so a default of True can be turned off."""
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             parser.add_argument(flag, type=kind, required=f.default is dataclasses.MISSING,
                                 default=None if f.default is dataclasses.MISSING else f.default)
