@@ -163,8 +163,9 @@ def test_case01_stop_string_spanning_tokens_streaming(live, prose):
 
     for stop, (final_text, reason) in expected.items():
         body = {**base, "stop": [stop]}
-        assert [(c["text"], c["finish_reason"]) for c in post(client, "/v1/completions", body)["choices"]] == \
-            [(final_text, reason)]
+        stop_reason = stop if reason == "stop" else None  # vLLM's extra field: what matched
+        assert [(c["text"], c["finish_reason"], c["stop_reason"]) for c in post(client, "/v1/completions", body)[
+            "choices"]] == [(final_text, reason, stop_reason)]
         chunks = stream(client, "/v1/completions", body)
         seen, num_tokens = "", 0
         for c in chunks:  # every chunk: exactly what may be shown after the tokens it brings
@@ -173,7 +174,8 @@ def test_case01_stop_string_spanning_tokens_streaming(live, prose):
             num_tokens += len(choice["logprobs"]["tokens"])
             finished = choice["finish_reason"] is not None
             assert seen == visible(text[:ends[num_tokens - 1]], stop, finished), (stop, num_tokens)
-        assert (seen, chunks[-1]["choices"][0]["finish_reason"]) == (final_text, reason)
+        assert (seen, chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["choices"][0]["stop_reason"]) == \
+            (final_text, reason, stop_reason)
         assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
         outputs = log.of(chunks[0]["id"])  # the engine's every step, none skipped
         assert [n for _, n, _, _ in outputs] == list(range(1, len(outputs) + 1))
@@ -198,7 +200,7 @@ def test_case02_empty_stop_list_still_stops_at_eos(live):
     for extra in ({"stop": []}, {"stop": [], "skip_special_tokens": False}, {"stop": None}):
         r = post(client, "/v1/chat/completions", {**base, **extra})
         assert (r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"],
-                r["usage"]["completion_tokens"]) == (answer, "stop", used), extra
+                r["choices"][0]["stop_reason"], r["usage"]["completion_tokens"]) == (answer, "stop", None, used), extra
         chunks = stream(client, "/v1/chat/completions", {**base, **extra})
         assert chat_content(chunks) == answer
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["stop"]
@@ -435,8 +437,8 @@ def test_min_tokens_defers_stop_strings_stop_token_ids_and_eos(live, prose):
 
     [first_id] = tok.encode(tokens[0], add_special_tokens=False)
     r = post(client, "/v1/completions", {"model": model, **PROSE_GREEDY, "stop_token_ids": [first_id]})
-    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == \
-        ("", "stop", 1)
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["choices"][0]["stop_reason"],
+            r["usage"]["completion_tokens"]) == ("", "stop", first_id, 1)
     runner_up = sorted(top[0].items(), key=lambda kv: -kv[1])[1][0]
     r = post(client, "/v1/completions", {"model": model, **PROSE_GREEDY, "max_tokens": 1, "min_tokens": 1,
                                           "stop_token_ids": [first_id]})

@@ -119,6 +119,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: Any = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop token id that ended it (None for EOS)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -142,6 +143,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: Any = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop token id that ended it (None for EOS)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -167,6 +169,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Any = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop token id that ended it (None for EOS)
 
 
 class CompletionResponse(BaseModel):

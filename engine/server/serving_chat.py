@@ -49,7 +49,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
     choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                    logprobs=_logprobs(llm.tokenizer, req, c, 0), finish_reason=c.finish_reason)
+                                    logprobs=_logprobs(llm.tokenizer, req, c, 0), finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason)
                for c in finals[0].outputs]
     body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage(finals))
     return JSONResponse(body.model_dump())
@@ -79,6 +80,7 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
         for d in tracker.update(i, out):
             delta = DeltaMessage(role="assistant" if d.first else None, content=d.text)
             yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=d.finish_reason,
+                                          stop_reason=d.choice.stop_reason if d.finish_reason else None,
                                           logprobs=_logprobs(tokenizer, req, d.choice, d.token_start))])
     if req.include_usage:
         yield {**chunk([]), "usage": usage([final]).model_dump()}

@@ -49,6 +49,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
     choices = [CompletionChoice(index=i * req.n + c.index, text=echo[i] + c.text, finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
                                 logprobs=_logprobs(llm.tokenizer, req, c, 0, len(echo[i])))
                for i, out in enumerate(finals) for c in out.outputs]
     body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
@@ -84,6 +85,7 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, s
             logprobs = _logprobs(tokenizer, req, d.choice, d.token_start, len(echo[i]) + d.text_start)
             if text or d.finish_reason or (logprobs and logprobs["tokens"]):
                 yield chunk([CompletionChoice(index=d.index, text=text, finish_reason=d.finish_reason,
+                                              stop_reason=d.choice.stop_reason if d.finish_reason else None,
                                               logprobs=logprobs)])
     if req.include_usage:
         yield {**chunk([]), "usage": usage(finals).model_dump()}
