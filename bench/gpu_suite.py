@@ -291,7 +291,7 @@ def sweep_w4a16(log: dict) -> dict:
         for m in SWEEP_MS:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             results = []
-            deadline = time.monotonic() + SWEEP_SLICE[m]
+            deadline = time.monotonic() + SWEEP_SLICE.get(m, 6)
             for plan in w4a16_candidates(m, n, k, sms):
                 if time.monotonic() > deadline:
                     break
@@ -478,6 +478,9 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global SWEEP_MS
+    unknown = set((args.only or "w4a16").split(",")) - {"w4a16", "decode", "engine"}
+    if unknown:
+        ap.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}; choose from w4a16, decode, engine")
     if args.sweep_m:
         SWEEP_MS = tuple(int(m) for m in args.sweep_m.split(","))
     if args.dry_run:

@@ -2,8 +2,9 @@
 
 A decode step launches hundreds of small kernels; replaying a captured graph removes the launch gaps
 (vLLM's ``CUDAGraphRunner``). Invariants: the captured kernels never sync with the host and never autotune
-(they are warmed up once per bucket before capture); the buffers below are the only inputs and ``hidden`` the
-only output, so a step copies its inputs in (one host-to-device copy), replays, and reads ``hidden[:n]``.
+(they are warmed up once per bucket before capture); the buffers below are the only inputs (besides the W4A16
+GEMV's split-K counters, which every replay leaves at 0) and ``hidden`` the only output, so a step copies its
+inputs in (one host-to-device copy of the bucket's part), replays, and reads ``hidden[:n]``.
 Padding rows of a bucket write to slot -1 (skipped) and read one token of a block they held before (or block
 0), so they change no live KV and their outputs are dropped.
 """
@@ -39,6 +40,7 @@ class DecodeGraphs:
         # and moves it with one copy (int64 ids, positions, slots; int32 context lens, block tables)
         sizes = [(torch.int64, b), (torch.int64, b), (torch.int64, b), (torch.int32, b), (torch.int32, b * max_blocks)]
         nbytes = sum(dt.itemsize * n for dt, n in sizes)
+        self.head_bytes = 28 * b  # ids, positions, slots, context lens; block-table rows follow, bucket rows first
         self.staging = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
         views, host_views, offset = [], [], 0
@@ -53,6 +55,8 @@ class DecodeGraphs:
         self._h_slots[:] = -1
         self._h_ctx[:] = 1
         self.staging.copy_(self.host)
+        self.copied = torch.cuda.Event()  # the last step's host-to-device copy: wait before refilling the host side
+        self.copied.record()
         self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
@@ -89,6 +93,7 @@ class DecodeGraphs:
         in one host-to-device copy; padding rows get slot -1 and context length 1."""
         n = len(ids)
         bucket = self.bucket_for(n)
+        self.copied.synchronize()  # normally long done: the previous step synced on its sampled tokens
         self._h_ids[:n] = ids
         self._h_pos[:n] = positions
         self._h_slots[:n] = slots
@@ -97,6 +102,8 @@ class DecodeGraphs:
         self._h_ctx[n:bucket] = 1
         for row, table in zip(self._h_tables, block_tables):
             row[:len(table)] = table
-        self.staging.copy_(self.host, non_blocking=True)  # the host buffer is reused only after the step's sync
+        used = self.head_bytes + bucket * self.max_blocks * 4
+        self.staging[:used].copy_(self.host[:used], non_blocking=True)
+        self.copied.record()
         self.graphs[bucket].replay()
         return self.hidden[:n]

@@ -6,6 +6,7 @@ multi-byte character split over tokens is never emitted half.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _WINDOW = 5  # tokens before the read offset that give the decoder its context (leading spaces, merges)
@@ -24,25 +25,35 @@ def new_state(num_prompt_tokens: int) -> DetokenizerState:
     return DetokenizerState(prefix_offset=max(num_prompt_tokens - _WINDOW, 0), read_offset=num_prompt_tokens)
 
 
-_DECODERS: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokenizer, its decode function)
-
-
-def _decoder(tokenizer):
-    """decode(ids, skip_special_tokens) -> str without cleanup of tokenization spaces: the Rust ``tokenizers``
-    object behind a fast tokenizer when there is one (the same text, ~3x faster per call than going through
-    transformers, which matters at hundreds of sequences per step), else ``tokenizer.decode``."""
+def decoder(tokenizer) -> Callable[[list[int], bool], str]:
+    """decode(ids, skip_special_tokens) -> str without cleanup of tokenization spaces, for :func:`step`: the Rust
+    ``tokenizers`` object behind a fast tokenizer when there is one and the tokenizer class does not override
+    ``decode`` (the same text, ~3x faster per call than going through transformers, which matters at hundreds of
+    sequences per step), else ``tokenizer.decode``."""
     fast = getattr(tokenizer, "_tokenizer", None)
-    if fast is not None and callable(getattr(fast, "decode", None)):
+    plain = getattr(type(tokenizer), "decode", None) is getattr(_fast_base(), "decode", object())
+    if fast is not None and callable(getattr(fast, "decode", None)) and plain:
         return lambda ids, skip: fast.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
-def step(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
-    """Append the text that ``token_ids[state.read_offset:]`` completes to ``state.text``; return that delta."""
-    entry = _DECODERS.get(id(tokenizer))
-    if entry is None or entry[0] is not tokenizer:
-        entry = _DECODERS[id(tokenizer)] = (tokenizer, _decoder(tokenizer))
-    decode = entry[1]
+def _fast_base():
+    """transformers' base class of fast tokenizers (renamed in transformers 5), or None."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        return TokenizersBackend
+    except ImportError:
+        try:
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast
+        except ImportError:
+            return None
+
+
+def step(decode: Callable[[list[int], bool], str], token_ids: list[int], state: DetokenizerState,
+         skip_special_tokens: bool) -> str:
+    """Append the text that ``token_ids[state.read_offset:]`` completes to ``state.text``; return that delta.
+    ``decode``: from :func:`decoder`."""
     prefix = decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
     full = decode(token_ids[state.prefix_offset:], skip_special_tokens)
     if len(full) <= len(prefix) or full.endswith("\ufffd"):

@@ -62,6 +62,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self._decode = detokenizer.decoder(self.tokenizer)  # resolved once: called twice per token
         self.model_name = config.served_model_name or Path(config.model).name
         model_cfg = json.loads((Path(config.model) / "config.json").read_text())
         self.max_model_len = config.max_model_len or min(model_cfg.get("max_position_embeddings", 4096), 8192)
@@ -164,7 +165,7 @@ class LLMEngine:
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
         """vLLM's stop rules, in its order, after ``token`` was appended to ``seq``."""
         p, state = seq.params, req.detok[seq.index]
-        delta = detokenizer.step(self.tokenizer, seq.token_ids, state, p.skip_special_tokens)
+        delta = detokenizer.step(self._decode, seq.token_ids, state, p.skip_special_tokens)
         if seq.num_output_tokens > p.min_tokens or (seq.num_output_tokens == p.min_tokens and p.min_tokens):
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 if delta and not p.include_stop_str_in_output:

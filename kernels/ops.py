@@ -4,7 +4,7 @@ up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA
 | op | Triton | reference |
 |---|---|---|
 | ``linear(x, weight, bias)`` | (cuBLAS, ``F.linear``) | ``linear.linear_ref`` |
-| ``w4a16_linear(x, qw, bias, silu_gated)`` | ``w4a16.w4a16_linear`` | ``quant_formats.reference_linear`` |
+| ``w4a16_linear(x, qw, bias, silu_gated)`` | ``w4a16.w4a16_linear`` | ``reference_linear`` (of ``silu_and_mul_ref(x)`` when gated) |
 | ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping)`` | ``kv_cache.write_kv_cache`` | ``write_kv_cache_ref`` |
 | ``paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)`` | ``paged_attention`` | ``_ref`` |
 | ``paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)`` | idem | idem |

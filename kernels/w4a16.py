@@ -17,8 +17,9 @@ Three paths, picked per shape by :func:`choose_plan` (thresholds measured on an 
   tiles alone cannot fill the GPU.
 * ``dequant`` (M > 64): dequantize the whole weight with a Triton kernel, then cuBLAS (``x @ W``).
 
-The GEMM's split-K partial sums (fp32) are added in a fixed order by a second small kernel: results are
-deterministic on every path.
+Split-K partial sums (fp32) are added in a fixed order, by a second small kernel for the GEMM (and the GEMV with
+``serial=False``), in the same launch for the GEMV: results are deterministic on every path. The GEMV's in-launch
+reduction keeps arrival counters in a buffer per (device, stream): GEMVs on one stream run one after another.
 Errors: ``ValueError`` for a QuantizedWeight / x mismatch; shapes the fused kernels cannot tile (a group size
 with no power-of-two divisor >= 16 for the GEMM) fall back to the ``dequant`` path.
 """
@@ -131,14 +132,14 @@ def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.con
 
 @jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, N, K, k_per_split,
-                 splits, exp_byte, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
+                 splits, exp_byte, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
                  EVEN_K: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), splits): y[n] for one block of outputs over one K range (a multiple of BLOCK_K;
-    BLOCK_K divides GROUP, so a tile has one scale and one zero per column). The next tile is loaded before this
-    one is multiplied (a second tile in flight; a third measured no faster on an H200). GATED: x is
-    cat(gate, up) [2K] of an MLP and the input is silu(gate) * up (the activation kernel fused into the loads). EVEN_K: K is a multiple of BLOCK_K; ASM: compiled
-    (inline PTX), not interpreted.
+    BLOCK_K divides GROUP, or GROUP >= K (per channel), so a tile has one scale and one zero per column). The next
+    tile is loaded before this one is multiplied (a second tile in flight; a third measured no faster on an H200).
+    GATED: x is cat(gate, up) [2K] of an MLP and the input is silu(gate) * up (the activation kernel fused into
+    the loads). EVEN_K: K is a multiple of BLOCK_K; ASM: compiled (inline PTX), not interpreted.
 
     Without SPLIT it writes y + bias in out's dtype. With SPLIT each program writes fp32 partial sums
     ``part[split, n]``; with SERIAL the last program of a column block to finish (an atomic counter in
@@ -427,7 +428,8 @@ def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     x: fp16/bf16 on the weight's device, last dim K; bias [N] or None. ``silu_gated``: x is cat(gate, up)
     [..., 2K] and the product takes ``activation.silu_and_mul(x)`` (fused into the GEMV's loads at M = 1, where
     the separate kernel would be a launch of its own). No host sync: graph-safe once the kernels for the shape
-    are compiled (warm up before capture). The path is :func:`choose_plan`'s.
+    are compiled (warm up before capture). GEMVs on different streams may run concurrently (their split-K
+    counters are per stream, see ``_locks``). The path is :func:`choose_plan`'s.
     """
     width = qw.in_features * (2 if silu_gated else 1)
     if x.shape[-1] != width:
@@ -439,16 +441,23 @@ def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     return run_plan(x2, qw, bias, plan, silu_gated).reshape(*x.shape[:-1], qw.out_features)
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
+_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_MAX_LOCKS = 1 << 16  # column blocks of one GEMV: N up to 65536 x BLOCK_N
 
 
 def _locks(device: torch.device, count: int) -> torch.Tensor:
-    """At least ``count`` int32 split-K arrival counters on ``device``, all 0 between GEMV calls (each call's last
-    program resets its counter). One buffer per device: calls on one stream run one after another. Allocated on
-    first use, which must come before any CUDA-graph capture (the engine warms every shape up first)."""
-    buf = _LOCKS.get(device)
-    if buf is None or buf.numel() < count:
-        buf = _LOCKS[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    """``_MAX_LOCKS`` int32 split-K arrival counters for GEMVs on ``device``'s current stream, all 0 between
+    calls (each call's last program resets its counters). One buffer per (device, stream): two streams running
+    GEMVs at once would otherwise share counters (wrong sums; measured on an H200), while calls on one stream run
+    one after another. Never reallocated (captured CUDA graphs keep its address). Allocated on a stream's first
+    call; when that is inside a graph capture, the zeroing is captured too, so replays start from zeros.
+    Raises ``ValueError`` past ``_MAX_LOCKS`` column blocks."""
+    if count > _MAX_LOCKS:
+        raise ValueError(f"w4a16 GEMV: {count} column blocks, at most {_MAX_LOCKS}")
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    buf = _LOCKS.get((device, stream))
+    if buf is None:
+        buf = _LOCKS[(device, stream)] = torch.zeros(_MAX_LOCKS, dtype=torch.int32, device=device)
     return buf
 
 
@@ -459,6 +468,9 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
     if silu_gated and plan.path != "gemv":
         raise ValueError("silu_gated inputs run on the gemv path only")
     m, k = x.shape[0], qw.in_features
+    if x.shape[1] != k * (2 if silu_gated else 1):
+        raise ValueError(f"run_plan: x has {x.shape[1]} features, the weight expects {k}"
+                         f"{' x 2 (gate, up)' if silu_gated else ''}")
     n = qw.out_features
     if plan.path != "dequant" and (plan.block_k % qw.pack_factor or
                                    (qw.group_size % plan.block_k and qw.group_size < k)):

@@ -119,6 +119,8 @@ def test_silu_gated_input(fmt, group, act_order, m):
     check_product(y, h, w)
     with pytest.raises(ValueError, match="expects 512"):
         w4a16.w4a16_linear(h, qw, None, silu_gated=True)
+    with pytest.raises(ValueError, match="gate, up"):  # run_plan checks the width too (it would read past x)
+        w4a16.run_plan(h[:1], qw, None, PLANS["gemv"], silu_gated=True)
 
 
 def test_gemv_split_k_reduction_in_one_launch_is_deterministic():
@@ -133,7 +135,29 @@ def test_gemv_split_k_reduction_in_one_launch_is_deterministic():
     check_product(y, x, w, bias)
     assert torch.equal(y, w4a16.run_plan(x, qw, bias, two))
     assert torch.equal(y, w4a16.run_plan(x, qw, bias, one))
-    assert int(w4a16._locks(x.device, 3)[:3].abs().sum()) == 0
+    assert int(w4a16._locks(x.device, 3).abs().sum()) == 0
+    with pytest.raises(ValueError, match="column blocks"):
+        w4a16._locks(x.device, w4a16._MAX_LOCKS + 1)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="streams: GPU only")
+def test_gemv_on_two_streams_at_once():
+    """Two streams running split-K GEMVs concurrently (each held back behind a sleep so they overlap) get the
+    single-stream results: the arrival counters are per stream."""
+    qw, _ = make_weight("awq", 4096, 4096, 128, False)
+    plan = w4a16.Plan("gemv", block_m=1, block_n=128, block_k=128, k_per_split=512)
+    xs = [torch.randn(1, 4096, dtype=torch.bfloat16) for _ in range(2)]
+    want = [w4a16.run_plan(x, qw, None, plan) for x in xs]
+    streams = [torch.cuda.Stream() for _ in xs]
+    for _ in range(3):
+        got = []
+        for stream, x in zip(streams, xs):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(2_000_000)
+                got.append([w4a16.run_plan(x, qw, None, plan) for _ in range(20)])
+        torch.cuda.synchronize()
+        for ys, y0 in zip(got, want):
+            assert all(torch.equal(y, y0) for y in ys)
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
