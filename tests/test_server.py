@@ -190,6 +190,8 @@ def _error(r: httpx.Response, status: int, param: str | None = None, code: str |
     ({"model": MODEL}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages.0.role"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true (vLLM)
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
 ])
 def test_bad_fields_are_400_naming_the_field(server, body, param):
     url, _, _ = server

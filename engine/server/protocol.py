@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.sampling_params import SamplingParams
 
@@ -107,6 +107,16 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """vLLM's rule: ``top_logprobs`` >= 0, and > 0 only with ``logprobs: true`` (else a 400 naming it)."""
+        if value is not None and value < 0:
+            raise ValueError("`top_logprobs` must be a positive value")
+        if value and not info.data.get("logprobs"):
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
+        return value
 
 
 class ChatResponseMessage(BaseModel):
