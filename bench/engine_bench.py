@@ -180,8 +180,9 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
 
 
 def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
-    """Greedy GPU tokens vs the CPU reference's on the SmolLM2 AWQ checkpoint, when it was brought over
-    (``expected.json`` beside it: {"prompts": [...], "tokens": [[...]]}). The row's numbers are counts.
+    """Greedy GPU tokens vs the CPU reference's (fp32) on the SmolLM2 AWQ checkpoint, when it was brought over
+    (``expected.json`` beside it: {"prompts": [...], "tokens": [[...]]}), and vs the torch references run on the
+    GPU in bf16 (``APPLIANCE_KERNELS=torch``, eager). The rows' numbers are counts.
 
     At a divergence it reports the gap between the GPU's two best log-probabilities at that step: a gap within
     bf16 rounding (< 0.05 nats) is a near-tie the two paths may break differently.
@@ -190,23 +191,37 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
     if not expected_path.is_file():
         return []
     expected = json.loads(expected_path.read_text())
-    llm = LLM(model_dir, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.2)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-    outs = llm.generate(expected["prompts"], params)
-    same, notes = 0, []
-    for i, (out, ref) in enumerate(zip(outs, expected["tokens"])):
-        got = out.outputs[0].token_ids
-        if got == ref:
-            same += 1
-            continue
-        step = next(j for j, (a, b) in enumerate(zip(got, ref)) if a != b)
-        top = sorted(out.outputs[0].logprobs[step].values(), reverse=True)[:2]
-        notes.append(f"prompt {i} diverges at token {step} (top-2 gap {top[0] - top[1]:.3f} nats)")
-    del llm, outs
+    outs = _smollm2_outputs(model_dir, expected["prompts"], params)
+    os.environ["APPLIANCE_KERNELS"] = "torch"
+    try:
+        ref_outs = _smollm2_outputs(model_dir, expected["prompts"], params, enforce_eager=True)
+    finally:
+        del os.environ["APPLIANCE_KERNELS"]
+    rows = []
+    for what, refs in (("CPU reference (fp32)", expected["tokens"]),
+                       ("torch reference on the GPU (bf16)", [o.outputs[0].token_ids for o in ref_outs])):
+        same, notes = 0, []
+        for i, (out, ref) in enumerate(zip(outs, refs)):
+            got = out.outputs[0].token_ids
+            if got == ref:
+                same += 1
+                continue
+            step = next(j for j, (a, b) in enumerate(zip(got, ref)) if a != b)
+            top = sorted(out.outputs[0].logprobs[step].values(), reverse=True)[:2]
+            notes.append(f"prompt {i} diverges at token {step} (top-2 gap {top[0] - top[1]:.3f} nats)")
+        total = len(refs)
+        rows.append(make_row(f"SmolLM2 AWQ greedy: GPU = {what} (counts, not µs)", f"{total} prompts x 32 tokens",
+                             total, "sequences identical", same, 1.0, "; ".join(notes) or "no divergence"))
+    return rows
+
+
+def _smollm2_outputs(model_dir: str, prompts: list, params: SamplingParams, **kw) -> list:
+    llm = LLM(model_dir, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.2, **kw)
+    outs = llm.generate(prompts, params)
+    del llm
     _free()
-    total = len(expected["tokens"])
-    return [make_row("SmolLM2 AWQ greedy: GPU = CPU reference (counts, not µs)", f"{total} prompts x 32 tokens",
-                     total, "sequences identical", same, 1.0, "; ".join(notes) or "no divergence")]
+    return outs
 
 
 def _small_model_tokens(model_dir: str, **kw) -> list[list[int]]:
