@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.errors import StepFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: Requests that may wait for a batch slot beyond the ``max_num_seqs`` that run (Ollama's OLLAMA_MAX_QUEUE).
 DEFAULT_MAX_WAITING = 512
+#: engine steps that may fail in a row (each failing only its own requests) before the engine is declared dead
+MAX_FAILED_STEPS = 3
 
 
 class EngineDeadError(RuntimeError):
@@ -139,6 +142,7 @@ class AsyncLLMEngine:
         self._listeners: list[OutputListener] = []
         self._stats: EngineStats | None = None
         self._stop = False
+        self._failed_steps = 0  # engine steps that raised in a row
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -261,7 +265,12 @@ class AsyncLLMEngine:
                     self._stats = self._engine.get_stats()
                     self._wakeup.wait()
                     continue
-                outputs = self._engine.step()
+                try:
+                    outputs = self._engine.step()
+                except StepFailed as e:
+                    self._step_failed(e)
+                    continue
+                self._failed_steps = 0
                 self._stats = self._engine.get_stats()
                 self._deliver(outputs)
         except BaseException as e:  # noqa: BLE001 - any failure makes the engine dead, never a hung request
@@ -269,6 +278,20 @@ class AsyncLLMEngine:
             self.error = e
         self._state = "dead"
         self._fail_all(self.error or EngineDeadError("engine was shut down"))
+
+    def _step_failed(self, e: StepFailed) -> None:
+        """A step raised: its requests get the error (a 500: a bug), the others carry on. After
+        ``MAX_FAILED_STEPS`` failures in a row (a broken device, say) it is re-raised: the engine is dead."""
+        self._failed_steps += 1
+        logger.error("engine step failed (%d in a row); failing requests %s", self._failed_steps, e.request_ids,
+                     exc_info=e.__cause__)
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise e
+        for request_id in e.request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put_threadsafe(e)
+        self._stats = self._engine.get_stats()
 
     def _drain_commands(self) -> None:
         while True:

@@ -198,6 +198,16 @@ class BlockManager:
                 self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table = []
 
+    def forget(self, seq: Sequence) -> None:
+        """Unregister the hashes of ``seq``'s blocks, so that no later prefix lookup matches them: after a failed
+        forward pass their K/V may never have been written. The blocks stay with their holders (a shared block
+        only loses its cache entry); release them with :meth:`free`."""
+        for block_id in seq.block_table:
+            h = self.block_hashes[block_id]
+            if h is not None and self.cached_blocks.get(h) == block_id:
+                del self.cached_blocks[h]
+            self.block_hashes[block_id] = self.block_tokens[block_id] = None
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (see :meth:`_release`) and forget its computed tokens."""
         self._release(seq)

@@ -1,4 +1,5 @@
-"""Errors the engine raises for bad requests; the server maps them to OpenAI-style 400 responses."""
+"""Errors the engine raises: for bad requests (the server maps them to OpenAI-style 400 responses), and for a
+forward pass that failed (a 500 for the requests in it: a bug)."""
 from __future__ import annotations
 
 
@@ -24,3 +25,12 @@ class ContextLengthError(ValueError):
         return (f"{head}{self.prompt_tokens + self.completion_tokens} tokens ({self.prompt_tokens} in the {where}, "
                 f"{self.completion_tokens} in the completion). Please reduce the length of the {where} or "
                 f"completion.")
+
+
+class StepFailed(RuntimeError):
+    """A forward pass raised (``__cause__``). Its requests (``request_ids``) were dropped and their blocks freed
+    and unregistered from the prefix cache; every other request and the engine itself carry on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
+        self.request_ids = request_ids

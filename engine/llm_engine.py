@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from engine import detokenizer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import ContextLengthError
+from engine.errors import ContextLengthError, StepFailed
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -138,7 +138,11 @@ class LLMEngine:
         for seq in batch.seqs:
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        tokens = iter(self.runner.run(batch, self.eos_token_ids))
+        try:
+            sampled = self.runner.run(batch, self.eos_token_ids)
+        except Exception as e:
+            raise StepFailed(self._fail_batch(batch), e) from e
+        tokens = iter(sampled)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq, num_new_tokens, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
@@ -161,6 +165,18 @@ class LLMEngine:
                 del self.requests[req.request_id]
             outputs.append(self._output(req))
         return outputs
+
+    def _fail_batch(self, batch) -> list[str]:
+        """Drop the requests of a batch whose forward pass raised: their blocks are unregistered from the prefix
+        cache (their K/V may be half written) and released, and they leave the engine. Returns their ids."""
+        failed = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
+        for request_id in failed:
+            req = self.requests.pop(request_id, None)
+            for seq in req.seqs if req is not None else ():
+                self.block_manager.forget(seq)
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+        return failed
 
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
         """vLLM's stop rules, in its order, after ``token`` was appended to ``seq``."""
