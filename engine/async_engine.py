@@ -280,18 +280,23 @@ class AsyncLLMEngine:
         self._fail_all(self.error or EngineDeadError("engine was shut down"))
 
     def _step_failed(self, e: StepFailed) -> None:
-        """A step raised: its requests get the error (a 500: a bug), the others carry on. After
-        ``MAX_FAILED_STEPS`` failures in a row (a broken device, say) it is re-raised: the engine is dead."""
-        self._failed_steps += 1
-        logger.error("engine step failed (%d in a row); failing requests %s", self._failed_steps, e.request_ids,
-                     exc_info=e.__cause__)
-        if self._failed_steps >= MAX_FAILED_STEPS:
-            raise e
+        """A step failed for some requests: they get the error, the others carry on (the step's outputs are
+        delivered). A forward pass that raised is a bug (a 500); after ``MAX_FAILED_STEPS`` of those in a row (a
+        broken device, say) it is re-raised: the engine is dead. A request's own sampling failure is a 400."""
+        if e.request_error:  # the requests' own parameters: they get the ValueError (a 400), nothing is broken
+            logger.warning("requests %s failed: %s", e.request_ids, e.cause)
+        else:
+            self._failed_steps += 1
+            logger.error("engine step failed (%d in a row); failing requests %s", self._failed_steps,
+                         e.request_ids, exc_info=e.cause)
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise e
         for request_id in e.request_ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream.put_threadsafe(e)
+                stream.put_threadsafe(e.cause if e.request_error else e)
         self._stats = self._engine.get_stats()
+        self._deliver(e.outputs)
 
     def _drain_commands(self) -> None:
         while True:

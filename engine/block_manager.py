@@ -5,7 +5,7 @@ The GPU (or CPU) never sees this bookkeeping: only the block tables and slot map
 from it.
 
 Prefix caching. A *full* block (``block_size`` tokens) is named by a hash chained over the whole prefix:
-``hash((parent_hash, token ids of the block))``, the parent being the block before it in the sequence (none for the
+SHA-256 of (parent hash, token ids of the block), the parent being the block before it in the sequence (none for the
 first). Two sequences that share their first ``k * block_size`` tokens therefore name their first ``k`` blocks
 alike, whatever follows. A block gets its hash when it is allocated for the step that fills it (its K/V is written
 in that step, before anything can read it; a block that a prefill chunk leaves partly filled gets it with the chunk
@@ -24,14 +24,19 @@ whole context; :meth:`BlockManager.swap_in` gives it fresh blocks (no prefix loo
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 from collections import OrderedDict
 
 from engine.sequence import Sequence
 
 
-def block_hash(parent: int | None, token_ids) -> int:
-    """The chained hash of one full block (Python's tuple hash: deterministic for ints)."""
-    return hash((parent, tuple(token_ids)))
+def block_hash(parent: bytes | None, token_ids) -> bytes:
+    """The chained hash of one full block: SHA-256 over the parent's hash and the block's token ids (int64).
+    A cryptographic hash, as vLLM moved to after CVE-2025-25183: with Python's 61-bit ``hash`` a crafted prompt
+    could collide with another prefix and read its K/V."""
+    return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -62,9 +67,9 @@ class BlockManager:
         #: Allocation order: free blocks, then cached ones least recently used first (values unused).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.cached_blocks: dict[int, int] = {}
+        self.cached_blocks: dict[bytes, int] = {}
         #: Prefix cache lookups in tokens (vLLM semantics): a new sequence's tokens, and how many were found cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0

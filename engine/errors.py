@@ -28,9 +28,13 @@ class ContextLengthError(ValueError):
 
 
 class StepFailed(RuntimeError):
-    """A forward pass raised (``__cause__``). Its requests (``request_ids``) were dropped and their blocks freed
-    and unregistered from the prefix cache; every other request and the engine itself carry on."""
+    """A step failed for some requests (``request_ids``), which were dropped with their blocks; every other
+    request and the engine carry on. ``cause`` is what happened: the forward pass raised (their blocks were also
+    unregistered from the prefix cache, their K/V may be half written), or, with ``request_error``, no token
+    could be sampled for them (their own parameters; ``cause`` is a ValueError, the step's ``outputs`` for the
+    other requests come along)."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException):
+    def __init__(self, request_ids: list[str], cause: BaseException, outputs: list | None = None,
+                 request_error: bool = False):
         super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
-        self.request_ids = request_ids
+        self.request_ids, self.cause, self.outputs, self.request_error = request_ids, cause, outputs or [], request_error

@@ -21,6 +21,7 @@ from engine import detokenizer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import ContextLengthError, StepFailed
+from engine.sampler import INVALID
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -104,8 +105,9 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max(max_tokens, 1) > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(ids), max_tokens)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seqs = [Sequence(request_id, i, list(ids), params, generator) for i in range(params.n)]
+        seqs = [Sequence(request_id, i, list(ids), params,  # a seeded child i draws from seed + i (vLLM V1)
+                         torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None)
+                for i in range(params.n)]
         self.requests[request_id] = Request(
             request_id, text, ids, params, seqs, [detokenizer.new_state(len(ids)) for _ in seqs],
             RequestMetrics(arrival_time=arrival_time or time.monotonic()))
@@ -141,8 +143,10 @@ class LLMEngine:
         try:
             sampled = self.runner.run(batch, self.eos_token_ids)
         except Exception as e:
+            self._aborted = outputs + self._aborted  # delivered by the next step
             raise StepFailed(self._fail_batch(batch), e) from e
         tokens = iter(sampled)
+        invalid: list[str] = []
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq, num_new_tokens, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
@@ -151,6 +155,9 @@ class LLMEngine:
                 continue
             req = self.requests[seq.request_id]
             token = next(tokens)
+            if token == INVALID:
+                invalid.append(seq.request_id)
+                continue
             if seq.num_output_tokens == 0:
                 self._prompt_tokens_total += seq.num_prompt_tokens
             seq.token_ids.append(token)
@@ -159,17 +166,30 @@ class LLMEngine:
             req.metrics.last_token_time = now
             self._check_stop(req, seq, token)
             touched[req.request_id] = req
+        for request_id in dict.fromkeys(invalid):
+            touched.pop(request_id, None)
+            self.abort_request(request_id)
+            self._aborted = [o for o in self._aborted if o.request_id != request_id]
         for req in touched.values():
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
             outputs.append(self._output(req))
+        if invalid:
+            raise StepFailed(list(dict.fromkeys(invalid)), ValueError(
+                "sampling: no token can be sampled for this request (every token masked, e.g. by min_tokens with "
+                "stop_token_ids, or penalties/temperature that overflow)"), outputs=outputs, request_error=True)
         return outputs
 
     def _fail_batch(self, batch) -> list[str]:
-        """Drop the requests of a batch whose forward pass raised: their blocks are unregistered from the prefix
-        cache (their K/V may be half written) and released, and they leave the engine. Returns their ids."""
+        """Drop the requests of a batch whose forward pass raised, and those swapped out in it (their swap copy may
+        not have run): their blocks are unregistered from the prefix cache (their K/V may be half written) and
+        released, KV and swap alike, and they leave the engine. Returns their ids."""
         failed = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
+        copied = {dst for _, dst in batch.blocks_to_swap_out}  # swapped out this step: the copy may not have run
+        failed += [s.request_id for s in self.scheduler.swapped if copied & set(s.swap_table)
+                   and s.request_id not in failed]
+        failed = list(dict.fromkeys(failed))
         for request_id in failed:
             req = self.requests.pop(request_id, None)
             for seq in req.seqs if req is not None else ():

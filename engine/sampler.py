@@ -65,8 +65,14 @@ def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits
 
 
+#: the token ``sample`` returns for a sequence whose processed distribution is empty or not finite (its own
+#: parameters did it: all tokens masked by min_tokens + stop_token_ids, or an overflowing penalty); the engine
+#: fails that request alone.
+INVALID = -1
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:
-    """One next token per sequence.
+    """One next token per sequence (``INVALID`` for a sequence with no valid distribution).
 
     logits: float32 [S, V] on any device, row i belonging to ``seqs[i]``. Also appends each sequence's logprobs entry when it
     asked for logprobs (natural-log probabilities of the raw model distribution: the sampled token and the
@@ -78,10 +84,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) 
     tokens = []
     for row, seq in zip(logits, seqs):
         processed = process_logits(row, seq, eos_token_ids)
+        probs = processed.softmax(-1)
+        if not bool(torch.isfinite(probs).all()):  # every token masked, or penalties that overflow: no choice
+            tokens.append(INVALID)
+            continue
         if seq.params.greedy:
             token = int(torch.argmax(processed))
         else:
-            token = int(torch.multinomial(processed.softmax(-1), 1, generator=seq.generator))
+            token = int(torch.multinomial(probs, 1, generator=seq.generator))
         tokens.append(token)
         if seq.logprobs is not None:
             seq.logprobs.append(_logprobs_entry(row, token, seq.params.logprobs or 0))

@@ -88,3 +88,14 @@ def test_batch_mixes_plain_greedy_and_penalised_rows_and_logprobs_stay_raw():
     assert sample(torch.stack([LOGITS, LOGITS]), [plain, penalised], {EOS}) == [EOS, 3]
     raw = torch.log_softmax(LOGITS, -1)
     assert penalised.logprobs == [{3: raw[3].item(), EOS: raw[EOS].item()}]
+
+
+def test_seeded_n_greater_than_one_does_not_depend_on_the_batch(demo_model):
+    """Child i of a seeded request draws from seed + i (vLLM V1), so its samples do not depend on how its
+    siblings are scheduled (one at a time or together)."""
+    from engine import LLM
+
+    params = SamplingParams(temperature=1.0, n=2, seed=1234, max_tokens=6, ignore_eos=True)
+    got = [[o.token_ids for o in LLM(str(demo_model), device="cpu", max_num_seqs=m, max_model_len=128)
+            .generate(["Once upon a time"], params)[0].outputs] for m in (8, 1)]
+    assert got[0] == got[1] and got[0][0] != got[0][1]

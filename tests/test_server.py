@@ -191,6 +191,7 @@ def _error(r: httpx.Response, status: int, param: str | None = None, code: str |
     ({"messages": [{"content": "no role"}]}, "messages.0.role"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true (vLLM)
+    ({"messages": MESSAGES, "n": 129}, "n"),  # OpenAI's bound: one request cannot hold the engine
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
 ])
 def test_bad_fields_are_400_naming_the_field(server, body, param):
@@ -370,6 +371,9 @@ def test_overload_is_503_with_retry_after_and_keeps_nothing():
         overloaded(client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3}))
         wait_for(lambda: len(fake.waiting) + len(fake.running) == 2, what="the half-admitted batch aborted")
         assert engine.num_requests == 2
+        too_big = client.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"], "max_tokens": 3})
+        assert "at most 3 at once" in _error(too_big, 400, param="prompt", code="invalid_value")["message"]
+        assert engine.num_requests == 2  # a batch that can never fit is a 400, not a 503 to retry forever
         r = client.post("/v1/completions", json={"prompt": "fits", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == fake_completion(
             4, SamplingParams(max_tokens=3))[0]

@@ -43,12 +43,67 @@ def test_failed_step_drops_its_requests_and_poisons_no_cache(demo_model, monkeyp
     assert outs[1].outputs[0].token_ids == want
 
 
+def test_failed_swap_copy_fails_its_victims_too(demo_model):
+    """The swap-out copy raises (a GPU out of memory, say): the requests swapped out in that step are failed with
+    the batch (their swap blocks were never written); every request that finishes has its no-pressure tokens."""
+    from engine_fixtures import prompts
+
+    small = dict(device="cpu", max_num_seqs=16, max_model_len=64, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    roomy = LLM(str(demo_model), **small)
+    texts = prompts(roomy.get_tokenizer())
+    want = {f"p{i}": o.outputs[0].token_ids for i, o in enumerate(roomy.generate(texts, params))}
+    llm = LLM(str(demo_model), num_kv_blocks=10, swap_space=0.05, **small)
+    engine, swap, state = llm.engine, llm.engine.runner.swap, {"failed": False}
+
+    def flaky(out, into):
+        if out and not state["failed"]:
+            state["failed"] = True
+            raise RuntimeError("out of memory during swap-out")
+        return swap(out, into)
+
+    engine.runner.swap = flaky
+    for i, text in enumerate(texts):
+        engine.add_request(f"p{i}", text, params)
+    done, failed = {}, []
+    while engine.has_unfinished_requests():
+        try:
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        except StepFailed as e:
+            failed += e.request_ids
+    assert state["failed"] and failed and set(done) | set(failed) == set(want) and not set(done) & set(failed)
+    assert all(done[r] == want[r] for r in done)
+    engine.block_manager.check()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.swap_pool.num_free_blocks == engine.scheduler.swap_pool.num_blocks
+
+
+def test_a_request_that_cannot_sample_fails_alone(demo_model):
+    """repetition_penalty 1e-40 overflows the logits to inf: that request gets a ValueError (a 400 over HTTP), the
+    request beside it in the same step gets its output and finishes as it would alone."""
+    llm = LLM(str(demo_model), device="cpu", max_num_seqs=8, max_model_len=128)
+    engine = llm.engine
+    prompt = list(range(100, 120))
+    alone = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    engine.add_request("bad", list(range(200, 220)), SamplingParams(temperature=0.8, repetition_penalty=1e-40))
+    engine.add_request("good", prompt, GREEDY)
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    e = failed.value
+    assert e.request_ids == ["bad"] and e.request_error and isinstance(e.cause, ValueError)
+    assert [o.request_id for o in e.outputs] == ["good"] and "bad" not in engine.requests
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == "good" and outs[-1].outputs[0].token_ids == alone
+
+
 class FlakyEngine(FakeEngine):
     """Fails the steps numbered in ``fail_steps`` (0-based) the way LLMEngine does: drops ``victim`` and raises."""
 
-    def __init__(self, fail_steps: set[int], **kw):
+    def __init__(self, fail_steps: set[int], request_error: bool = False, **kw):
         super().__init__(**kw)
-        self.fail_steps, self.step_no = fail_steps, 0
+        self.fail_steps, self.step_no, self.request_error = fail_steps, 0, request_error
 
     def step(self):
         self.step_no += 1
@@ -57,7 +112,8 @@ class FlakyEngine(FakeEngine):
             for request_id in victims:
                 self.abort_request(request_id)
             self.pending_aborts.clear()
-            raise StepFailed(victims, RuntimeError("boom"))
+            cause = ValueError("sampling: no token") if self.request_error else RuntimeError("boom")
+            raise StepFailed(victims, cause, request_error=self.request_error)
         return super().step()
 
 
@@ -102,5 +158,17 @@ def test_failures_in_a_row_make_the_engine_dead():
         with pytest.raises(EngineDeadError):
             asyncio.run(asyncio.wait_for(_text(eng, "aaa", "victim-last", params), 20))
         wait_for(lambda: eng.is_dead, what="engine dead")
+    finally:
+        eng.shutdown()
+
+
+def test_requests_own_sampling_failures_never_make_the_engine_dead():
+    eng = _serve(FlakyEngine(set(range(100)), request_error=True, max_model_len=128, max_num_seqs=4))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    try:
+        for i in range(MAX_FAILED_STEPS + 2):
+            with pytest.raises(ValueError, match="sampling"):
+                asyncio.run(asyncio.wait_for(_text(eng, "aaa", f"victim{i}", params), 20))
+        assert not eng.is_dead and eng.is_ready
     finally:
         eng.shutdown()

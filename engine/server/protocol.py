@@ -45,7 +45,7 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=128)  # OpenAI's bound: one request cannot hold the engine
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None

@@ -56,7 +56,12 @@ def build_params(build: Any, *args: Any) -> SamplingParams:
 
 async def submit(ctx: ServingContext, prompts: list[str | list[int]], params: SamplingParams,
                  request_id: str, prompt_field: str) -> list[RequestStream]:
-    """Submit one engine request per prompt, all or none; engine rejections become ``APIError``s."""
+    """Submit one engine request per prompt, all or none; engine rejections become ``APIError``s. A batch larger
+    than the engine ever admits at once is a 400 naming the prompt (a 503 would ask for retries that never work)."""
+    limit = getattr(ctx.engine, "max_requests", None)
+    if isinstance(limit, int) and len(prompts) > limit:
+        raise bad_value(ValueError(f"{prompt_field}: {len(prompts)} prompts in one request, the server admits at "
+                                   f"most {limit} at once (max_num_seqs + max_waiting)"))
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     arrival = time.monotonic()
     results = await asyncio.gather(*(ctx.engine.add_request(rid, p, params, arrival)
