@@ -117,14 +117,22 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its last output (finish_reason "abort") comes with the next
         ``step``. Unknown or finished ids are ignored."""
-        req = self.requests.pop(request_id, None)
+        req = self._remove(request_id)
         if req is None:
             return
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
         req.metrics.finished_time = time.monotonic()
         self._aborted.append(self._output(req))
+
+    def _remove(self, request_id: str, forget: bool = False) -> Request | None:
+        """Take a request out of the engine, finishing ("abort") its unfinished sequences and freeing their blocks;
+        ``forget``: unregister them from the prefix cache first (their K/V may be half written)."""
+        req = self.requests.pop(request_id, None)
+        for seq in req.seqs if req is not None else ():
+            if forget:
+                self.block_manager.forget(seq)
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return req
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
@@ -166,10 +174,9 @@ class LLMEngine:
             req.metrics.last_token_time = now
             self._check_stop(req, seq, token)
             touched[req.request_id] = req
-        for request_id in dict.fromkeys(invalid):
+        for request_id in dict.fromkeys(invalid):  # they get the error instead of an output
             touched.pop(request_id, None)
-            self.abort_request(request_id)
-            self._aborted = [o for o in self._aborted if o.request_id != request_id]
+            self._remove(request_id)
         for req in touched.values():
             if req.finished:
                 req.metrics.finished_time = now
@@ -185,17 +192,11 @@ class LLMEngine:
         """Drop the requests of a batch whose forward pass raised, and those swapped out in it (their swap copy may
         not have run): their blocks are unregistered from the prefix cache (their K/V may be half written) and
         released, KV and swap alike, and they leave the engine. Returns their ids."""
-        failed = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
         copied = {dst for _, dst in batch.blocks_to_swap_out}  # swapped out this step: the copy may not have run
-        failed += [s.request_id for s in self.scheduler.swapped if copied & set(s.swap_table)
-                   and s.request_id not in failed]
-        failed = list(dict.fromkeys(failed))
+        failed = list(dict.fromkeys([seq.request_id for seq in batch.seqs] + [
+            s.request_id for s in self.scheduler.swapped if copied & set(s.swap_table)]))
         for request_id in failed:
-            req = self.requests.pop(request_id, None)
-            for seq in req.seqs if req is not None else ():
-                self.block_manager.forget(seq)
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
+            self._remove(request_id, forget=True)
         return failed
 
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
