@@ -214,9 +214,7 @@ def w4a16_rows(log: dict, tuned: dict | None = None) -> list[Row]:
             ours = time_calls([lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies4)])
             base = time_calls([lambda i=i: F.linear(x, w16[i]) for i in schedule(copies16)])
             shape = f"{k}→{n}, M={m}"
-            note = (f"{plan.path} {plan.block_m}x{plan.block_n}x{plan.block_k} split {cdiv(k, plan.k_per_split)} "
-                    f"w{plan.num_warps}{' swap' if plan.swap else ''}{' fast' if plan.fast else ''}"
-                    f"{' (swept)' if (k, n, m) in tuned else ''}; "
+            note = (f"{plan_str(plan, k)}{' (swept)' if (k, n, m) in tuned else ''}; "
                     f"{bytes_w4 / ours / 1e6:.2f} TB/s")
             rows.append(Row("W4A16 vs bf16 F.linear", shape, ours, "F.linear bf16", base, W4_TARGETS[m], note))
             log.setdefault("w4a16", []).append(dict(k=k, n=n, m=m, plan=plan.__dict__, ours_us=ours, bf16_us=base))
@@ -236,18 +234,48 @@ def w4a16_rows(log: dict, tuned: dict | None = None) -> list[Row]:
 
 
 def w4a16_candidates(m: int, n: int, k: int, sms: int) -> list[w4a16.Plan]:
-    """The plans the sweep times for one shape: the default first, then the fast tensor-core GEMM around it, then
-    the plain variants that won in earlier runs."""
+    """The plans the sweep times for one shape: the default first, then the contiguous-x tensor-core kernel
+    (path "tc", ``_gemm_tc_kernel``) in order of promise (the time slice may run out), then the older fused GEMM
+    variants that won in earlier runs, and dequantize-then-cuBLAS above M = 64."""
     plans = [w4a16.choose_plan(m, n, k, 4, 128, sms)]
     P = w4a16.Plan
     bm = 16 if m <= 16 else 64 if m <= 64 else 128
-    if m <= 64:
-        for bn in (128, 256) if m == 1 else (128, 64, 256):
-            for swap in (True, False):
-                tiles = cdiv(m, bm) * cdiv(n, bn)
-                for programs in (1, 2, 4):
-                    kps = w4a16._split(k, 128, tiles, programs * sms)
-                    plans.append(P("gemm", bm, bn, 128, kps, swap, 4, 3, fast=True))
+
+    def tc(bm_, bn, bk, swap, warps, stages, mode, programs=(1,)):
+        tiles = cdiv(m, bm_) * cdiv(n, bn)
+        for p in programs:
+            kps = w4a16._split(k, bk, tiles, p * sms) if p else k
+            plans.append(P("tc", bm_, bn, bk, kps, swap, warps, stages, mode=mode))
+
+    if 1 < m <= 16:
+        tc(16, 64, 128, True, 4, 3, 3, (1, 2, 3, 4))
+        tc(16, 64, 128, True, 4, 3, 1, (2, 3, 4))
+        tc(16, 64, 128, True, 4, 3, 2, (2, 3, 4))
+        tc(16, 64, 128, True, 4, 4, 1, (2,))
+        tc(16, 64, 64, True, 4, 4, 1, (2,))
+        tc(16, 128, 128, True, 8, 3, 3, (2,))
+    elif m <= 64:
+        tc(64, 64, 128, True, 4, 3, 3, (1, 2, 3))
+        tc(64, 64, 128, True, 4, 3, 1, (1, 2, 3))
+        tc(64, 64, 128, True, 4, 3, 2, (1, 2))
+        tc(64, 64, 128, True, 4, 4, 1, (2,))
+        tc(64, 64, 64, True, 4, 4, 1, (2,))
+        tc(64, 128, 128, True, 8, 3, 3, (1,))
+    elif m <= 256:
+        tc(128, 64, 64, True, 4, 3, 3, (0, 1))
+        tc(128, 64, 64, True, 4, 3, 1, (0, 1))
+        tc(256, 128, 64, True, 8, 3, 3, (0,))
+        tc(256, 64, 64, True, 4, 3, 3, (1,))
+        tc(256, 64, 64, True, 4, 3, 1, (1,))
+        tc(128, 64, 128, True, 4, 3, 3, (0,))
+        tc(128, 64, 128, True, 4, 3, 1, (0,))
+        tc(128, 64, 64, True, 4, 4, 1, (0,))
+        tc(64, 64, 128, True, 4, 3, 3, (0,))
+        plans.append(P("dequant"))
+    else:
+        tc(128, 64, 64, True, 4, 3, 3, (0,))
+        tc(256, 128, 64, True, 8, 3, 3, (0,))
+        plans.append(P("dequant"))
     if m == 1:
         for bn, bk, warps, programs in ((128, 128, 4, 2), (128, 128, 4, 4), (128, 128, 4, 1), (128, 128, 8, 2),
                                         (64, 128, 4, 2), (64, 128, 4, 4), (256, 128, 8, 1), (256, 128, 8, 2),
@@ -256,28 +284,23 @@ def w4a16_candidates(m: int, n: int, k: int, sms: int) -> list[w4a16.Plan]:
         plans.append(P("gemv", 1, 128, 128, w4a16._split(k, 128, cdiv(n, 128), 2 * sms), False, 4, 3,
                        serial=False))
     elif m <= 64:
-        for bn, bk, swap in ((128, 128, True), (256, 128, False), (128, 64, True)):
+        for bn, bk, swap, fast in ((256, 128, False, True), (128, 128, True, False), (128, 64, True, False)):
             tiles = cdiv(m, bm) * cdiv(n, bn)
-            plans.append(P("gemm", bm, bn, bk, w4a16._split(k, bk, tiles, 2 * sms), swap, 4, 3))
-    else:
-        for bn in (128, 256):
-            for warps in (8, 4):
-                for stages in (3, 4):
-                    tiles = cdiv(m, bm) * cdiv(n, bn)
-                    for kps in sorted({k, w4a16._split(k, 128, tiles, 2 * sms)}):
-                        if m <= 256 or kps == k:
-                            plans.append(P("gemm", bm, bn, 128, kps, False, warps, stages, fast=True))
-        plans.append(P("gemm", 128, 128, 64, w4a16._split(k, 64, cdiv(m, 128) * cdiv(n, 128), 2 * sms), False, 8, 3))
-        plans.append(P("dequant"))
-    if m == 1:  # the GEMV candidates first: the time slice may run out
-        plans = plans[:1] + sorted(plans[1:], key=lambda p: p.path != "gemv")
+            plans.append(P("gemm", bm, bn, bk, w4a16._split(k, bk, tiles, 2 * sms), swap, 4, 3, fast=fast))
     return list(dict.fromkeys(plans))
 
 
 #: the M values the sweep times (``--sweep-m``)
 SWEEP_MS = (1, 16, 64, 256, 1024, 4096)
 #: seconds the sweep may spend on one (shape, M), compiles included (the first shape pays most of them)
-SWEEP_SLICE = {1: 30, 16: 25, 64: 25, 256: 12, 1024: 6, 4096: 6}
+SWEEP_SLICE = {1: 30, 16: 30, 64: 30, 256: 30, 1024: 6, 4096: 6}
+
+
+def plan_str(p: w4a16.Plan, k: int) -> str:
+    """A plan in one short line."""
+    return (f"{p.path} {p.block_m}x{p.block_n}x{p.block_k} split {cdiv(k, p.k_per_split)} w{p.num_warps} "
+            f"s{p.num_stages}{' swap' if p.swap else ''}{' fast' if p.fast else ''}"
+            f"{f' mode {p.mode}' if p.path == 'tc' else ''}")
 
 
 def sweep_w4a16(log: dict) -> dict:
@@ -290,12 +313,17 @@ def sweep_w4a16(log: dict) -> dict:
         w16 = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(rotation(k * n * 2))]
         for m in SWEEP_MS:
             x = torch.randn(m, k, dtype=torch.bfloat16)
+            ref = x.float() @ w4a16.dequantize_triton(qws[0], torch.float32)
             results = []
             deadline = time.monotonic() + SWEEP_SLICE.get(m, 6)
             for plan in w4a16_candidates(m, n, k, sms):
                 if time.monotonic() > deadline:
                     break
                 try:
+                    err = ((w4a16.run_plan(x, qws[0], None, plan).float() - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2:  # a wrong plan never wins
+                        print(f"  WRONG {plan}: rel err {err:.2e}")
+                        continue
                     us = time_calls([lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies, 8)],
                                     replays=5)
                     results.append((us, plan))
@@ -306,12 +334,13 @@ def sweep_w4a16(log: dict) -> dict:
             base = time_calls([lambda i=i: F.linear(x, w16[i]) for i in schedule(len(w16), 8)], replays=5)
             results.sort(key=lambda r: r[0])
             best[(k, n, m)] = results[0][1]
-            if m in (1, 16, 64):  # the engine rows of this run use the winners too (choose_plan reads TUNED)
+            if m in (1, 16, 64, 256):  # the engine rows of this run use the winners too (choose_plan reads TUNED)
                 w4a16.TUNED[(m, n, k)] = results[0][1]
                 w4a16.choose_plan.cache_clear()
-            print(f"sweep {k}->{n} M={m}: bf16 {base:.1f} us; default {w4a16.choose_plan(m, n, k, 4, 128, sms)}")
-            for us, plan in results[:4]:
-                print(f"    {us:8.1f} us  {base / us:5.2f}x  {plan}")
+            print(f"sweep {k}->{n} M={m}: bf16 {base:.1f} us; {len(results)} plans; default "
+                  f"{w4a16.choose_plan(m, n, k, 4, 128, sms)}")
+            for us, plan in results[:6]:
+                print(f"    {us:8.1f} us  {base / us:5.2f}x  {plan_str(plan, k)}")
             log.setdefault("sweep_w4a16", []).append(
                 dict(k=k, n=n, m=m, bf16_us=base, results=[(us, p.__dict__) for us, p in results]))
         del qws, w16

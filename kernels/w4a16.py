@@ -12,10 +12,12 @@ Three paths, picked per shape by :func:`choose_plan` (thresholds measured on an 
   4-bit codes one ``prmt`` per code places a nibble-masked byte under the exponent byte (f = 0.5 + c/256), so a
   weight costs about a ``prmt`` and an FMA. Split-K partial sums are added by the last program of each column
   block in the same launch (an arrival counter), in a fixed order.
-* ``gemm`` (1 < M <= 64): tensor-core tile GEMM; each K tile of the weight is dequantized to x's dtype in
+* ``gemm`` (1 < M <= 64, 2- and 8-bit): tensor-core tile GEMM; each K tile of the weight is dequantized to x's dtype in
   registers (exactly as ``dequantize(qw).to(x.dtype)`` rounds it) and fed to ``tl.dot``; split-K when the output
   tiles alone cannot fill the GPU.
-* ``dequant`` (M > 64): dequantize the whole weight with a Triton kernel, then cuBLAS (``x @ W``).
+* ``tc`` (4-bit, 1 < M <= 64, and M <= 256 on measured shapes): ``_gemm_tc_kernel``, the weight tile as the left
+  (register) operand of the tensor cores and x's tile read contiguously, pipelined through shared memory.
+* ``dequant`` (otherwise above M = 64): dequantize the whole weight with a Triton kernel, then cuBLAS (``x @ W``).
 
 Split-K partial sums (fp32) are added in a fixed order, by a second small kernel for the GEMM (and the GEMV with
 ``serial=False``), in the same launch for the GEMV: results are deterministic on every path. The GEMV's in-launch
@@ -225,6 +227,23 @@ def _load_x(x_ptr, perm_ptr, m, mmask, stride_xm, kk, K, HAS_PERM: tl.constexpr)
     return tl.load(x_ptr + m[:, None] * stride_xm + col[None, :], mask=mmask[:, None] & (kk < K)[None, :], other=0.0)
 
 
+@device_fn
+def _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP: tl.constexpr, SPLIT: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """A GEMM program's output tile (acc [len(n), len(m)] with SWAP, else [len(m), len(n)], fp32): its split-K
+    partial sums into ``out[split]`` (fp32) with SPLIT, else + bias in out's dtype."""
+    if SWAP:
+        acc = tl.trans(acc)
+    mmask, nmask = m < M, n < N
+    omask = mmask[:, None] & nmask[None, :]
+    if SPLIT:
+        tl.store(out_ptr + (tl.program_id(2) * M + m[:, None]) * N + n[None, :], acc, mask=omask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
 @jit
 def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -280,15 +299,107 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
             zf = zero.to(tl.float32) + 8388608.0
             b = ((code.to(tl.float32, bitcast=True) - zf[None, :]) * scale[None, :]).to(x_ptr.dtype.element_ty)
             acc = _dot_acc(a, b, acc, SWAP, DOT_F32)
-    if SWAP:
-        acc = tl.trans(acc)
-    omask = mmask[:, None] & nmask[None, :]
-    if SPLIT:
-        tl.store(out_ptr + (tl.program_id(2) * M + m[:, None]) * N + n[None, :], acc, mask=omask)
+    _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP, SPLIT, HAS_BIAS)
+
+
+@device_fn
+def _tc_pair(qs, zz, zero, scale, ss, MODE: tl.constexpr, IS_BF16: tl.constexpr, dtype: tl.constexpr):
+    """Codes j and j + 4 of the shifted words ``qs`` [BLOCK_N, WORDS] (code j in bits 0-3, code j + 4 in bits
+    16-19) as two weights in x's dtype; ``zero`` / ``scale`` [BLOCK_N, 1] int / fp32. MODE 0 (any dtype; the
+    interpreter): plain Triton, (c - z) * s in fp32 rounded once. MODES 1-3 take bf16 x (magic 0x4300).
+    MODE 1: one ``lop3`` with the magic exponent and one packed ``sub`` of (magic + z) ``zz`` give c - z exact in
+    bf16 (Kim et al. 2022); each half is widened to fp32 (a shift, a mask), multiplied by the fp32 scale and the
+    pair rounded once (``cvt.rn.bf16x2``): the same bits as MODE 0. MODE 2: c - z alone (the scale is applied
+    after the dot). MODE 3: c - z times the scale in packed bf16 ``ss`` (a second rounding for fp16 scales)."""
+    if MODE == 0:
+        lo = (((qs & 15) - zero).to(tl.float32) * scale).to(dtype)
+        hi = ((((qs >> 16) & 15) - zero).to(tl.float32) * scale).to(dtype)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+        if MODE == 1:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, a, b; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
+                "shl.b32 a, t, 16; and.b32 b, t, 0xFFFF0000; mul.rn.f32 a, a, $4; mul.rn.f32 b, b, $4; "
+                "cvt.rn.bf16x2.f32 t, b, a; mov.b32 {$0, $1}, t; }", "=h,=h,r,r,r",
+                [qs, zz, scale.to(tl.int32, bitcast=True)], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        elif MODE == 2:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
+                "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
+                "mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }", "=h,=h,r,r,r", [qs, zz, ss],
+                dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@jit
+def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
+                    SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits), 4-bit weights, no act-order (the caller permutes x):
+    one [BLOCK_M, BLOCK_N] output tile over one K range. x's tile [BLOCK_M, BLOCK_K] is read contiguously (16-byte
+    loads the compiler pipelines into shared memory). The weight tile is built transposed, [BLOCK_N, BLOCK_K]: the
+    words [BLOCK_N, BLOCK_K / 8] unpack by code pairs (:func:`_tc_pair`) and nested ``tl.join`` put each word's
+    eight codes next to each other in k order, in one thread's registers. SWAP (the measured winner on an H200):
+    the weight tile is the left operand of ``tl.dot`` (wgmma reads it from registers, x's tile from shared memory,
+    and with MODE 1 / 3 the next tile is unpacked while the previous product runs); else x's tile is, and the
+    weight tile goes through shared memory. MODE 2 scales the product of each tile (BLOCK_K divides GROUP, or
+    GROUP >= K: one scale per column per tile); the others multiply the weights."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    IS_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = m < M, n < N
+    kr = tl.arange(0, BLOCK_K)
+    w = tl.arange(0, WORDS)
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + kr)[None, :], mask=mmask[:, None], other=0.0)
+            q = tl.load(qw_ptr + (k0 // 8 + w)[None, :] * N + n[:, None], mask=nmask[:, None], other=0)
+        else:
+            a = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + kr)[None, :],
+                        mask=mmask[:, None] & (k0 + kr < K)[None, :], other=0.0)
+            q = tl.load(qw_ptr + (k0 // 8 + w)[None, :] * N + n[:, None],
+                        mask=nmask[:, None] & (k0 // 8 + w < (K + 7) // 8)[None, :], other=0)
+        grp = k0 // GROUP
+        scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
+        zero = (tl.load(z_ptr + grp * (N // 8) + n // 8, mask=nmask, other=0) >> ((n % 8) * 4)) & 15
+        if IS_BF16:  # (magic + z) in both 16-bit halves; the bf16 scale in both halves
+            zz = ((zero + 0x4300) * 0x10001)[:, None]
+        else:
+            zz = ((zero + 0x6400) * 0x10001)[:, None]
+        sb = scale.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        ss = (sb | (sb << 16))[:, None]
+        zc, sc = zero[:, None], scale[:, None]
+        lo0, hi0 = _tc_pair(q, zz, zc, sc, ss, MODE, IS_BF16, dtype)
+        lo1, hi1 = _tc_pair(q >> 4, zz, zc, sc, ss, MODE, IS_BF16, dtype)
+        lo2, hi2 = _tc_pair(q >> 8, zz, zc, sc, ss, MODE, IS_BF16, dtype)
+        lo3, hi3 = _tc_pair(q >> 12, zz, zc, sc, ss, MODE, IS_BF16, dtype)
+        even = tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2))  # codes 0, 2, 4, 6 at [.., t, u]: 4t + 2u
+        odd = tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3))
+        bt = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))  # [n, 8w + j]
+        if DOT_F32:
+            a = a.to(tl.float32)
+            bt = bt.to(tl.float32)
+        if SWAP and MODE == 2:
+            acc += tl.dot(bt, tl.trans(a)) * scale[:, None]
+        elif SWAP:
+            acc = tl.dot(bt, tl.trans(a), acc)
+        elif MODE == 2:
+            acc += tl.dot(a, tl.trans(bt)) * scale[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(bt), acc)
+    _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP, SPLIT, HAS_BIAS)
 
 
 @jit
@@ -345,10 +456,12 @@ def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) 
 
 @dataclass(frozen=True)
 class Plan:
-    """How one W4A16 call runs: ``path`` "gemv" | "gemm" | "dequant"; tile sizes; K per split (a multiple of
+    """How one W4A16 call runs: ``path`` "gemv" | "gemm" | "tc" | "dequant"; tile sizes; K per split (a multiple of
     block_k; >= K means no split); ``swap`` computes the transposed product in the GEMM; ``fast`` its scale-after
     -the-dot dequantization (4-bit, block_k >= 128, fp16/bf16 activations; see ``_gemm_kernel``); ``serial``: the
-    GEMV adds its split-K partial sums in the same launch (see ``_gemv_kernel``), else in a second kernel."""
+    GEMV adds its split-K partial sums in the same launch (see ``_gemv_kernel``), else in a second kernel. ``tc``
+    (4-bit): ``_gemm_tc_kernel``, ``swap`` as for the GEMM, ``mode`` its dequantization (``_tc_pair``; bf16 x on a
+    GPU only, else 0)."""
 
     path: str
     block_m: int = 16
@@ -360,6 +473,7 @@ class Plan:
     num_stages: int = 3
     fast: bool = False
     serial: bool = True
+    mode: int = 1
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -374,25 +488,31 @@ def _split(k: int, block_k: int, tiles: int, target: int) -> int:
     return cdiv(k_tiles, splits) * block_k
 
 
-#: M above which dequantize-then-cuBLAS beats the fused GEMM (H200 sweeps, bench/RESULTS.md: at M=256 it wins on
-#: three of the four Llama shapes, and by more at M >= 1024).
-DEQUANT_ABOVE_M = 64
+#: M above which dequantize-then-cuBLAS is always used. Between 65 and this, TUNED shapes run their "tc" plan (the
+#: fused kernel beat dequantize-then-cuBLAS at M=256 on three of the four Llama shapes, H200, bench/RESULTS.md
+#: 2026-11-30 run 9) and other shapes dequantize.
+DEQUANT_ABOVE_M = 256
 
-#: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 16 | 64, N, K), group size 128
+#: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 16 | 64 | 256, N, K), group size 128
 #: (bench/gpu_suite.py --sweep, 2026-11-30; ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
+#: The "tc" plans use mode 3 (the scale multiplied in packed bf16): 5-10% faster than the exact mode 1 at M = 16
+#: and 64 (same sweep); with fp16 scales each weight is rounded twice (scale to bf16, then the product).
 TUNED = {
     (1, 4096, 4096): Plan("gemv", 1, 128, 128, 512),
     (1, 12288, 4096): Plan("gemv", 1, 128, 128, 768),
     (1, 22016, 4096): Plan("gemv", 1, 128, 128, 1280),
     (1, 4096, 11008): Plan("gemv", 1, 128, 128, 1280),
-    (16, 4096, 4096): Plan("gemm", 16, 128, 128, 512, swap=True),
-    (16, 12288, 4096): Plan("gemm", 16, 256, 128, 768, fast=True),
-    (16, 22016, 4096): Plan("gemm", 16, 256, 128, 640, fast=True),
-    (16, 4096, 11008): Plan("gemm", 16, 256, 128, 768, fast=True),
-    (64, 4096, 4096): Plan("gemm", 64, 128, 128, 512, swap=True),
-    (64, 12288, 4096): Plan("gemm", 64, 64, 128, 2048, swap=True),
-    (64, 22016, 4096): Plan("gemm", 64, 128, 64, 2048, swap=True),
-    (64, 4096, 11008): Plan("gemm", 64, 256, 64, 704, swap=True),
+    (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
+    (16, 12288, 4096): Plan("tc", 16, 64, 128, 2048, swap=True, mode=3),
+    (16, 22016, 4096): Plan("tc", 16, 64, 128, 4096, swap=True, mode=3),
+    (16, 4096, 11008): Plan("tc", 16, 64, 128, 1280, swap=True, mode=3),
+    (64, 4096, 4096): Plan("tc", 64, 64, 128, 896, swap=True, mode=3),
+    (64, 12288, 4096): Plan("tc", 64, 64, 128, 2048, swap=True, mode=3),
+    (64, 22016, 4096): Plan("tc", 64, 64, 128, 4096, swap=True, mode=3),
+    (64, 4096, 11008): Plan("tc", 64, 64, 128, 2304, swap=True, mode=3),
+    (256, 12288, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
+    (256, 22016, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
+    (256, 4096, 11008): Plan("tc", 128, 64, 64, 5504, swap=True, mode=3),
 }
 
 
@@ -404,9 +524,11 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan
     pf = 32 // bits
     if group % pf or m > DEQUANT_ABOVE_M:
         return Plan("dequant")
-    tuned = TUNED.get((1 if m == 1 else 16 if m <= 16 else 64, n, k))
+    tuned = TUNED.get((1 if m == 1 else 16 if m <= 16 else 64 if m <= 64 else 256, n, k))
     if tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k):
         return tuned
+    if m > 64:
+        return Plan("dequant")
     if m == 1:
         block_n = 64 if n <= 1024 else 128
         block_k = _pow2_divisor(group, 128)
@@ -416,6 +538,10 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan
     if block_k < max(16, pf):
         return Plan("dequant")
     block_m = 16 if m <= 16 else 64
+    if bits == 4:  # the sweep's winners: 64 columns, one warpgroup, K split to about 3 programs per SM
+        tiles = cdiv(m, block_m) * cdiv(n, 64)
+        k_per_split = _split(k, block_k, tiles, 3 * sms) if tiles < 3 * sms else k
+        return Plan("tc", block_m=block_m, block_n=64, block_k=block_k, k_per_split=k_per_split, swap=True, mode=3)
     tiles = cdiv(m, block_m) * cdiv(n, 128)
     k_per_split = _split(k, block_k, tiles, 2 * sms) if tiles < sms else k
     return Plan("gemm", block_m=block_m, block_n=128, block_k=block_k, k_per_split=k_per_split, swap=True)
@@ -492,7 +618,17 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
                   HAS_PERM=qw.perm is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
                   num_warps=plan.num_warps, num_stages=plan.num_stages)
     fast = plan.fast and qw.bits == 4 and plan.block_k >= 128 and x.dtype in (torch.float16, torch.bfloat16)
-    if plan.path == "gemv":
+    if plan.path == "tc":
+        if qw.bits != 4:
+            raise ValueError(f"the tc path takes 4-bit weights, got {qw.bits}")
+        xk = x if qw.perm is None else x[:, qw.perm.long()]  # act-order: kernel row k reads x[:, perm[k]]
+        mode = plan.mode if x.dtype == torch.bfloat16 and not dot_f32(x) else 0
+        _gemm_tc_kernel[(cdiv(m, plan.block_m), cdiv(n, plan.block_n), splits)](
+            xk, qw.qweight, qw.scales, qw.qzeros, bias_arg, target, m, n, k, xk.stride(0), plan.k_per_split,
+            GROUP=qw.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+            HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % plan.block_k == 0, MODE=mode, SWAP=plan.swap,
+            DOT_F32=dot_f32(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
+    elif plan.path == "gemv":
         if m != 1:
             raise ValueError(f"the gemv path takes one row, got {m}")
         serial = splits > 1 and plan.serial

@@ -84,6 +84,10 @@ PLANS = {
     "gemm_fast": w4a16.Plan("gemm", block_m=16, block_n=32, block_k=128, fast=True),
     "gemm_fast_split_swap": w4a16.Plan("gemm", block_m=16, block_n=64, block_k=128, k_per_split=128, swap=True,
                                        fast=True),
+    "tc": w4a16.Plan("tc", block_m=16, block_n=32, block_k=32),
+    "tc_split_swap": w4a16.Plan("tc", block_m=16, block_n=64, block_k=32, k_per_split=96, swap=True, mode=2),
+    "tc_scale_after": w4a16.Plan("tc", block_m=32, block_n=32, block_k=32, mode=2),
+    "tc_bf16_scale": w4a16.Plan("tc", block_m=16, block_n=32, block_k=32, swap=True, mode=3),
 }
 
 
@@ -184,11 +188,15 @@ def test_other_bit_widths(bits):
 def test_plans_follow_shape():
     assert w4a16.choose_plan(1, 4096, 4096, 4, 128, 132).path == "gemv"
     assert w4a16.choose_plan(1, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(1, 12288, 4096)]
-    assert w4a16.choose_plan(16, 12288, 4096, 4, 128, 132).fast  # tuned
-    assert not w4a16.choose_plan(16, 12288, 4096, 4, 32, 132).fast  # the tuned tile does not fit a group of 32
+    assert w4a16.choose_plan(16, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(16, 12288, 4096)]
+    assert w4a16.choose_plan(16, 12288, 4096, 4, 32, 132).block_k == 32  # the tuned tile does not fit a group of 32
     assert w4a16.choose_plan(1, 1536, 576, 4, 64, 132).path == "gemv"
-    assert w4a16.choose_plan(16, 4096, 4096, 4, 128, 132).path == "gemm"
-    assert w4a16.choose_plan(40, 1536, 576, 4, 64, 132).path == "gemm"
+    assert w4a16.choose_plan(16, 4096, 4096, 4, 128, 132).path == "tc"
+    assert w4a16.choose_plan(40, 1536, 576, 4, 64, 132).path == "tc"
+    assert w4a16.choose_plan(40, 1536, 576, 8, 64, 132).path == "gemm"  # 8-bit: the older GEMM
+    assert w4a16.choose_plan(200, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(256, 12288, 4096)]
+    assert w4a16.choose_plan(256, 4096, 4096, 4, 128, 132).path == "dequant"  # measured: cuBLAS wins there
+    assert w4a16.choose_plan(100, 1536, 576, 4, 64, 132).path == "dequant"  # not measured
     assert w4a16.choose_plan(4096, 4096, 4096, 4, 128, 132).path == "dequant"
     assert w4a16.choose_plan(16, 4096, 4096, 4, 8, 132).path == "dequant"  # no 16-row K tile inside a group
 
@@ -206,3 +214,19 @@ def test_fast_path_fp16_and_act_order(dtype):
     qw, w = make_weight("gptq", 384, 64, 128, True, scale_dtype=dtype)
     x = torch.randn(3, 384, dtype=dtype)
     check_product(w4a16.run_plan(x, qw, None, PLANS["gemm_fast"]), x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("swap", [False, True])
+def test_tc_path_ragged_k_act_order_every_mode(dtype, swap):
+    """The tc kernel with K not a multiple of its tile (192 = 128 + a short last group), N not a multiple of
+    BLOCK_N, act-order (x permuted by the caller), bias, and each dequantization mode (fp16 x runs mode 0)."""
+    qw, w = make_weight("gptq_v2", 192, 80, 128, True, scale_dtype=dtype)
+    x = torch.randn(20, 192, dtype=dtype)
+    bias = torch.randn(80, dtype=dtype)
+    for mode in (1, 2, 3):
+        plan = w4a16.Plan("tc", block_m=16, block_n=64, block_k=128, swap=swap, mode=mode)
+        check_product(w4a16.run_plan(x, qw, bias, plan), x, w, bias)
+    with pytest.raises(ValueError, match="4-bit"):
+        qw8, _ = make_weight("gptq_v2", 128, 64, 64, False, bits=8)
+        w4a16.run_plan(x[:, :128], qw8, None, w4a16.Plan("tc", block_m=16, block_n=64, block_k=64))
