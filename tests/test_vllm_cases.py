@@ -322,7 +322,8 @@ def running_batch(live, bodies: list[dict]) -> Iterator[list[str]]:
             r = stack.enter_context(client.stream("POST", "/v1/completions", json={**body, "stream": True}))
             assert r.status_code == 200
             readers.append(r.iter_lines())
-            ids.append(json.loads(next(readers[-1])[len("data: "):])["id"])
+            first = next(line for line in readers[-1] if line.startswith("data: "))  # skip keep-alive pings
+            ids.append(json.loads(first[len("data: "):])["id"])
         wait_for(lambda: engine.get_stats().num_running == len(bodies), timeout=120, what="the batch running")
         yield ids
 
