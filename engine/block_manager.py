@@ -101,7 +101,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits, parent, bs = [], None, self.block_size
-        for i in range((len(seq) - 1) // bs):
+        for i in range((len(seq.token_ids) - 1) // bs):  # tokens read back only (none pending: see Sequence)
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             parent = block_hash(parent, tokens)
             block_id = self.cached_blocks.get(parent)
@@ -175,10 +175,11 @@ class BlockManager:
 
     def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Give every block full within the first ``num_tokens`` tokens of ``seq`` its chained hash and register
-        new content (first holder wins)."""
+        new content (first holder wins); blocks with a pending token get theirs in a later call."""
         if not self.enable_prefix_caching:
             return
-        bs, table, full = self.block_size, seq.block_table, num_tokens // self.block_size
+        # a block is hashed once all its token ids are read back (a pending token's block waits for a later call)
+        bs, table, full = self.block_size, seq.block_table, min(num_tokens, len(seq.token_ids)) // self.block_size
         first = full  # hashed blocks form a prefix of the table: find where it ends, from the back (a decode step
         while first and self.block_hashes[table[first - 1]] is None:  # fills one block at most)
             first -= 1

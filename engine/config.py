@@ -24,6 +24,9 @@ class EngineConfig:
     ``enable_prefix_caching``: reuse the K/V of full blocks whose whole prefix matches (block_manager.py).
     ``swap_space``: GiB of CPU memory for the K/V of preempted sequences (vLLM's ``--swap-space``); 0 = preempt by
     recompute only.
+    ``async_scheduling``: schedule and launch the next step before reading the last one back, so host work
+    overlaps the device (vLLM's ``--async-scheduling``; llm_engine.py); None = on for CUDA, off on CPU (where
+    nothing runs asynchronously; tests turn it on there to check it gives the same tokens).
 
     Raises ValueError("<field>: ...") for a value out of range; :meth:`token_budget` checks the budget against
     ``max_model_len`` once the engine knows it.
@@ -46,6 +49,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     swap_space: float = 0.0
+    async_scheduling: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -3,8 +3,10 @@
 A decode step launches hundreds of small kernels; replaying a captured graph removes the launch gaps
 (vLLM's ``CUDAGraphRunner``). Invariants: the captured kernels never sync with the host and never autotune
 (they are warmed up once per bucket before capture); the buffers below are the only inputs (besides the W4A16
-GEMV's split-K counters, which every replay leaves at 0) and ``hidden`` the only output, so a step copies its
-inputs in (one host-to-device copy of the bucket's part), replays, and reads ``hidden[:n]``.
+GEMV's split-K counters, which every replay leaves at 0, and the model runner's ``last_tokens``, the previous
+step's sampled ids on the device) and ``hidden`` the only output, so a step copies its inputs in (one
+host-to-device copy of the bucket's part), replays, and reads ``hidden[:n]``. A row whose input token is still
+pending on the device (async scheduling) reads it from ``last_tokens[prev_rows[row]]`` inside the graph.
 Padding rows of a bucket write to slot -1 (skipped) and read one token of a block they held before (or block
 0), so they change no live KV and their outputs are dropped.
 """
@@ -26,21 +28,24 @@ class DecodeGraphs:
     """Captured decode graphs of ``model`` for every bucket, sharing one memory pool and one set of buffers.
 
     Buffers (on the model's device, views of one byte buffer ``staging`` with a pinned host mirror): input_ids
-    int64 [B], positions int64 [B], slot_mapping int64 [B], context_lens int32 [B], block_tables int32
-    [B, max_blocks]; and hidden [B, hidden_size] in the model dtype, where B is the largest bucket.
+    int64 [B], prev_rows int64 [B] (-1, or the row of ``last_tokens`` that holds the row's input token),
+    positions int64 [B], slot_mapping int64 [B], context_lens int32 [B], block_tables int32 [B, max_blocks]; and
+    hidden [B, hidden_size] in the model dtype, where B is the largest bucket. ``last_tokens``: int64 [>= B],
+    owned by the model runner.
     """
 
     def __init__(self, model, max_num_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, last_tokens: torch.Tensor):
         self.model = model
+        self.last_tokens = last_tokens
         self.buckets = batch_buckets(max_num_seqs)
         b = self.buckets[-1]
         self.max_blocks = max_blocks
         # every input of a step in one byte buffer, mirrored in pinned host memory: a step fills the host copy
-        # and moves it with one copy (int64 ids, positions, slots; int32 context lens, block tables)
-        sizes = [(torch.int64, b), (torch.int64, b), (torch.int64, b), (torch.int32, b), (torch.int32, b * max_blocks)]
+        # and moves it with one copy (int64 ids, previous rows, positions, slots; int32 context lens, block tables)
+        sizes = [(torch.int64, b)] * 4 + [(torch.int32, b), (torch.int32, b * max_blocks)]
         nbytes = sum(dt.itemsize * n for dt, n in sizes)
-        self.head_bytes = 28 * b  # ids, positions, slots, context lens; block-table rows follow, bucket rows first
+        self.head_bytes = 36 * b  # ids, prev rows, positions, slots, context lens; then block-table rows
         self.staging = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
         views, host_views, offset = [], [], 0
@@ -48,11 +53,12 @@ class DecodeGraphs:
             views.append(self.staging[offset:offset + dt.itemsize * n].view(dt))
             host_views.append(self.host[offset:offset + dt.itemsize * n].view(dt).numpy())
             offset += dt.itemsize * n
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens, tables = views
+        self.input_ids, self.prev_rows, self.positions, self.slot_mapping, self.context_lens, tables = views
         self.block_tables = tables.view(b, max_blocks)
-        self._h_ids, self._h_pos, self._h_slots, self._h_ctx, h_tables = host_views
+        self._h_ids, self._h_prev, self._h_pos, self._h_slots, self._h_ctx, h_tables = host_views
         self._h_tables = h_tables.reshape(b, max_blocks)
         self._h_slots[:] = -1
+        self._h_prev[:] = -1
         self._h_ctx[:] = 1
         self.staging.copy_(self.host)
         self.copied = torch.cuda.Event()  # the last step's host-to-device copy: wait before refilling the host side
@@ -66,7 +72,9 @@ class DecodeGraphs:
                                  block_tables=self.block_tables[:n], context_lens=self.context_lens[:n])
 
     def _run(self, n: int) -> None:
-        self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], self._meta(n))
+        prev = self.prev_rows[:n]
+        ids = torch.where(prev >= 0, self.last_tokens[prev.clamp(min=0)], self.input_ids[:n])
+        self.hidden[:n] = self.model(ids, self.positions[:n], self._meta(n))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -86,15 +94,18 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     @torch.inference_mode()
-    def replay(self, ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
-               block_tables: list[list[int]]) -> torch.Tensor:
+    def replay(self, ids: list[int], prev_rows: list[int], positions: list[int], slots: list[int],
+               context_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Run one decode step of n = len(ids) sequences through the bucket's graph (n <= the largest bucket;
-        each block table at most ``max_blocks`` long); returns hidden [n, hidden_size]. The inputs reach the GPU
-        in one host-to-device copy; padding rows get slot -1 and context length 1."""
+        each block table at most ``max_blocks`` long); returns hidden [n, hidden_size]. ``prev_rows[i]`` >= 0:
+        row i's input is ``last_tokens[prev_rows[i]]`` instead of ``ids[i]``. The inputs reach the GPU in one
+        host-to-device copy; padding rows get slot -1 and context length 1."""
         n = len(ids)
         bucket = self.bucket_for(n)
-        self.copied.synchronize()  # normally long done: the previous step synced on its sampled tokens
+        self.copied.synchronize()  # the previous step's copy: it ran when the step before that one ended
         self._h_ids[:n] = ids
+        self._h_prev[:n] = prev_rows
+        self._h_prev[n:bucket] = -1
         self._h_pos[:n] = positions
         self._h_slots[:n] = slots
         self._h_slots[n:bucket] = -1

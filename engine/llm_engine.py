@@ -1,11 +1,12 @@
 """The synchronous engine: requests in, one model step at a time, ``RequestOutput`` s out.
 
 One request from arrival to finish: ``add_request`` tokenizes and validates it and queues one ``Sequence`` per
-choice; each ``step`` asks the scheduler for a batch, runs it through the model runner (swaps, then one forward
-pass), advances every scheduled sequence's computed tokens, appends the sampled tokens (none for a prefill
-chunk that stops short of its prompt's end: such a sequence is neither detokenized nor reported), detokenizes
-incrementally, applies the stop rules (EOS, stop token ids, stop strings, max_tokens, max_model_len) and frees
-the blocks of whatever finished.
+choice; each ``step`` asks the scheduler for a batch, launches it on the model runner (swaps, one forward pass,
+sampling), advances every scheduled sequence's computed tokens, and reads a launched step back: appends the
+sampled tokens (none for a prefill chunk that stops short of its prompt's end: such a sequence is neither
+detokenized nor reported), detokenizes incrementally, applies the stop rules (EOS, stop token ids, stop strings,
+max_tokens, max_model_len) and frees the blocks of whatever finished. With async scheduling the step read back is
+the one launched by the call before (see :meth:`LLMEngine.step`).
 """
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
+        self._pending: tuple | None = None  # (batch, LaunchedStep) launched and not read back (async scheduling)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -135,38 +139,84 @@ class LLMEngine:
         return req
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._aborted)
+        return bool(self.requests) or bool(self._aborted) or self._pending is not None
 
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that advanced, finished or was aborted."""
+        """Schedule and launch one batch; return an output for every request that advanced, finished or was
+        aborted. Raises StepFailed for the requests that could not go on (the others' outputs come with it).
+
+        Async scheduling (``EngineConfig.async_scheduling``, on by default on CUDA): the batch launched here is
+        read back in the *next* call, after that call has launched its own batch, so the host's work (reading
+        back, detokenizing, stop rules, outputs, scheduling, preparing inputs) overlaps the device's. A sequence
+        of the unread batch counts its token as pending (see Sequence) and the next batch reads it on the
+        device. A sequence found finished on read-back may be in the next batch already: that token is dropped.
+        A step whose sampling needs the host (logprobs, penalties) is read back at once.
+        """
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if batch is None:
-            return outputs
+            return self._read_back([self._take_pending()], outputs)
         now = time.monotonic()
         for seq in batch.seqs:
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         try:
-            sampled = self.runner.run(batch, self.eos_token_ids)
+            launched = self.runner.launch(batch, self.eos_token_ids)
         except Exception as e:
+            failed = self._fail_batch(batch)
+            try:
+                outputs = self._read_back([self._take_pending()], outputs)
+            except StepFailed as unsampled:  # the step before had a request that could not sample, too
+                failed, outputs = failed + unsampled.request_ids, unsampled.outputs
             self._aborted = outputs + self._aborted  # delivered by the next step
-            raise StepFailed(self._fail_batch(batch), e) from e
-        tokens = iter(sampled)
+            raise StepFailed(failed, e) from e
+        for seq, num_new_tokens, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            seq.num_computed_tokens += num_new_tokens
+            seq.num_pending_tokens += samples
+        steps = [self._take_pending()]
+        self._pending = (batch, launched)
+        if not (self.async_scheduling and launched.deferrable):
+            steps.append(self._take_pending())
+        return self._read_back(steps, outputs)
+
+    def _take_pending(self) -> tuple | None:
+        pending, self._pending = self._pending, None
+        return pending
+
+    def _read_back(self, steps: list, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Read back launched steps ((batch, LaunchedStep) or None), oldest first: append each sampled token,
+        apply the stop rules, and add the outputs to ``outputs``. Raises StepFailed (``request_error``) for the
+        requests whose token could not be sampled, with the outputs of the others."""
+        invalid: list[str] = []
+        for step in steps:
+            if step is not None:
+                invalid += self._process(*step, outputs)
+        if invalid:
+            raise StepFailed(list(dict.fromkeys(invalid)), ValueError(
+                "sampling: no token can be sampled for this request (every token masked, e.g. by min_tokens with "
+                "stop_token_ids, or penalties/temperature that overflow)"), outputs=outputs, request_error=True)
+        return outputs
+
+    def _process(self, batch, launched, outputs: list[RequestOutput]) -> list[str]:
+        """One launched step's tokens into its sequences (see :meth:`_read_back`); returns the ids of the
+        requests that could not sample (removed here)."""
+        tokens = iter(launched.tokens())
         invalid: list[str] = []
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, num_new_tokens, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
-            seq.num_computed_tokens += num_new_tokens
+        for seq, samples in zip(batch.seqs, batch.samples):
             if not samples:  # a prefill chunk short of the prompt's end: nothing to sample, detokenize or emit
                 continue
-            req = self.requests[seq.request_id]
             token = next(tokens)
+            seq.num_pending_tokens -= 1
+            if seq.is_finished:  # aborted, or stopped by the token before while this step ran: drop it
+                continue
+            req = self.requests[seq.request_id]
             if token == INVALID:
                 invalid.append(seq.request_id)
                 continue
-            if seq.num_output_tokens == 0:
+            if len(seq.token_ids) == seq.num_prompt_tokens:
                 self._prompt_tokens_total += seq.num_prompt_tokens
             seq.token_ids.append(token)
             self._generation_tokens_total += 1
@@ -182,11 +232,7 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
             outputs.append(self._output(req))
-        if invalid:
-            raise StepFailed(list(dict.fromkeys(invalid)), ValueError(
-                "sampling: no token can be sampled for this request (every token masked, e.g. by min_tokens with "
-                "stop_token_ids, or penalties/temperature that overflow)"), outputs=outputs, request_error=True)
-        return outputs
+        return invalid
 
     def _fail_batch(self, batch) -> list[str]:
         """Drop the requests of a batch whose forward pass raised, and those swapped out in it (their swap copy may
@@ -200,10 +246,12 @@ class LLMEngine:
         return failed
 
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
-        """vLLM's stop rules, in its order, after ``token`` was appended to ``seq``."""
+        """vLLM's stop rules, in its order, after ``token`` was appended to ``seq`` (counting the tokens read back,
+        not one pending behind it)."""
         p, state = seq.params, req.detok[seq.index]
         delta = detokenizer.step(self._decode, seq.token_ids, state, p.skip_special_tokens)
-        if seq.num_output_tokens > p.min_tokens or (seq.num_output_tokens == p.min_tokens and p.min_tokens):
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_output > p.min_tokens or (num_output == p.min_tokens and p.min_tokens):
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 if delta and not p.include_stop_str_in_output:
                     state.text = state.text[:-len(delta)]
@@ -216,7 +264,7 @@ class LLMEngine:
                 seq.stop_reason = stop
                 return self.scheduler.finish(seq, "stop")
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
-        if seq.num_output_tokens >= max_tokens or len(seq) >= self.max_model_len:
+        if num_output >= max_tokens or len(seq.token_ids) >= self.max_model_len:
             self.scheduler.finish(seq, "length")
 
     def _output(self, req: Request) -> RequestOutput:

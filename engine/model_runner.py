@@ -4,8 +4,14 @@ one step.
 The scheduler hands it a ``ScheduledBatch`` (sequences, tokens per sequence, block pairs to swap); it hands the
 model only token ids, positions, slot mappings and block tables. A pure decode step may replay a CUDA graph; a
 step with prefill rows (whole prompts, chunks, or a mix of decode rows and chunks) runs eagerly.
+
+``launch`` queues a step (swaps, forward pass, sampling) and returns before the device is done; the sampled ids
+come back through :class:`LaunchedStep`. They also stay on the device, in ``last_tokens``, where the next step
+reads the input of every sequence whose last token is still pending (async scheduling, llm_engine.py).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,7 +19,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
-from engine.sampler import sample
+from engine.sampler import needs_host_tokens, sample, sample_tokens
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -33,6 +39,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device. ``tokens()`` returns its sampled ids (one per sampling row, in batch order),
+    waiting for the device-to-host copy. ``deferrable``: nothing in the step needed the host (no logprobs, no
+    penalties), so the engine may schedule the next step before reading this one back."""
+
+    host: torch.Tensor | list[int]
+    event: torch.cuda.Event | None = None
+    deferrable: bool = True
+
+    def tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host if isinstance(self.host, list) else self.host.tolist()
+
+
 class ModelRunner:
     """Runs the model over the paged KV cache.
 
@@ -47,14 +69,18 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model = load_model(config.model, self.dtype, self.device)
-        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)  # unseeded sampling
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(max_model_len)
         self.num_swap_blocks = int(config.swap_space * 2**30 // self._bytes_per_block())
         self._allocate_kv_cache()
+        #: the last launched step's sampled ids (row i: its i-th sampling sequence), and each sequence's row
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self._rows: dict[int, int] = {}
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_model_len // self.block_size),
-                                       self.model.config["hidden_size"], self.dtype, self.device)
+                                       self.model.config["hidden_size"], self.dtype, self.device,
+                                       self.last_tokens)
 
     def _bytes_per_block(self) -> int:
         layer = self.model.layers[0]
@@ -107,13 +133,30 @@ class ModelRunner:
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
+    def _prev_row(self, seq: Sequence) -> int:
+        """-1, or the row of ``last_tokens`` holding ``seq``'s pending last token (sampled by the step launched
+        just before; KeyError if it was not)."""
+        return self._rows[seq.seq_id] if seq.num_pending_tokens else -1
+
+    def _input_ids(self, ids: list[int], pending: list[tuple[int, int]]) -> torch.Tensor:
+        """ids as a device tensor, entry i of each (i, row) in ``pending`` replaced by ``last_tokens[row]``."""
+        out = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        if pending:
+            at, rows = (torch.tensor(v, dtype=torch.int64, device=self.device) for v in zip(*pending))
+            out[at] = self.last_tokens[rows]
+        return out
+
     def prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]):
         """Inputs for tokens ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence: its prompt, a
-        chunk of it, prompt + output after a recompute preemption, or one decode token in a mixed step."""
-        ids, positions, slots, cu = [], [], [], [0]
+        chunk of it, prompt + output after a recompute preemption, or one decode token in a mixed step (whose
+        token may be pending: see :meth:`_input_ids`)."""
+        ids, positions, slots, cu, pending = [], [], [], [0], []
         for seq, n in zip(seqs, num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids[start:end]
+            if end > len(seq.token_ids):  # the last one is pending
+                pending.append((len(ids), self._prev_row(seq)))
+                ids.append(0)
             positions += range(start, end)
             slots += [self._slot(seq, p) for p in range(start, end)]
             cu.append(len(ids))
@@ -124,11 +167,12 @@ class ModelRunner:
             context_lens=torch.tensor([s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)],
                                       dtype=torch.int32, device=self.device),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device))
-        return ids, positions, meta, [c - 1 for c in cu[1:]]
+        return self._input_ids(ids, pending), positions, meta, [c - 1 for c in cu[1:]]
 
     def prepare_decode(self, seqs: list[Sequence]):
-        """Inputs for the last token of each sequence; its K/V goes to slot ``len(seq) - 1``."""
-        ids = [s.last_token_id for s in seqs]
+        """Inputs for the last token of each sequence (maybe pending); its K/V goes to slot ``len(seq) - 1``."""
+        ids = self._input_ids([s.last_token_id for s in seqs],
+                              [(i, self._prev_row(s)) for i, s in enumerate(seqs) if s.num_pending_tokens])
         positions = [len(s) - 1 for s in seqs]
         meta = AttentionMetadata(
             is_prefill=False,
@@ -138,32 +182,48 @@ class ModelRunner:
             context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=self.device))
         return ids, positions, meta, list(range(len(seqs)))
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> list[int]:
-        """Swap the batch's blocks, then one forward pass over its sequences; returns one sampled token per
-        sequence whose ``batch.samples`` entry is True, in batch order (none for an unfinished prefill chunk)."""
+        """:meth:`launch`, then wait for its sampled tokens."""
+        return self.launch(batch, eos_token_ids).tokens()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> LaunchedStep:
+        """Swap the batch's blocks, then one forward pass over its sequences and the sampling, queued on the
+        device; the step's tokens: one per sequence whose ``batch.samples`` entry is True, in batch order (none
+        for an unfinished prefill chunk). A sequence's pending last token is read from ``last_tokens``."""
         self.swap(batch.blocks_to_swap_out, batch.blocks_to_swap_in)
         seqs = batch.seqs
         if not seqs:
-            return []
+            return LaunchedStep([])
         if self.graphs is not None and not batch.is_prefill and self.graphs.bucket_for(len(seqs)) is not None:
-            hidden = self.graphs.replay([s.last_token_id for s in seqs], [len(s) - 1 for s in seqs],
-                                        [self._slot(s, len(s) - 1) for s in seqs], [len(s) for s in seqs],
-                                        [s.block_table for s in seqs])
+            hidden = self.graphs.replay([s.last_token_id for s in seqs], [self._prev_row(s) for s in seqs],
+                                        [len(s) - 1 for s in seqs], [self._slot(s, len(s) - 1) for s in seqs],
+                                        [len(s) for s in seqs], [s.block_table for s in seqs])
             last = list(range(len(seqs)))
         else:
             if batch.is_prefill:
                 ids, positions, meta, last = self.prepare_prefill(seqs, batch.num_new_tokens)
             else:
                 ids, positions, meta, last = self.prepare_decode(seqs)
-            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
-                                torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
+            hidden = self.model(ids, torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
         sampling = [i for i, samples in enumerate(batch.samples) if samples]
+        self._rows = {}
         if not sampling:
-            return []
-        logits = self.model.compute_logits(hidden[[last[i] for i in sampling]])
+            return LaunchedStep([])
+        rows = [last[i] for i in sampling]
+        # a slice when the rows are 0..n-1 (every decode step): a list index would be copied over with a sync
+        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
+        logits = self.model.compute_logits(picked)
         sampling_seqs = [seqs[i] for i in sampling]
-        for seq in sampling_seqs:
-            if seq.generator is None and not seq.params.greedy:
-                seq.generator = self.generator
-        return sample(logits, sampling_seqs, eos_token_ids)
+        if any(needs_host_tokens(s) for s in sampling_seqs):
+            return LaunchedStep(sample(logits, sampling_seqs, eos_token_ids, self.generator), deferrable=False)
+        tokens = sample_tokens(logits, sampling_seqs, eos_token_ids, self.generator)
+        self.last_tokens[:len(tokens)] = tokens.clamp(min=0)  # an INVALID row's request fails on read-back
+        self._rows = {s.seq_id: i for i, s in enumerate(sampling_seqs)}
+        if self.device.type != "cuda":
+            return LaunchedStep(tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(host, event)

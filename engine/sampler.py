@@ -1,8 +1,12 @@
-"""Turning logits into next tokens with vLLM's semantics.
+"""Turning logits into next tokens with vLLM's semantics, one batch at a time on the logits' device.
 
 Order (vLLM ``Sampler``): min_tokens mask on stop tokens, repetition / presence / frequency penalties,
 temperature, top-k, top-p, min-p, then sample. Temperature 0 is greedy (arg-max of the penalised logits).
-A request with ``seed`` draws from its own ``torch.Generator`` so its output does not depend on its batch.
+Every step is a tensor operation over the rows that need it, so a batch of 256 sampled requests costs a few
+kernels and one device-to-host copy, not 256 row loops on the CPU. Sampling is the exponential race vLLM V1
+uses: token = argmax(probs / q) with q ~ Exp(1) drawn per token, which picks token i with probability probs[i]
+(Gumbel-max in another form). A request with ``seed`` draws its q from its own ``torch.Generator``, so its output
+does not depend on its batch; the others share the engine's generator.
 """
 from __future__ import annotations
 
@@ -11,16 +15,27 @@ import torch
 from engine.sequence import Sequence
 
 
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a host sync (through pinned memory on CUDA), so that building a
+    step's sampling parameters never waits for the step before (async scheduling)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def mask_min_tokens(logits: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> torch.Tensor:
     """Until ``seq`` has ``min_tokens`` output tokens, its stop tokens (``stop_token_ids``, and the EOS ids unless
     ``ignore_eos``) get -inf so they cannot be sampled (vLLM's ``_apply_min_tokens_penalty``). logits: [V]."""
     p = seq.params
     if seq.num_output_tokens >= p.min_tokens:
         return logits
-    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
     logits = logits.clone()
-    logits[stop_ids] = float("-inf")
+    logits[_stop_ids(seq, eos_token_ids)] = float("-inf")
     return logits
+
+
+def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
+    return list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else sorted(eos_token_ids))
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -28,7 +43,7 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     negative logits of every token seen in the prompt or the output; then the frequency penalty times each token's
     count in the output, and the presence penalty for each token present in the output, are subtracted."""
     p = seq.params
-    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+    if not _penalised(seq):
         return logits
     out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
     counts = torch.bincount(out_ids, minlength=logits.shape[-1]).to(logits.dtype)
@@ -40,28 +55,68 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def process_logits(logits: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> torch.Tensor:
-    """One row [V] in vLLM's order: min_tokens mask, penalties; then, unless greedy, temperature, top-k, top-p
-    and min-p. The next token is the arg-max (greedy) or a draw from the softmax of the result."""
-    logits = apply_penalties(mask_min_tokens(logits, seq, eos_token_ids), seq)
-    return logits if seq.params.greedy else _filter(logits, seq)
-
-
-def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks. logits: float32 [V]."""
+def _penalised(seq: Sequence) -> bool:
     p = seq.params
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def process_logits(logits: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> torch.Tensor:
+    """One row [V] through :func:`process_batch` (the reference the tests read): min_tokens mask, penalties; then,
+    unless greedy, temperature, top-k, top-p and min-p as -inf masks."""
+    return process_batch(logits[None], [seq], eos_token_ids)[0]
+
+
+def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
+    """Rows [S, V] (float32, row i for ``seqs[i]``; not changed in place) in vLLM's order: min_tokens mask and
+    penalties on every row; temperature and the filters on the rows that are not greedy. Returns a new tensor."""
+    logits = logits.clone()
+    rows, cols = [], []
+    for i, seq in enumerate(seqs):
+        if seq.num_output_tokens < seq.params.min_tokens:
+            ids = _stop_ids(seq, eos_token_ids)
+            rows += [i] * len(ids)
+            cols += ids
+    if rows:
+        logits[_tensor(rows, torch.int64, logits.device), _tensor(cols, torch.int64, logits.device)] = float("-inf")
+    for i, seq in enumerate(seqs):  # penalties are rare: one row at a time
+        if _penalised(seq):
+            logits[i] = apply_penalties(logits[i], seq)
+    sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if sampled:
+        idx = None if len(sampled) == len(seqs) else _tensor(sampled, torch.int64, logits.device)
+        part = logits if idx is None else logits[idx]
+        part = filter_batch(part, [seqs[i].params for i in sampled])
+        if idx is None:
+            logits = part
+        else:
+            logits[idx] = part
+    return logits
+
+
+def filter_batch(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf masks, on rows [R, V] float32 (row i with ``params[i]``,
+    a SamplingParams that is not greedy). Top-k keeps every token at least as likely as the k-th (ties kept);
+    top-p keeps the smallest prefix of the tokens sorted by probability whose mass reaches top_p (the first token
+    always); min-p drops tokens below min_p x the top probability. Sorts only when a row asks for top-k / top-p."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temperature = _tensor([p.temperature for p in params], logits.dtype, dev)
+    logits = logits / temperature[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        kth = ordered.gather(1, _tensor(top_k, torch.int64, dev)[:, None] - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix whose mass reaches top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if p.min_p > 0.0:
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # still in descending order
+        probs = ordered.softmax(-1)
+        p_lim = _tensor(top_p, logits.dtype, dev)[:, None]
+        drop = (probs.cumsum(-1) - probs >= p_lim) & (p_lim < 1.0)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        floor = _tensor(min_p, logits.dtype, dev)[:, None] * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 
@@ -71,43 +126,57 @@ def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
 INVALID = -1
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:
-    """One next token per sequence (``INVALID`` for a sequence with no valid distribution).
-
-    logits: float32 [S, V] on any device, row i belonging to ``seqs[i]``. Also appends each sequence's logprobs entry when it
-    asked for logprobs (natural-log probabilities of the raw model distribution: the sampled token and the
-    ``logprobs`` most likely ones).
-    """
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """One next token per sequence, int64 [S] on logits' device, without a host sync (``INVALID`` for a sequence
+    with no valid distribution). logits: float32 [S, V], row i belonging to ``seqs[i]``. ``generator``: on
+    logits' device, for the rows without a seed (None: torch's default). Reads each sequence's token ids only
+    for its penalties (see :func:`needs_host_tokens`)."""
     if all(_plain_greedy(s) for s in seqs):
-        return torch.argmax(logits, dim=-1).tolist()  # one device-to-host copy for the whole batch
-    logits = logits.cpu()
-    tokens = []
-    for row, seq in zip(logits, seqs):
-        processed = process_logits(row, seq, eos_token_ids)
-        probs = processed.softmax(-1)
-        if not bool(torch.isfinite(probs).all()):  # every token masked, or penalties that overflow: no choice
-            tokens.append(INVALID)
+        return torch.argmax(logits, dim=-1)
+    processed = process_batch(logits.float(), seqs, eos_token_ids)
+    probs = processed.softmax(-1)
+    valid = torch.isfinite(probs).all(-1)
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    for i, seq in enumerate(seqs):
+        if seq.generator is not None and not seq.params.greedy:  # seeded: its own stream, on its own device
+            row = torch.empty(probs.shape[-1], dtype=probs.dtype, pin_memory=q.is_cuda)
+            q[i] = row.exponential_(generator=seq.generator).to(q.device, non_blocking=True)
+    greedy = _tensor([s.params.greedy for s in seqs], torch.bool, logits.device)
+    race = torch.where(greedy[:, None], processed, probs / q.clamp_min(torch.finfo(q.dtype).tiny))
+    return torch.where(valid, race.argmax(-1), INVALID)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
+           generator: torch.Generator | None = None) -> list[int]:
+    """:func:`sample_tokens` read back to the host (one device-to-host copy), and each sequence's logprobs entry
+    appended when it asked for logprobs (natural-log probabilities of the raw model distribution: the sampled
+    token and the ``logprobs`` most likely ones)."""
+    tokens = sample_tokens(logits, seqs, eos_token_ids, generator)
+    wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+    if not wanted:
+        return tokens.tolist()
+    top = max(seqs[i].params.logprobs or 0 for i in wanted)
+    logp = torch.log_softmax(logits[wanted].float(), -1)
+    chosen = logp.gather(1, tokens[wanted].clamp_min(0)[:, None])[:, 0]
+    top_values, top_ids = torch.topk(logp, top) if top else (logp[:, :0], logp[:, :0].long())
+    tokens, chosen, top_values, top_ids = (t.tolist() for t in (tokens, chosen, top_values, top_ids))
+    for row, i in enumerate(wanted):
+        if tokens[i] == INVALID:
             continue
-        if seq.params.greedy:
-            token = int(torch.argmax(processed))
-        else:
-            token = int(torch.multinomial(probs, 1, generator=seq.generator))
-        tokens.append(token)
-        if seq.logprobs is not None:
-            seq.logprobs.append(_logprobs_entry(row, token, seq.params.logprobs or 0))
+        k = seqs[i].params.logprobs or 0
+        entry = {tokens[i]: chosen[row]}
+        entry.update(zip(top_ids[row][:k], top_values[row][:k]))
+        seqs[i].logprobs.append(entry)
     return tokens
+
+
+def needs_host_tokens(seq: Sequence) -> bool:
+    """Whether sampling for ``seq`` needs the host: its logprobs are read back in the step, and its penalties
+    read its output token ids (so none may be pending). Such a step is not overlapped (async scheduling)."""
+    return seq.logprobs is not None or _penalised(seq)
 
 
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.params
-    return (p.greedy and seq.logprobs is None and seq.num_output_tokens >= p.min_tokens
-            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
-
-
-def _logprobs_entry(raw: torch.Tensor, token: int, top: int) -> dict[int, float]:
-    logp = torch.log_softmax(raw.float(), -1)
-    entry = {token: float(logp[token])}
-    if top:
-        values, ids = torch.topk(logp, top)
-        entry.update({int(i): float(v) for i, v in zip(ids, values)})
-    return entry
+    return p.greedy and seq.logprobs is None and seq.num_output_tokens >= p.min_tokens and not _penalised(seq)

@@ -23,7 +23,13 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Token ids and KV-cache bookkeeping of one completion.
 
-    Invariants: ``token_ids`` = prompt + generated tokens; ``num_computed_tokens`` <= ``len(token_ids)`` counts
+    Length: ``len(seq)`` = ``len(token_ids) + num_pending_tokens``. A *pending* token was sampled on the device
+    by a launched step whose result the engine has not read back yet (async scheduling, llm_engine.py): the
+    scheduler and the block manager count it (the next step computes its K/V, its id reaching the model from the
+    device), while ``token_ids``, the outputs and the detokenizer hold only tokens read back. At most one is
+    pending when a step is scheduled, and it came from the step launched just before.
+
+    Invariants: ``token_ids`` = prompt + generated tokens; ``num_computed_tokens`` <= ``len(seq)`` counts
     the tokens whose K/V are in the cache (when a sequence is scheduled for prefill it starts at the prefix-cache
     hit, a multiple of the block size, always below ``len(token_ids)``; with chunked prefill it stays below
     ``len(token_ids) - 1`` until the prompt's last chunk is computed, and no token is sampled before);
@@ -49,6 +55,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
@@ -56,7 +63,7 @@ class Sequence:
             self.logprobs = []
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -68,10 +75,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens, pending ones included (what min_tokens and the scheduler count)."""
+        return len(self) - self.num_prompt_tokens
 
     @property
     def last_token_id(self) -> int:
+        """The last token read back (the model's next input unless a token is pending)."""
         return self.token_ids[-1]
 
     @property
@@ -81,4 +90,4 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to compute before the next token can be sampled: 1 for a decode, more for a prefill."""
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens

@@ -99,3 +99,87 @@ def test_seeded_n_greater_than_one_does_not_depend_on_the_batch(demo_model):
     got = [[o.token_ids for o in LLM(str(demo_model), device="cpu", max_num_seqs=m, max_model_len=128)
             .generate(["Once upon a time"], params)[0].outputs] for m in (8, 1)]
     assert got[0] == got[1] and got[0][0] != got[0][1]
+
+
+def kept(seq_params: dict) -> set[int]:
+    """The tokens of LOGITS left finite by the processing of a fresh request with these parameters."""
+    row = process_logits(LOGITS, seq_with(PROMPT, [], **seq_params), {EOS})
+    return {i for i, v in enumerate(row.tolist()) if v != INF}
+
+
+# LOGITS sorted: 7 (4.0), 3 (3.0), 0 (2.0), 6 (1.5), 2, 5, 1, 4. Softmax at T=1: 0.6086, 0.2239, 0.0824, 0.0500, ...
+# so the mass before each token is 0, 0.6086, 0.8325, 0.9149, ...; at T=0.5 token 7 alone holds 0.861.
+@pytest.mark.parametrize("params,expected", [
+    ({"top_k": 3}, {7, 3, 0}),
+    ({"top_k": 1}, {7}),
+    ({"top_k": 0}, set(range(8))), ({"top_k": -1}, set(range(8))), ({"top_k": 8}, set(range(8))),
+    ({"top_p": 0.5}, {7}),
+    ({"top_p": 0.8}, {7, 3}),  # 3 is kept: the mass before it (0.61) is short of 0.8
+    ({"top_p": 0.9}, {7, 3, 0}),
+    ({"top_p": 0.8, "temperature": 0.5}, {7}),  # temperature first: 7 alone already holds 0.86
+    ({"top_p": 0.7}, {7, 3}),
+    ({"top_p": 0.7, "top_k": 2}, {7}),  # top-p on the top-k renormalised: 7 holds 0.73 of {7, 3}
+    ({"min_p": 0.1}, {7, 3, 0}),  # floor 0.061: token 6 (0.050) goes
+    ({"min_p": 0.3}, {7, 3}),
+    ({"min_p": 1.0}, {7}),
+    ({"top_p": 1.0, "min_p": 0.0}, set(range(8))),
+], ids=lambda v: str(v))
+def test_filters_keep_exactly_these_tokens(params, expected):
+    assert kept({"temperature": 1.0, **params}) == expected
+
+
+def test_top_k_keeps_ties_with_the_kth():
+    row = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    seq = seq_with(PROMPT, [], temperature=1.0, top_k=2)
+    assert process_logits(row, seq, {EOS}).tolist() == [1.0, 1.0, 1.0, INF]
+
+
+def test_greedy_rows_are_not_filtered_and_temperature_divides():
+    assert process_logits(LOGITS, seq_with(PROMPT, [], temperature=0, top_k=1), {EOS}).tolist() == LOGITS.tolist()
+    assert process_logits(LOGITS, seq_with(PROMPT, [], temperature=2.0), {EOS}).tolist() == (LOGITS / 2).tolist()
+
+
+def test_a_batch_processes_each_row_as_it_would_alone():
+    """Mixed parameters in one batch (greedy, filters, penalties, min_tokens): every row equals the row alone."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 64) * 3
+    seqs = [seq_with([1, 2], [5, 5], temperature=0, presence_penalty=0.5),
+            seq_with([1, 2], [], temperature=0.7, top_k=5, top_p=0.9),
+            seq_with([1, 2], [3], temperature=1.3, min_p=0.05, min_tokens=4, stop_token_ids=[9]),
+            seq_with([1, 2], [], temperature=1.0),
+            seq_with([1, 2], [7, 8], temperature=0.9, top_p=0.5, repetition_penalty=1.3)]
+    from engine.sampler import process_batch
+    batch = process_batch(logits, seqs, {EOS})
+    for i, seq in enumerate(seqs):
+        assert batch[i].tolist() == process_logits(logits[i], seq, {EOS}).tolist(), i
+    assert batch[2, EOS].item() == INF and batch[2, 9].item() == INF  # min_tokens masked row 2's stop tokens
+
+
+def test_sampling_draws_each_token_with_its_probability():
+    """The exponential race argmax(p / q), q ~ Exp(1), picks token i with probability p_i: 20,000 draws of a
+    4-token distribution land within 5 standard deviations of the expected counts (fixed generator: exact)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    draws = 20000
+    seqs = [seq_with(PROMPT, [], temperature=1.0, max_tokens=4) for _ in range(draws)]
+    tokens = sample(probs.log()[None].expand(draws, 4).contiguous(), seqs, {EOS},
+                    torch.Generator().manual_seed(0))
+    counts = torch.bincount(torch.tensor(tokens), minlength=4).double()
+    sigma = (draws * probs * (1 - probs)).sqrt().double()
+    assert ((counts - draws * probs.double()).abs() < 5 * sigma).all(), counts.tolist()
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch():
+    """A seeded request's draws come from its own generator: alone, or beside unseeded rows, it samples the same
+    tokens (what makes ``seed`` reproducible under continuous batching)."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 1000)
+
+    def draw(batch: bool) -> list[int]:
+        seeded = Sequence("s", 0, [1, 2], SamplingParams(temperature=1.0, seed=7), torch.Generator().manual_seed(7))
+        if not batch:
+            return [sample(logits[1:2], [seeded], {EOS})[0] for _ in range(4)]
+        others = [seq_with([1, 2], [], temperature=1.0) for _ in range(2)]
+        return [sample(logits, [others[0], seeded, others[1]], {EOS})[1] for _ in range(4)]
+
+    alone, batched = draw(False), draw(True)
+    assert alone == batched and len(set(alone)) > 1

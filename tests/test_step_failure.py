@@ -23,8 +23,8 @@ def test_failed_step_drops_its_requests_and_poisons_no_cache(demo_model, monkeyp
     assert engine.block_manager.num_cached_blocks == 2
 
     other = list(range(300, 340))  # same length, not cached: its prefill step is the one that fails
-    run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    launch = engine.runner.launch
+    monkeypatch.setattr(engine.runner, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     engine.add_request("victim", other, GREEDY)
     with pytest.raises(StepFailed) as failed:
         engine.step()
@@ -33,7 +33,7 @@ def test_failed_step_drops_its_requests_and_poisons_no_cache(demo_model, monkeyp
     bm = engine.block_manager
     bm.check()
     assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks == 2  # free counts the evictable cached
-    monkeypatch.setattr(engine.runner, "run", run)
+    monkeypatch.setattr(engine.runner, "launch", launch)
 
     # the failed prompt's blocks are not found by a lookup: served again, it computes them and gets the tokens a
     # fresh engine gets; the cached prompt is still served from its blocks
