@@ -25,7 +25,7 @@ app = typer.Typer(help="edge-appliance: quantize a model and serve it over an Op
 console = Console()
 err_console = Console(stderr=True)
 
-KV_DTYPES = ("auto", "fp8", "int8")
+KV_DTYPES = ("auto", "fp8")
 
 
 def friendly(fn):
@@ -60,7 +60,7 @@ MethodOpt = typer.Option("auto", "--method", help="awq, gptq, auto (= awq unless
 GpuUtilOpt = typer.Option(None, "--gpu-memory-utilization", help="fraction of GPU memory to use (default: tuned)")
 SeqsOpt = typer.Option(None, "--max-num-seqs", help="most sequences in one batch (default: tuned)")
 LenOpt = typer.Option(None, "--max-model-len", help="prompt + completion tokens per request (default: tuned)")
-KvOpt = typer.Option(None, "--kv-cache-dtype", help="auto, fp8 or int8 (default: auto)")
+KvOpt = typer.Option(None, "--kv-cache-dtype", help="auto or fp8 (Ada/Hopper GPUs; int8 is not implemented yet) (default: auto)")
 
 
 @app.command()

@@ -2,7 +2,8 @@
 hardware, each value with the reason it was chosen. Flags given by the user win over the plan.
 
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size: for "auto" the engine's compute
-dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact reference path), 1 for fp8/int8.
+dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact reference path), 1 for fp8
+(int8 is refused: not implemented).
 On a GPU the KV pool is what is left of ``gpu_memory_utilization`` x total memory after the weights and a fixed
 reserve for activations and the CUDA context; on a CPU it is a slice of free RAM.
 """
@@ -109,8 +110,10 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
         kv_cache_dtype = "auto"
         reasons["kv_cache_dtype"] = ("the engine's compute dtype (bfloat16 on a GPU, float32 on the CPU) keeps the "
                                      "KV cache exact")
-    elif kv_cache_dtype not in ("auto", "fp8", "int8"):
-        raise TuneError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}", "pick one of those")
+    elif kv_cache_dtype == "int8":
+        raise TuneError("--kv-cache-dtype int8 is not implemented yet", "use fp8 (Ada or Hopper GPUs) or auto")
+    elif kv_cache_dtype not in ("auto", "fp8"):
+        raise TuneError(f"--kv-cache-dtype must be auto or fp8, got {kv_cache_dtype!r}", "pick one of those")
     else:
         reasons["kv_cache_dtype"] = "set by --kv-cache-dtype"
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:

@@ -32,6 +32,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type: ``dtype`` for "auto", float8 e4m3 for "fp8" (raises ValueError on a GPU older
+    than compute capability 8.9, which has no fp8 conversions)."""
+    if name == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"kv_cache_dtype: fp8 needs compute capability 8.9+ (Ada or Hopper); this GPU has "
+                         f"{major}.{minor}: use auto")
+    return torch.float8_e4m3fn
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto" = float32 on CPU (exact reference path), bfloat16 on CUDA."""
     if name == "auto":
@@ -58,8 +70,9 @@ class LaunchedStep:
 class ModelRunner:
     """Runs the model over the paged KV cache.
 
-    KV cache: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer in the model dtype, K at
-    [0] and V at [1] (the attention layer's ``k_cache`` / ``v_cache`` views). Swap space: the same shape with
+    KV cache: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer in ``kv_dtype`` (the model
+    dtype, or float8 e4m3 with ``kv_cache_dtype="fp8"``), K at [0] and V at [1] (the attention layer's ``k_cache``
+    / ``v_cache`` views; the kernels convert on write and on read). Swap space: the same shape with
     ``num_swap_blocks`` blocks (``swap_space`` GiB) on the CPU, pinned when the cache is on CUDA.
     """
 
@@ -67,6 +80,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         self.model = load_model(config.model, self.dtype, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)  # unseeded sampling
@@ -84,7 +98,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         layer = self.model.layers[0]
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
         return per_token * self.block_size * len(self.model.layers)
 
     def _blocks_that_fit(self, max_model_len: int) -> int:
@@ -106,10 +120,10 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.kv_caches, self.swap_caches = [], []
         for attn in self.model.attention_layers():
-            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             attn.k_cache, attn.v_cache = kv[0], kv[1]
             self.kv_caches.append(kv)
-            self.swap_caches.append(torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin))
+            self.swap_caches.append(torch.zeros(swap_shape, dtype=self.kv_dtype, pin_memory=pin))
 
     @torch.inference_mode()
     def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:

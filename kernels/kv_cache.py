@@ -2,7 +2,9 @@
 the Triton kernel.
 
 Cache layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim].
-Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; slot -1 marks padding and is skipped.
+Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; slot -1 marks padding and is skipped. The cache
+may be of another float type than k and v (fp8 e4m3: round to nearest even, saturating at +-448, as torch's
+``.to``).
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, dim,
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     kc = kc_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d
     vc = vc_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d
-    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc, k.to(tl.float32).to(kc_ptr.dtype.element_ty), mask=mask)  # through fp32: one rounding, also to
+    tl.store(vc, v.to(tl.float32).to(vc_ptr.dtype.element_ty), mask=mask)  # fp8 (saturating, as torch's .to)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from kernels_testenv import on_device  # noqa: F401 (autouse fixture)
+from kernels_testenv import FP8, on_device  # noqa: F401 (autouse fixture)
 
 from kernels import paged_attention as pa
 
@@ -50,6 +50,17 @@ def test_decode(dtype, lengths, q_heads, kv_heads, block_size):
     check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, scale)
 
 
+@pytest.mark.parametrize("lengths", [[15, 16, 17, 33], [300, 129]], ids=["no-split", "split"])
+def test_decode_fp8_cache(lengths):
+    """An fp8 e4m3 cache, converted to q's dtype on load: the reference on the same fp8 values."""
+    k_cache, v_cache, tables = make_cache(lengths, 2, 64, 16, torch.float32)
+    k_cache, v_cache = (c.mul(30).to(FP8) for c in (k_cache, v_cache))
+    q = torch.randn(len(lengths), 4, 64, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    out = pa.paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.125 / 30)
+    check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 0.125 / 30)
+
+
 def test_decode_split_chunks_are_shape_only():
     assert pa.decode_split_chunk(64, 8, 4096, 132) == 4096  # 512 programs fill the GPU: one split
     assert pa.decode_split_chunk(1, 8, 16384, 132) == 256
@@ -75,3 +86,15 @@ def test_prefill(dtype, prefixes, new, q_heads, kv_heads, block_size):
     scale = dim ** -0.5
     out = pa.paged_attention_prefill(q, k_cache, v_cache, tables, cu, ctx, scale)
     check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, scale)
+
+
+def test_prefill_fp8_cache():
+    prefixes, new = [0, 5, 40], [17, 3, 21]
+    lengths = [p + n for p, n in zip(prefixes, new)]
+    k_cache, v_cache, tables = make_cache(lengths, 1, 32, 8, torch.float32)
+    k_cache, v_cache = (c.mul(30).to(FP8) for c in (k_cache, v_cache))
+    q = torch.randn(sum(new), 3, 32, dtype=torch.bfloat16)
+    cu = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    out = pa.paged_attention_prefill(q, k_cache, v_cache, tables, cu, ctx, 0.2 / 30)
+    check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, 0.2 / 30)

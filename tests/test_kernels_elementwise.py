@@ -6,7 +6,7 @@ rounding steps are checked bit for bit in fp16 and fp32 here, and within one bf1
 checks them bit for bit on the GPU)."""
 import pytest
 import torch
-from kernels_testenv import DEVICE, on_device  # noqa: F401 (autouse fixture)
+from kernels_testenv import DEVICE, FP8, fp8_safe, on_device  # noqa: F401 (autouse fixture)
 
 from kernels import activation, kv_cache, norm, rotary
 
@@ -78,6 +78,22 @@ def test_rotary_write_kv(dtype, tokens, q_heads, kv_heads, dim, block_size):
     torch.testing.assert_close(caches, refs, **exact(dtype))
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter rounds to fp8 wrongly; on the GPU only")
+def test_rotary_write_kv_fp8_cache():
+    """The rotated k, rounded to x's dtype, then to fp8 e4m3: the bits the reference writes."""
+    tokens, q_heads, kv_heads, dim, block_size = 9, 8, 2, 128, 16
+    cos_sin = rotary.rope_cos_sin(dim, 4096, 10000.0, device=DEVICE)
+    positions = torch.randint(0, 4096, (tokens,))
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, dtype=torch.bfloat16) * 30
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    slots = torch.randperm(4 * block_size)[:tokens]
+    caches = torch.zeros(2, 4, block_size, kv_heads, dim, dtype=FP8)
+    refs = caches.clone()
+    rotary.rotary_write_kv(positions, q, k, v, cos_sin, caches[0], caches[1], slots)
+    rotary.rotary_write_kv_ref(positions, q, k, v, cos_sin, refs[0], refs[1], slots)
+    assert torch.equal(caches.view(torch.uint8), refs.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,inter", [(1, 64), (5, 1536), (3, 1100)])
 def test_silu_and_mul(dtype, tokens, inter):
@@ -85,11 +101,14 @@ def test_silu_and_mul(dtype, tokens, inter):
     torch.testing.assert_close(activation.silu_and_mul(x), activation.silu_and_mul_ref(x))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, FP8])
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_write_kv_cache(cache_dtype, block_size):
+    """Bit-exact against the reference, an fp8 cache included (rounded and saturated as torch's ``.to``)."""
     tokens, heads, dim, blocks = 11, 3, 64, 6
-    kv = torch.randn(tokens, 2, heads, dim, dtype=torch.bfloat16)
+    kv = torch.randn(tokens, 2, heads, dim, dtype=torch.bfloat16) * (200 if cache_dtype == FP8 else 1)
+    if cache_dtype == FP8:
+        kv = fp8_safe(kv)
     k, v = kv[:, 0], kv[:, 1]  # strided views
     slots = torch.randperm(blocks * block_size)[:tokens]
     slots[[2, 7]] = -1  # padding
@@ -97,4 +116,7 @@ def test_write_kv_cache(cache_dtype, block_size):
     refs = [c.clone() for c in caches]
     kv_cache.write_kv_cache(k, v, caches[0], caches[1], slots)
     kv_cache.write_kv_cache_ref(k, v, refs[0], refs[1], slots)
-    torch.testing.assert_close(caches, refs, rtol=0, atol=0)
+    assert all(torch.equal(c.view(torch.uint8) if c.dtype == FP8 else c, r.view(torch.uint8) if r.dtype == FP8
+                           else r) for c, r in zip(caches, refs))
+    if cache_dtype == FP8:
+        assert caches[0].float().abs().max() == 448  # some values saturated
