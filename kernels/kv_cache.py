@@ -10,20 +10,39 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import jit, next_pow2, tl
+from ._triton import device_fn, jit, next_pow2, tl
 
 
 def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
     """Store ``k[i]``, ``v[i]`` (each [num_kv_heads, head_dim]) at slot ``slot_mapping[i]``, in place.
 
-    k, v: [T, num_kv_heads, head_dim]; slot_mapping: int64 [T], -1 = skip. Values are cast to the cache dtype.
+    k, v: [T, num_kv_heads, head_dim]; slot_mapping: int64 [T], -1 = skip. Values are cast to the cache dtype
+    (:func:`to_cache_ref`).
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, heads, dim)[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, heads, dim)[slots] = to_cache_ref(k[keep], k_cache.dtype)
+    v_cache.view(-1, heads, dim)[slots] = to_cache_ref(v[keep], v_cache.dtype)
+
+
+def to_cache_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache dtype, rounded once; to fp8 e4m3 saturated at +-448 (as vLLM's ``__NV_SATFINITE``
+    conversion: torch's own ``.to`` saturates on the CPU but gives NaN on CUDA)."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-448.0, 448.0).to(dtype)
+    return x.to(dtype)
+
+
+@device_fn
+def to_cache(x, dtype: tl.constexpr):
+    """x in the cache's dtype, rounded once (through fp32); to fp8 e4m3 saturated at +-448 (:func:`to_cache_ref`;
+    the explicit clamp keeps Triton's interpreter in step with the GPU's ``satfinite`` conversion)."""
+    x = x.to(tl.float32)
+    if dtype == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return x.to(dtype)
 
 
 @jit
@@ -42,8 +61,8 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, dim,
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     kc = kc_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d
     vc = vc_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d
-    tl.store(kc, k.to(tl.float32).to(kc_ptr.dtype.element_ty), mask=mask)  # through fp32: one rounding, also to
-    tl.store(vc, v.to(tl.float32).to(vc_ptr.dtype.element_ty), mask=mask)  # fp8 (saturating, as torch's .to)
+    tl.store(kc, to_cache(k, kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, to_cache(v, vc_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import jit, next_pow2, tl
-from .kv_cache import write_kv_cache_ref
+from .kv_cache import to_cache, write_kv_cache_ref
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, base: float, device=None) -> torch.Tensor:
@@ -74,8 +74,8 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
         o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
         if WRITE_KV and which == 1:
             out = kc_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
-            tl.store(out, o1.to(dt).to(tl.float32).to(kc_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(out + half, o2.to(dt).to(tl.float32).to(kc_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(out, to_cache(o1.to(dt), kc_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(out + half, to_cache(o2.to(dt), kc_ptr.dtype.element_ty), mask=kv_mask)
         else:
             out = dst + t * heads * 2 * half + h[:, None] * 2 * half + d[None, :]
             tl.store(out, o1.to(dt), mask=mask)
@@ -83,9 +83,8 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
     if WRITE_KV:
         vbase = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
         out = vc_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
-        tl.store(out, tl.load(vbase, mask=kv_mask).to(tl.float32).to(vc_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(out + half, tl.load(vbase + half, mask=kv_mask).to(tl.float32).to(vc_ptr.dtype.element_ty),
-                 mask=kv_mask)
+        tl.store(out, to_cache(tl.load(vbase, mask=kv_mask), vc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(out + half, to_cache(tl.load(vbase + half, mask=kv_mask), vc_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):
