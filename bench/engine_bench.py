@@ -302,6 +302,44 @@ def _small_model_tokens(model_dir: str, **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _launches_without_sync(model_dir: str, steps: int = 4) -> int:
+    """How many of ``steps`` decode-step launches (CUDA graph) ran under ``torch.cuda.set_sync_debug_mode("error")``
+    without a host sync, for a batch mixing greedy, top-k/top-p/min-p, seeded and min_tokens rows: a sync there
+    would make async scheduling wait for the step before."""
+    llm = LLM(model_dir, device="cuda", gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16)
+    engine = llm.engine
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, min_tokens=12, stop_token_ids=[5], max_tokens=16)]
+    for i, p in enumerate(params):
+        engine.add_request(f"sync{i}", list(range(3, 23 + i)), p)
+    engine.step()  # the prefill (eager)
+    engine.step()
+    launch, clean = engine.runner.launch, []
+
+    def strict(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = launch(*args)
+            clean.append(1)
+            return out
+        except RuntimeError as e:
+            print(f"decode launch synced: {e}")
+            raise
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    engine.runner.launch = strict
+    for _ in range(steps):
+        try:
+            engine.step()
+        except Exception:  # noqa: BLE001 - counted as a launch that synced
+            pass
+    del llm
+    _free()
+    return len(clean)
+
+
 def cuda_path_rows(ctx: dict, make_row) -> list:
     """On a small random AWQ model: CUDA graphs, eager Triton and the torch references give the same greedy
     tokens (six prompts of 1-100 tokens across block boundaries, 24 tokens each). Counts, not µs."""
@@ -312,6 +350,7 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
     unoverlapped = _small_model_tokens(small, async_scheduling=False)
     eager = _small_model_tokens(small, enforce_eager=True)
     fp8 = _small_model_tokens(small, kv_cache_dtype="fp8")
+    unsynced = _launches_without_sync(small)
     os.environ["APPLIANCE_KERNELS"] = "torch"
     try:
         ref = _small_model_tokens(small, enforce_eager=True)
@@ -325,6 +364,8 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                      "sequences identical", sum(a == b for a, b in zip(graphs, unoverlapped)), 1.0, ""),
             make_row("engine greedy: Triton = torch reference (counts, not µs)", "same", n, "sequences identical",
                      sum(a == b for a, b in zip(eager, ref)), 1.0, "bf16 both; a near-tie may differ"),
+            make_row("decode launches without a host sync (counts, not µs)", "same, graphs, 3 mixed rows", 4,
+                     "launches", unsynced, 1.0, "greedy, top-k/p + min-p, seeded + min_tokens rows"),
             make_row("engine greedy, fp8 KV: Triton = torch reference (counts, not µs)", "same", n,
                      "sequences identical", sum(a == b for a, b in zip(fp8, ref_fp8)), 1.0,
                      f"{sum(a == b for a, b in zip(fp8, graphs))} of {n} equal to the bf16 cache's")]

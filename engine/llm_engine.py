@@ -77,7 +77,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap_pool = SwapPool(self.runner.num_swap_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget,
-                                   config.enable_chunked_prefill, self.swap_pool)
+                                   config.enable_chunked_prefill, self.swap_pool, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
@@ -187,21 +187,28 @@ class LLMEngine:
     def _read_back(self, steps: list, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Read back launched steps ((batch, LaunchedStep) or None), oldest first: append each sampled token,
         apply the stop rules, and add the outputs to ``outputs``. Raises StepFailed (``request_error``) for the
-        requests whose token could not be sampled, with the outputs of the others."""
+        requests whose token could not be sampled, with the outputs of the others; a step whose read-back raises
+        (a device error that surfaced late) fails its requests and those of the steps after it, like a launch."""
         invalid: list[str] = []
-        for step in steps:
-            if step is not None:
-                invalid += self._process(*step, outputs)
+        steps = [step for step in steps if step is not None]
+        for i, (batch, launched) in enumerate(steps):
+            try:
+                tokens = launched.tokens()
+            except Exception as e:
+                self._aborted = outputs + self._aborted  # delivered by the next step
+                failed = [r for later, _ in steps[i:] for r in self._fail_batch(later)]
+                raise StepFailed(list(dict.fromkeys(failed + invalid)), e) from e
+            invalid += self._process(batch, tokens, outputs)
         if invalid:
             raise StepFailed(list(dict.fromkeys(invalid)), ValueError(
                 "sampling: no token can be sampled for this request (every token masked, e.g. by min_tokens with "
                 "stop_token_ids, or penalties/temperature that overflow)"), outputs=outputs, request_error=True)
         return outputs
 
-    def _process(self, batch, launched, outputs: list[RequestOutput]) -> list[str]:
+    def _process(self, batch, tokens: list[int], outputs: list[RequestOutput]) -> list[str]:
         """One launched step's tokens into its sequences (see :meth:`_read_back`); returns the ids of the
         requests that could not sample (removed here)."""
-        tokens = iter(launched.tokens())
+        tokens = iter(tokens)
         invalid: list[str] = []
         now = time.monotonic()
         touched: dict[str, Request] = {}

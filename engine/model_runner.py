@@ -19,7 +19,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
-from engine.sampler import needs_host_tokens, sample, sample_tokens
+from engine.sampler import needs_host_tokens, sample, sample_tokens, to_device
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -142,7 +142,7 @@ class ModelRunner:
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
         rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+        return to_device(rows, torch.int32, self.device)
 
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -154,9 +154,9 @@ class ModelRunner:
 
     def _input_ids(self, ids: list[int], pending: list[tuple[int, int]]) -> torch.Tensor:
         """ids as a device tensor, entry i of each (i, row) in ``pending`` replaced by ``last_tokens[row]``."""
-        out = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        out = to_device(ids, torch.int64, self.device)
         if pending:
-            at, rows = (torch.tensor(v, dtype=torch.int64, device=self.device) for v in zip(*pending))
+            at, rows = (to_device(list(v), torch.int64, self.device) for v in zip(*pending))
             out[at] = self.last_tokens[rows]
         return out
 
@@ -176,11 +176,11 @@ class ModelRunner:
             cu.append(len(ids))
         meta = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            slot_mapping=to_device(slots, torch.int64, self.device),
             block_tables=self._block_tables(seqs),
-            context_lens=torch.tensor([s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)],
-                                      dtype=torch.int32, device=self.device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device))
+            context_lens=to_device([s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)], torch.int32,
+                                   self.device),
+            cu_seqlens_q=to_device(cu, torch.int32, self.device))
         return self._input_ids(ids, pending), positions, meta, [c - 1 for c in cu[1:]]
 
     def prepare_decode(self, seqs: list[Sequence]):
@@ -190,10 +190,9 @@ class ModelRunner:
         positions = [len(s) - 1 for s in seqs]
         meta = AttentionMetadata(
             is_prefill=False,
-            slot_mapping=torch.tensor([self._slot(s, len(s) - 1) for s in seqs], dtype=torch.int64,
-                                      device=self.device),
+            slot_mapping=to_device([self._slot(s, len(s) - 1) for s in seqs], torch.int64, self.device),
             block_tables=self._block_tables(seqs),
-            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=self.device))
+            context_lens=to_device([len(s) for s in seqs], torch.int32, self.device))
         return ids, positions, meta, list(range(len(seqs)))
 
     def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> list[int]:
@@ -219,14 +218,15 @@ class ModelRunner:
                 ids, positions, meta, last = self.prepare_prefill(seqs, batch.num_new_tokens)
             else:
                 ids, positions, meta, last = self.prepare_decode(seqs)
-            hidden = self.model(ids, torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
+            hidden = self.model(ids, to_device(list(positions), torch.int64, self.device), meta)
         sampling = [i for i, samples in enumerate(batch.samples) if samples]
         self._rows = {}
         if not sampling:
             return LaunchedStep([])
         rows = [last[i] for i in sampling]
-        # a slice when the rows are 0..n-1 (every decode step): a list index would be copied over with a sync
-        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
+        # a slice when the rows are 0..n-1 (every decode step); a list index would be copied over with a sync
+        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[to_device(rows, torch.int64,
+                                                                                             self.device)]
         logits = self.model.compute_logits(picked)
         sampling_seqs = [seqs[i] for i in sampling]
         if any(needs_host_tokens(s) for s in sampling_seqs):

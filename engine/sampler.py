@@ -15,9 +15,10 @@ import torch
 from engine.sequence import Sequence
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without a host sync (through pinned memory on CUDA), so that building a
-    step's sampling parameters never waits for the step before (async scheduling)."""
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on ``device`` without a host sync (a non-blocking copy from pinned memory on CUDA; torch's
+    ``torch.tensor(values, device=cuda)`` waits for the stream), so that preparing a step never waits for the
+    step before (async scheduling)."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
@@ -76,14 +77,15 @@ def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
             ids = _stop_ids(seq, eos_token_ids)
             rows += [i] * len(ids)
             cols += ids
-    if rows:
-        logits[_tensor(rows, torch.int64, logits.device), _tensor(cols, torch.int64, logits.device)] = float("-inf")
+    if rows:  # index_put_ with a tensor of values: a Python scalar value would be copied over with a sync
+        where = (to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device))
+        logits.index_put_(where, logits.new_full((len(rows),), float("-inf")))
     for i, seq in enumerate(seqs):  # penalties are rare: one row at a time
         if _penalised(seq):
             logits[i] = apply_penalties(logits[i], seq)
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if sampled:
-        idx = None if len(sampled) == len(seqs) else _tensor(sampled, torch.int64, logits.device)
+        idx = None if len(sampled) == len(seqs) else to_device(sampled, torch.int64, logits.device)
         part = logits if idx is None else logits[idx]
         part = filter_batch(part, [seqs[i].params for i in sampled])
         if idx is None:
@@ -99,23 +101,23 @@ def filter_batch(logits: torch.Tensor, params: list) -> torch.Tensor:
     top-p keeps the smallest prefix of the tokens sorted by probability whose mass reaches top_p (the first token
     always); min-p drops tokens below min_p x the top probability. Sorts only when a row asks for top-k / top-p."""
     dev, vocab = logits.device, logits.shape[-1]
-    temperature = _tensor([p.temperature for p in params], logits.dtype, dev)
+    temperature = to_device([p.temperature for p in params], logits.dtype, dev)
     logits = logits / temperature[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         ordered, order = torch.sort(logits, dim=-1, descending=True)
-        kth = ordered.gather(1, _tensor(top_k, torch.int64, dev)[:, None] - 1)
+        kth = ordered.gather(1, to_device(top_k, torch.int64, dev)[:, None] - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
         ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # still in descending order
         probs = ordered.softmax(-1)
-        p_lim = _tensor(top_p, logits.dtype, dev)[:, None]
+        p_lim = to_device(top_p, logits.dtype, dev)[:, None]
         drop = (probs.cumsum(-1) - probs >= p_lim) & (p_lim < 1.0)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
         probs = logits.softmax(-1)
-        floor = _tensor(min_p, logits.dtype, dev)[:, None] * probs.amax(-1, keepdim=True)
+        floor = to_device(min_p, logits.dtype, dev)[:, None] * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
@@ -142,7 +144,7 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
         if seq.generator is not None and not seq.params.greedy:  # seeded: its own stream, on its own device
             row = torch.empty(probs.shape[-1], dtype=probs.dtype, pin_memory=q.is_cuda)
             q[i] = row.exponential_(generator=seq.generator).to(q.device, non_blocking=True)
-    greedy = _tensor([s.params.greedy for s in seqs], torch.bool, logits.device)
+    greedy = to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
     race = torch.where(greedy[:, None], processed, probs / q.clamp_min(torch.finfo(q.dtype).tiny))
     return torch.where(valid, race.argmax(-1), INVALID)
 

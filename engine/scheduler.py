@@ -72,8 +72,10 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = False, swap_pool: SwapPool | None = None):
+                 enable_chunked_prefill: bool = False, swap_pool: SwapPool | None = None,
+                 max_model_len: int | None = None):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -123,6 +125,9 @@ class Scheduler:
         self.running.clear()
         while pending:
             seq = pending[0]
+            if self._ends_with_pending(seq):  # its read-back finishes it: no step (nor block) for its token
+                self.running.append(pending.popleft())
+                continue
             n = self._chunk(seq, seq.num_computed_tokens, batch)
             if n == 0:
                 break
@@ -137,6 +142,14 @@ class Scheduler:
                 batch.add(seq, n)
                 self.running.append(seq)
         self.running.extend(pending)  # not scheduled in this step: the budget ran out
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s pending token (async scheduling) is its last one: max_tokens or max_model_len."""
+        if not seq.num_pending_tokens:
+            return False
+        limit = seq.params.max_tokens if seq.params.max_tokens is not None else self.max_model_len
+        return (limit is not None and seq.num_output_tokens >= limit) or \
+            (self.max_model_len is not None and len(seq) >= self.max_model_len)
 
     def _schedule_swapped(self, batch: ScheduledBatch) -> None:
         """Swap sequences back in, oldest preempted first, while the pool has blocks for their K/V and their

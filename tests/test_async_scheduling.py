@@ -144,3 +144,20 @@ def test_prefix_cache_hashes_only_tokens_read_back(demo_model):
         hits.append((out.outputs[0].token_ids, stats.prefix_cache_hits_total))
         llm.engine.block_manager.check()
     assert hits[0] == hits[1] and hits[0][1] == 40  # 5 full 8-token blocks of the 45 tokens
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_no_step_is_launched_for_a_token_past_max_tokens(demo_model, max_tokens):
+    """The scheduler knows when a pending token is a sequence's last (max_tokens): it schedules no step for it, so
+    the async engine launches as many model steps as the synchronous one."""
+    launches = {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(demo_model), async_scheduling=async_scheduling, **SMALL)
+        launch, count = llm.engine.runner.launch, []
+        llm.engine.runner.launch = lambda *a: count.append(1) or launch(*a)
+        out = llm.generate([list(range(100, 116))], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                    ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == max_tokens
+        launches[async_scheduling] = len(count)
+        assert_all_returned(llm.engine)
+    assert launches[True] == launches[False] == max_tokens
