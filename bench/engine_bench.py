@@ -335,7 +335,8 @@ def _launches_without_sync(model_dir: str, steps: int = 4) -> int:
             engine.step()
         except Exception:  # noqa: BLE001 - counted as a launch that synced
             pass
-    del llm
+    engine.runner.launch = launch
+    del llm, engine, launch, strict
     _free()
     return len(clean)
 
