@@ -110,7 +110,8 @@ class LLMEngine:
         if len(ids) + max(max_tokens, 1) > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(ids), max_tokens)
         seqs = [Sequence(request_id, i, list(ids), params,  # a seeded child i draws from seed + i (vLLM V1)
-                         torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None)
+                         torch.Generator(self.runner.device).manual_seed(params.seed + i)
+                         if params.seed is not None else None)
                 for i in range(params.n)]
         self.requests[request_id] = Request(
             request_id, text, ids, params, seqs, [detokenizer.new_state(len(ids)) for _ in seqs],

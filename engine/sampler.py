@@ -132,7 +132,8 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """One next token per sequence, int64 [S] on logits' device, without a host sync (``INVALID`` for a sequence
     with no valid distribution). logits: float32 [S, V], row i belonging to ``seqs[i]``. ``generator``: on
-    logits' device, for the rows without a seed (None: torch's default). Reads each sequence's token ids only
+    logits' device, for the rows without a seed (None: torch's default); a seeded sequence's ``generator`` is on
+    logits' device too. Reads each sequence's token ids only
     for its penalties (see :func:`needs_host_tokens`)."""
     if all(_plain_greedy(s) for s in seqs):
         return torch.argmax(logits, dim=-1)
@@ -141,9 +142,8 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
     valid = torch.isfinite(probs).all(-1)
     q = torch.empty_like(probs).exponential_(generator=generator)
     for i, seq in enumerate(seqs):
-        if seq.generator is not None and not seq.params.greedy:  # seeded: its own stream, on its own device
-            row = torch.empty(probs.shape[-1], dtype=probs.dtype, pin_memory=q.is_cuda)
-            q[i] = row.exponential_(generator=seq.generator).to(q.device, non_blocking=True)
+        if seq.generator is not None and not seq.params.greedy:  # seeded: its own stream (on q's device)
+            q[i].exponential_(generator=seq.generator)
     greedy = to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
     race = torch.where(greedy[:, None], processed, probs / q.clamp_min(torch.finfo(q.dtype).tiny))
     return torch.where(valid, race.argmax(-1), INVALID)
