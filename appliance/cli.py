@@ -25,8 +25,6 @@ app = typer.Typer(help="edge-appliance: quantize a model and serve it over an Op
 console = Console()
 err_console = Console(stderr=True)
 
-KV_DTYPES = ("auto", "fp8")
-
 
 def friendly(fn):
     """Turn ApplianceError into one line on stderr and a non-zero exit; Ctrl-C into exit 130."""

@@ -74,7 +74,7 @@ class ModelInfo:
             raise TuneError(f"{cfg_file} is not a usable model config ({exc})", "check the model folder") from None
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", device: str = "cuda") -> int:
-        element = 1 if kv_cache_dtype in ("fp8", "int8") else 2 if device == "cuda" else 4
+        element = 1 if kv_cache_dtype == "fp8" else 2 if device == "cuda" else 4
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
@@ -114,6 +114,10 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
         raise TuneError("--kv-cache-dtype int8 is not implemented yet", "use fp8 (Ada or Hopper GPUs) or auto")
     elif kv_cache_dtype not in ("auto", "fp8"):
         raise TuneError(f"--kv-cache-dtype must be auto or fp8, got {kv_cache_dtype!r}", "pick one of those")
+    elif kv_cache_dtype == "fp8" and hw.kind == "cuda" and hw.gpu is not None and \
+            tuple(int(v) for v in hw.gpu.compute_capability.split(".")) < (8, 9):
+        raise TuneError(f"--kv-cache-dtype fp8 needs compute capability 8.9+ (Ada or Hopper); {hw.gpu.name} has "
+                        f"{hw.gpu.compute_capability}", "use --kv-cache-dtype auto")
     else:
         reasons["kv_cache_dtype"] = "set by --kv-cache-dtype"
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:

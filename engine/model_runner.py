@@ -128,7 +128,8 @@ class ModelRunner:
     @torch.inference_mode()
     def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
         """Copy whole K/V blocks: (KV block, swap block) pairs out to the swap space, then (swap block, KV block)
-        pairs back in; one gather and one scatter per layer and direction."""
+        pairs back in; one gather and one scatter per layer and direction, on the bytes (torch has no
+        ``index_copy_`` for fp8). A step that swaps syncs with the host here (rare: preemption under pressure)."""
         for pairs, src_caches, dst_caches in ((blocks_to_swap_out, self.kv_caches, self.swap_caches),
                                               (blocks_to_swap_in, self.swap_caches, self.kv_caches)):
             if not pairs:
@@ -137,7 +138,8 @@ class ModelRunner:
             src = src.to(src_caches[0].device)
             dst = dst.to(dst_caches[0].device)
             for src_cache, dst_cache in zip(src_caches, dst_caches):
-                dst_cache.index_copy_(1, dst, src_cache.index_select(1, src).to(dst_cache.device))
+                dst_cache.view(torch.uint8).index_copy_(
+                    1, dst, src_cache.view(torch.uint8).index_select(1, src).to(dst_cache.device))
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)

@@ -11,6 +11,9 @@ Two policies, picked by ``enable_chunked_prefill``:
 * without it (vLLM V0's default): a step either prefills whole prompts (new sequences first, up to the budget)
   or decodes every running sequence.
 
+Async scheduling (llm_engine.py): a running sequence whose pending token is its last (max_tokens, max_model_len)
+is left out of the step and out of preemption; the read-back of the step before finishes it.
+
 Preemption. When the KV pool runs out, the newest running sequence not yet scheduled in this step is preempted
 (the sequence itself when none is left). With swap space (``swap_pool``) that has a block for each of its blocks,
 it is *swapped out*: its K/V is copied to the CPU pool and it waits in ``swapped``, to be swapped back in (fresh
@@ -121,13 +124,15 @@ class Scheduler:
         """Decodes first (one token each), then the next chunk of each partial prefill, oldest first, within the
         budget; when the pool is short, preempt the newest sequence not yet scheduled (itself when none is)."""
         bm = self.block_manager
-        pending = deque(sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1))  # stable: decodes first
+        # a sequence whose pending token is its last (async scheduling) gets no step, no block, and is never a
+        # victim: it stays running until its read-back finishes it
+        done = [s for s in self.running if self._ends_with_pending(s)]
+        pending = deque(sorted((s for s in self.running if not self._ends_with_pending(s)),
+                               key=lambda s: s.num_uncomputed_tokens > 1))  # stable: decodes first
         self.running.clear()
+        self.running.extend(done)
         while pending:
             seq = pending[0]
-            if self._ends_with_pending(seq):  # its read-back finishes it: no step (nor block) for its token
-                self.running.append(pending.popleft())
-                continue
             n = self._chunk(seq, seq.num_computed_tokens, batch)
             if n == 0:
                 break

@@ -3,8 +3,8 @@ the Triton kernel.
 
 Cache layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim].
 Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; slot -1 marks padding and is skipped. The cache
-may be of another float type than k and v (fp8 e4m3: round to nearest even, saturating at +-448, as torch's
-``.to``).
+may be of another float type than k and v (fp8 e4m3: round to nearest even, saturating at +-448: see
+:func:`to_cache_ref`).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def to_cache(x, dtype: tl.constexpr):
     the explicit clamp keeps Triton's interpreter in step with the GPU's ``satfinite`` conversion)."""
     x = x.to(tl.float32)
     if dtype == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -448.0), 448.0))  # NaN stays NaN, as in the reference
     return x.to(dtype)
 
 

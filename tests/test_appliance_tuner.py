@@ -112,3 +112,20 @@ def test_impossible_requests_are_errors(tmp_path):
 def test_missing_config_is_an_error(tmp_path):
     with pytest.raises(TuneError, match="no config.json"):
         ModelInfo.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("capability,ok", [("8.6", False), ("8.9", True), ("9.0", True)])
+def test_fp8_kv_cache_needs_ada_or_hopper(tmp_path, capability, ok):
+    """fp8 has no conversions below compute capability 8.9: the tuner refuses it there (the engine would too, at
+    start), with the fix; int8 is refused everywhere."""
+    info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB))
+    hw = Hardware(kind="cuda", gpus=[GPU(0, "RTX 3090", 24 * GIB, 24 * GIB, capability)], driver="1", cpu_cores=16,
+                  total_memory=128 * GIB, available_memory=100 * GIB)
+    if ok:
+        assert tuner.plan(info, hw, kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    else:
+        with pytest.raises(TuneError, match="fp8 needs compute capability 8.9") as e:
+            tuner.plan(info, hw, kv_cache_dtype="fp8")
+        assert e.value.hint == "use --kv-cache-dtype auto"
+    with pytest.raises(TuneError, match="int8 is not implemented"):
+        tuner.plan(info, hw, kv_cache_dtype="int8")

@@ -161,3 +161,19 @@ def test_no_step_is_launched_for_a_token_past_max_tokens(demo_model, max_tokens)
         launches[async_scheduling] = len(count)
         assert_all_returned(llm.engine)
     assert launches[True] == launches[False] == max_tokens
+
+
+def test_no_step_is_launched_for_a_token_past_max_model_len(demo_model):
+    """Without max_tokens the context limit ends a sequence: the same number of launches as the synchronous
+    engine, none for the token that would pass max_model_len."""
+    launches = {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(demo_model), async_scheduling=async_scheduling, **SMALL)
+        launch, count = llm.engine.runner.launch, []
+        llm.engine.runner.launch = lambda *a: count.append(1) or launch(*a)
+        prompt = list(range(100, 100 + SMALL["max_model_len"] - 3))
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+        assert len(out.token_ids) == 3 and out.finish_reason == "length"
+        launches[async_scheduling] = len(count)
+        assert_all_returned(llm.engine)
+    assert launches[True] == launches[False]

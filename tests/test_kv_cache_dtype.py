@@ -56,3 +56,21 @@ def test_fp8_cache_reads_back_what_it_wrote(demo_model, monkeypatch):
 def test_int8_is_refused_with_a_hint(demo_model):
     with pytest.raises(ValueError, match="kv_cache_dtype: int8 is not implemented yet; use fp8"):
         EngineConfig(model=str(demo_model), kv_cache_dtype="int8")
+
+
+def test_fp8_blocks_swap_out_and_back(demo_model):
+    """Preemption by swapping moves fp8 blocks byte for byte (torch has no fp8 ``index_copy_``): under pressure
+    every request gets the tokens of a roomy fp8 engine, and both pools get every block back."""
+    from engine_fixtures import prompts
+    from test_preemption import assert_all_returned, swap_space_gib
+
+    small = dict(device="cpu", max_num_seqs=16, max_model_len=64, block_size=8, kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    roomy = LLM(str(demo_model), **small)
+    texts = prompts(roomy.get_tokenizer())
+    want = [o.outputs[0].token_ids for o in roomy.generate(texts, params)]
+    tight = LLM(str(demo_model), num_kv_blocks=10, swap_space=swap_space_gib(demo_model, 64, 8), **small)
+    got = [o.outputs[0].token_ids for o in tight.generate(texts, params)]
+    assert got == want
+    assert tight.engine.scheduler.num_swap_outs > 0 and tight.engine.scheduler.num_swap_ins > 0
+    assert_all_returned(tight.engine)
