@@ -24,18 +24,9 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def mask_min_tokens(logits: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> torch.Tensor:
-    """Until ``seq`` has ``min_tokens`` output tokens, its stop tokens (``stop_token_ids``, and the EOS ids unless
-    ``ignore_eos``) get -inf so they cannot be sampled (vLLM's ``_apply_min_tokens_penalty``). logits: [V]."""
-    p = seq.params
-    if seq.num_output_tokens >= p.min_tokens:
-        return logits
-    logits = logits.clone()
-    logits[_stop_ids(seq, eos_token_ids)] = float("-inf")
-    return logits
-
-
 def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
+    """The tokens min_tokens masks (vLLM's ``_apply_min_tokens_penalty``): ``stop_token_ids``, and the EOS ids
+    unless ``ignore_eos``."""
     return list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else sorted(eos_token_ids))
 
 

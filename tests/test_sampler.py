@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import apply_penalties, mask_min_tokens, process_logits, sample
+from engine.sampler import apply_penalties, process_logits, sample
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -64,7 +64,6 @@ def test_min_tokens_masks_stop_tokens_until_reached(num_output, ignore_eos, mask
     seq = seq_with(PROMPT, [2] * num_output, min_tokens=3, stop_token_ids=[3], ignore_eos=ignore_eos,
                    temperature=0, max_tokens=8)
     expected = [INF if i in masked else v for i, v in enumerate(LOGITS.tolist())]
-    assert mask_min_tokens(LOGITS, seq, {EOS}).tolist() == expected
     assert process_logits(LOGITS, seq, {EOS}).tolist() == expected
     assert sample(LOGITS[None].clone(), [seq], {EOS}) == [token]
     assert LOGITS[EOS] == 4.0  # the input row is not changed in place
