@@ -197,10 +197,6 @@ class ModelRunner:
             context_lens=to_device([len(s) for s in seqs], torch.int32, self.device))
         return ids, positions, meta, list(range(len(seqs)))
 
-    def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> list[int]:
-        """:meth:`launch`, then wait for its sampled tokens."""
-        return self.launch(batch, eos_token_ids).tokens()
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> LaunchedStep:
         """Swap the batch's blocks, then one forward pass over its sequences and the sampling, queued on the
