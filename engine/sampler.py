@@ -124,8 +124,7 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
     """One next token per sequence, int64 [S] on logits' device, without a host sync (``INVALID`` for a sequence
     with no valid distribution). logits: float32 [S, V], row i belonging to ``seqs[i]``. ``generator``: on
     logits' device, for the rows without a seed (None: torch's default); a seeded sequence's ``generator`` is on
-    logits' device too. Reads each sequence's token ids only
-    for its penalties (see :func:`needs_host_tokens`)."""
+    logits' device too. Reads each sequence's token ids only for its penalties (see :func:`needs_host_tokens`)."""
     if all(_plain_greedy(s) for s in seqs):
         return torch.argmax(logits, dim=-1)
     processed = process_batch(logits.float(), seqs, eos_token_ids)
