@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, jit, next_pow2, tl
+from ._triton import cdiv, jit, next_pow2, pdl, pdl_wait, tl
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -15,8 +15,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, cdiv(I, BLOCK)): one row chunk of gate and up. Rounds like the reference (silu, then the product)."""
+    pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -34,6 +35,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
     block = min(next_pow2(inter), 1024)
     if tokens:
-        _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
+        _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, PDL=pdl(x),
                                                           num_warps=4, enable_fp_fusion=False)
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import device_fn, jit, next_pow2, tl
+from ._triton import device_fn, jit, next_pow2, pdl, pdl_wait, tl
 
 
 def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -49,8 +49,9 @@ def to_cache(x, dtype: tl.constexpr):
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, dim,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Grid (T,): copy token t's K and V heads to its slot (block, offset); nothing for slot -1."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
@@ -81,4 +82,4 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         _write_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, heads, dim, k.stride(0), k.stride(1),
                                     v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
                                     BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(heads), BLOCK_D=next_pow2(dim),
-                                    num_warps=4)
+                                    PDL=pdl(k), num_warps=4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import jit, next_pow2, tl
+from ._triton import jit, next_pow2, pdl, pdl_wait, tl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -24,12 +24,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, hidden, eps, stride_x, stride_r, stride_o, stride_s,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid (T,): one row. Rounds like the reference: the sum to x's dtype, the normalised row to x's dtype, then
     the product with the weight to the output dtype."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the previous kernel ends
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -38,7 +40,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, hidden, eps, strid
         x = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
     h = (x * inv).to(sum_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -60,6 +61,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if tokens:
         res = residual if residual is not None else x
         _rms_norm_kernel[(tokens,)](x, res, weight, out, summed, hidden, eps, x.stride(0), res.stride(0), out.stride(0),
-                                    summed.stride(0), HAS_RES=residual is not None, BLOCK=block,
+                                    summed.stride(0), HAS_RES=residual is not None, BLOCK=block, PDL=pdl(x),
                                     num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
     return out, summed

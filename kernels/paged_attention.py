@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, device_fn, dot_f32, jit, next_pow2, num_sms, tl
+from ._triton import cdiv, device_fn, dot_f32, jit, next_pow2, num_sms, pdl, pdl_wait, tl
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -110,13 +110,15 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_bt, stride_ob, stride_oh, num_splits,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                   PDL: tl.constexpr):
     """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [split*chunk, +chunk) of one
     sequence; every KV tile is loaded once for the whole group. Without SPLIT the result goes to ``out``; with it,
     the normalised partial output to ``po`` [B, Hq, splits, D] fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]
     (nothing is written for a split past the context: the merge skips those)."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
+    ctx = tl.load(ctx_ptr + b)  # a step input: read before the previous kernel ends
+    pdl_wait(PDL)
     start = split * chunk
     end = tl.minimum(ctx, start + chunk)
     g = tl.arange(0, BLOCK_G)
@@ -154,8 +156,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
 
 @jit
 def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, chunk, num_splits, stride_ob, stride_oh,
-                  DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                  DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Grid (B, Hq): combine the valid splits (those that start inside the context) by their log2-sum-exp."""
+    pdl_wait(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     sp = tl.arange(0, BLOCK_S)
@@ -177,8 +180,8 @@ def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> 
     whole = cdiv(max(max_tokens, 1), 64) * 64
     if programs >= 2 * sms:
         return whole
-    if programs <= 16:  # H200 sweeps (bench/RESULTS.md): 128 up to 8k tokens, 256 beyond
-        chunk = 128 if max_tokens <= 8192 else 256
+    if programs <= 16:  # H200 sweeps (bench/RESULTS.md): 64 up to 4k tokens (7.1 vs 7.8 µs for 128 at 1k, 11.4 vs
+        chunk = 64 if max_tokens <= 4096 else 128 if max_tokens <= 8192 else 256  # 12.7 at 4k), 256 at 16k
     else:  # about four splits, 256 to 2048 tokens each
         chunk = min(2048, max(256, next_pow2(cdiv(max_tokens, 4))))
     return min(chunk, whole)
@@ -224,10 +227,11 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), splits, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
         BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
-        DOT_F32=dot_f32(q), num_warps=num_warps, num_stages=num_stages)
+        DOT_F32=dot_f32(q), PDL=pdl(q), num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, chunk, splits, out.stride(0), out.stride(1),
-                                        DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), num_warps=4)
+                                        DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), PDL=pdl(q),
+                                        num_warps=4)
     return out
 
 
@@ -237,13 +241,14 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                     stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                    DOT_F32: tl.constexpr):
+                    DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M) + S, Hq): one tile of BLOCK_M new tokens of one sequence, one query head.
 
     Sequence s owns tiles from ``cu[s] // BLOCK_M + s`` on (an upper bound of the tiles before it), found by binary
     search; tiles past a sequence's new tokens do nothing. Query i of a sequence with context c and n new tokens
     sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal).
     """
+    pdl_wait(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
     lo = 0
     hi = num_seqs
@@ -307,5 +312,6 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q_heads // k_cache.shape[2], DIM=dim, BLOCK_D=max(16, next_pow2(dim)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if interp else 64,
-        SEARCH_STEPS=max(1, num_seqs.bit_length()), DOT_F32=interp, num_warps=4, num_stages=2)
+        SEARCH_STEPS=max(1, num_seqs.bit_length()), DOT_F32=interp, PDL=pdl(q), num_warps=4,
+        num_stages=2)
     return out

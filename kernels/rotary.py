@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import jit, next_pow2, tl
+from ._triton import jit, next_pow2, pdl, pdl_wait, tl
 from .kv_cache import to_cache, write_kv_cache_ref
 
 
@@ -42,7 +42,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
                    v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_KV: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
     """Grid (T,): all q and k heads of one token share one cos/sin row. Outputs are contiguous [T, H, D].
 
     Rounds like the reference in x's dtype: cos and sin, each product, then the sum. WRITE_KV: the rotated k and
@@ -50,12 +50,13 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
     ``ko`` (the caches share strides).
     """
     t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t)
+    pos = tl.load(pos_ptr + t)  # a step input and a table: read before the previous kernel ends
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < half
     dt = qo_ptr.dtype.element_ty
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(dt).to(tl.float32)[None, :]
     sin = tl.load(cs_ptr + pos * stride_cs + half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)[None, :]
+    pdl_wait(PDL)
     h = tl.arange(0, BLOCK_H)
     if WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -107,7 +108,8 @@ def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_m
                                   k.stride(0), k.stride(1), cos_sin.stride(0), *extra, cache.stride(0),
                                   cache.stride(1), cache.stride(2) if write_kv else 0,
                                   BLOCK_H=next_pow2(max(q_heads, k.shape[1])), BLOCK_HALF=next_pow2(half),
-                                  WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, num_warps=4,
+                                  WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, PDL=pdl(q),
+                                  num_warps=4,
                                   enable_fp_fusion=False)  # no FMA: round each product like torch
     return qo, ko
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from . import activation
-from ._triton import cdiv, device_fn, dot_f32, jit, num_sms, tl
+from ._triton import cdiv, device_fn, dot_f32, jit, num_sms, pdl, pdl_wait, tl
 from .quant_formats import QuantizedWeight
 
 @device_fn
@@ -136,7 +136,7 @@ def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.con
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, N, K, k_per_split,
                  splits, exp_byte, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
-                 EVEN_K: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr):
+                 EVEN_K: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), splits): y[n] for one block of outputs over one K range (a multiple of BLOCK_K;
     BLOCK_K divides GROUP, or GROUP >= K (per channel), so a tile has one scale and one zero per column). The next
     tile is loaded before this one is multiplied (a second tile in flight; a third measured no faster on an H200).
@@ -157,6 +157,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
     k_end = tl.minimum((K + PF - 1) // PF * PF, k_lo + k_per_split)
     acc = tl.zeros([BLOCK_K // PF, BLOCK_N], tl.float32)
     q, scale, zero = _load_tile(qw_ptr, s_ptr, z_ptr, k_lo, k_end, w, n, nmask, N, BITS, GROUP)
+    pdl_wait(PDL)  # the first weight tile is on its way while the previous kernel finishes
     for k0 in range(k_lo, k_hi, BLOCK_K):
         q_next, scale_next, zero_next = _load_tile(qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, w, n, nmask, N,
                                                    BITS, GROUP)
@@ -248,7 +249,7 @@ def _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP: tl.constexpr, SPLIT: t
 def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 SWAP: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr):
+                 SWAP: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits): one [BLOCK_M, BLOCK_N] output tile over one K range.
 
     Default: the weight tile [BLOCK_K, BLOCK_N] is dequantized in registers to x's dtype ((q - z) * s, exact in
@@ -268,6 +269,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
     kr = tl.arange(0, BLOCK_K)
     w = tl.arange(0, WORDS)
     shift = ((kr % PF) * BITS)[:, None]
+    pdl_wait(PDL)
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if SWAP:
@@ -338,7 +340,7 @@ def _tc_pair(qs, zz, zero, scale, ss, MODE: tl.constexpr, IS_BF16: tl.constexpr,
 def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
-                    SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+                    SWAP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits), 4-bit weights, no act-order (the caller permutes x):
     one [BLOCK_M, BLOCK_N] output tile over one K range. x's tile [BLOCK_M, BLOCK_K] is read contiguously (16-byte
     loads the compiler pipelines into shared memory). The weight tile is built transposed, [BLOCK_N, BLOCK_K]: the
@@ -356,6 +358,7 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
     mmask, nmask = m < M, n < N
     kr = tl.arange(0, BLOCK_K)
     w = tl.arange(0, WORDS)
+    pdl_wait(PDL)
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if SWAP:
@@ -403,8 +406,10 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
 
 
 @jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     """Grid (cdiv(M*N, BLOCK),): out = sum over splits of part[split] (+ bias), in a fixed order."""
+    pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], tl.float32)
@@ -417,7 +422,7 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: 
 
 @jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, BITS: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr):
+                    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(K/pf, BLOCK_W), cdiv(N, BLOCK_N)): BLOCK_W packed rows (words) become pf rows each of W [K, N]
     in input-channel order (kernel row k goes to row perm[k]); (q - z) * s exact in fp32, rounded once to out's
     dtype. Each word is read once; any group size."""
@@ -427,6 +432,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, BITS: tl.cons
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (w < K // PF)[:, None] & (n < N)[None, :]
     q = tl.load(qw_ptr + w[:, None] * N + n[None, :], mask=mask, other=0)
+    pdl_wait(PDL)  # out may be memory a previous kernel still reads
     for j in tl.static_range(PF):
         k = w * PF + j
         if j == 0 or GROUP % PF != 0:  # the codes of one word share a group unless PF does not divide GROUP
@@ -450,7 +456,7 @@ def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) 
     words = k // qw.pack_factor
     _dequant_kernel[(cdiv(words, 8), cdiv(n, 128))](qw.qweight, qw.scales, qw.qzeros, perm, out, n, k, BITS=qw.bits,
                                                     GROUP=qw.group_size, BLOCK_W=8, BLOCK_N=128,
-                                                    HAS_PERM=qw.perm is not None, num_warps=4)
+                                                    HAS_PERM=qw.perm is not None, PDL=pdl(out), num_warps=4)
     return out
 
 
@@ -499,9 +505,9 @@ DEQUANT_ABOVE_M = 256
 #: and 64 (same sweep); with fp16 scales each weight is rounded twice (scale to bf16, then the product).
 TUNED = {
     (1, 4096, 4096): Plan("gemv", 1, 128, 128, 512),
-    (1, 12288, 4096): Plan("gemv", 1, 128, 128, 768),
-    (1, 22016, 4096): Plan("gemv", 1, 128, 128, 1280),
-    (1, 4096, 11008): Plan("gemv", 1, 128, 128, 1280),
+    (1, 12288, 4096): Plan("gemv", 1, 128, 128, 896),  # 5 splits: 480 programs, one wave at 4 per SM (128
+    (1, 22016, 4096): Plan("gemv", 1, 128, 128, 1408),  # registers); 6 splits left 48 programs for a 2nd wave
+    (1, 4096, 11008): Plan("gemv", 1, 128, 128, 1408),
     (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
     (16, 12288, 4096): Plan("tc", 16, 64, 128, 2048, swap=True, mode=3),
     (16, 22016, 4096): Plan("tc", 16, 64, 128, 4096, swap=True, mode=3),
@@ -627,7 +633,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             xk, qw.qweight, qw.scales, qw.qzeros, bias_arg, target, m, n, k, xk.stride(0), plan.k_per_split,
             GROUP=qw.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
             HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % plan.block_k == 0, MODE=mode, SWAP=plan.swap,
-            DOT_F32=dot_f32(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
+            DOT_F32=dot_f32(x), PDL=pdl(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
     elif plan.path == "gemv":
         if m != 1:
             raise ValueError(f"the gemv path takes one row, got {m}")
@@ -637,16 +643,17 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
                                                       target, locks, n, k, plan.k_per_split, splits, 0x3F000000,
                                                       SERIAL=serial,
                                                       EVEN_K=k % plan.block_k == 0, ASM=not dot_f32(x),
-                                                      GATED=silu_gated,
+                                                      GATED=silu_gated, PDL=pdl(x),
                                                       **common)
         if serial or splits == 1:
             return out
     else:
         _gemm_kernel[(cdiv(m, plan.block_m), cdiv(n, plan.block_n), splits)](
             x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, target, m, n, k, x.stride(0), plan.k_per_split,
-            BLOCK_M=plan.block_m, SWAP=plan.swap, FAST=fast, DOT_F32=dot_f32(x), **common)
+            BLOCK_M=plan.block_m, SWAP=plan.swap, FAST=fast, DOT_F32=dot_f32(x), PDL=pdl(x), **common)
     if splits > 1:
         block = 1024
         _splitk_reduce_kernel[(cdiv(m * n, block),)](target, bias_arg, out, m * n, n, splits,
-                                                     HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                                                     HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl(x),
+                                                     num_warps=4)
     return out

@@ -64,7 +64,8 @@ def test_decode_fp8_cache(lengths):
 def test_decode_split_chunks_are_shape_only():
     assert pa.decode_split_chunk(64, 8, 4096, 132) == 4096  # 512 programs fill the GPU: one split
     assert pa.decode_split_chunk(1, 8, 16384, 132) == 256
-    assert pa.decode_split_chunk(1, 8, 4096, 132) == 128
+    assert pa.decode_split_chunk(1, 8, 4096, 132) == 64
+    assert pa.decode_split_chunk(1, 8, 8192, 132) == 128
     assert pa.decode_split_chunk(16, 8, 4096, 132) == 1024
     assert pa.decode_split_chunk(16, 8, 1024, 132) == 256
     assert pa.decode_split_chunk(1, 8, 48, 132) == 64
