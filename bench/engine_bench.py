@@ -96,16 +96,26 @@ def _step_profile(llm: LLM, steps: int = 8, top: int = 12) -> list[tuple[str, fl
 
 
 def decode_rows(ctx: dict, make_row) -> list:
-    """Batch-1 decode of the 7B-shaped model: graphs on vs the bandwidth bound, graphs on vs eager, and async
-    scheduling (the default) vs reading every step back before scheduling the next."""
+    """Batch-1 decode of the 7B-shaped model: graphs on vs the bandwidth bound, graphs on vs eager, async
+    scheduling (the default) vs reading every step back before scheduling the next, and programmatic dependent
+    launch (the default on Hopper) vs not (``APPLIANCE_PDL=0`` while the engine is built and captured)."""
     model_dir = ctx.setdefault("model_7b", str(write_random_awq_model("/tmp/rand_7b")))
     tok_s, notes = {}, {}
-    for eager in (False, True):
+    for eager in ("nopdl", False, True):
         torch.cuda.reset_peak_memory_stats()
-        llm = LLM(model_dir, device="cuda", max_num_seqs=1, max_model_len=1024, enforce_eager=eager,
-                  gpu_memory_utilization=0.3)
-        _decode_tok_s(llm, 32, 16)  # warm-up
-        tok_s[eager] = _decode_tok_s(llm, 32, 256)
+        if eager == "nopdl":
+            os.environ["APPLIANCE_PDL"] = "0"
+        try:
+            llm = LLM(model_dir, device="cuda", max_num_seqs=1, max_model_len=1024, enforce_eager=eager is True,
+                      gpu_memory_utilization=0.3)
+            _decode_tok_s(llm, 32, 16)  # warm-up
+            tok_s[eager] = _decode_tok_s(llm, 32, 256)
+        finally:
+            os.environ.pop("APPLIANCE_PDL", None)
+        if eager == "nopdl":
+            del llm
+            _free()
+            continue
         if not eager:
             llm.engine.async_scheduling = False
             tok_s["sync"] = _decode_tok_s(llm, 32, 256)
@@ -126,6 +136,8 @@ def decode_rows(ctx: dict, make_row) -> list:
         make_row("7B AWQ decode bs1, async scheduling vs not", "same, graphs on", 1e6 / tok_s[False],
                  "each step read back before the next", 1e6 / tok_s["sync"], 1.0,
                  f"{tok_s['sync']:.0f} tok/s without"),
+        make_row("7B AWQ decode bs1, PDL vs not", "same, graphs on", 1e6 / tok_s[False],
+                 "kernels launched without PDL", 1e6 / tok_s["nopdl"], 1.0, f"{tok_s['nopdl']:.0f} tok/s without"),
     ]
 
 

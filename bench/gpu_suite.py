@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from kernels import paged_attention as pa  # noqa: E402
 from kernels import quant_formats as qf  # noqa: E402
 from kernels import w4a16  # noqa: E402
-from kernels._triton import cdiv, num_sms  # noqa: E402
+from kernels._triton import cdiv, num_sms, pdl  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # inputs touched per graph replay: > 4x the H200's 60 MB L2
 MIN_CALLS = 24  # calls per captured graph, at least
@@ -216,6 +216,13 @@ def w4a16_rows(log: dict, tuned: dict | None = None) -> list[Row]:
             shape = f"{k}→{n}, M={m}"
             note = (f"{plan_str(plan, k)}{' (swept)' if (k, n, m) in tuned else ''}; "
                     f"{bytes_w4 / ours / 1e6:.2f} TB/s")
+            if pdl(x):  # each call may start while the previous one ends: time without too
+                os.environ["APPLIANCE_PDL"] = "0"
+                try:
+                    alone = time_calls([lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies4)])
+                finally:
+                    os.environ.pop("APPLIANCE_PDL", None)
+                note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
             rows.append(Row("W4A16 vs bf16 F.linear", shape, ours, "F.linear bf16", base, W4_TARGETS[m], note))
             log.setdefault("w4a16", []).append(dict(k=k, n=n, m=m, plan=plan.__dict__, ours_us=ours, bf16_us=base))
             if int4 is not None and m == 1:
@@ -283,6 +290,7 @@ def w4a16_candidates(m: int, n: int, k: int, sms: int) -> list[w4a16.Plan]:
             plans.append(P("gemv", 1, bn, bk, w4a16._split(k, bk, cdiv(n, bn), programs * sms), False, warps, 3))
         plans.append(P("gemv", 1, 128, 128, w4a16._split(k, 128, cdiv(n, 128), 2 * sms), False, 4, 3,
                        serial=False))
+        plans += [P("gemv", 1, 128, 128, cdiv(cdiv(k, 128), s) * 128, False, 4, 3) for s in range(2, 13)]
     elif m <= 64:
         for bn, bk, swap, fast in ((256, 128, False, True), (128, 128, True, False), (128, 64, True, False)):
             tiles = cdiv(m, bm) * cdiv(n, bn)
@@ -439,6 +447,13 @@ def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
             base = time_calls([lambda i=i: sdpa_decode(*sets[i][3]) for i in schedule(copies)])
         frac = kv_bytes / (us * 1e-6) / copy_bw
         note = f"{frac:.0%} of copy BW" + (" (target ≥ 70%)" if batch == 64 else "")
+        if pdl(sets[0][0]):
+            os.environ["APPLIANCE_PDL"] = "0"
+            try:
+                alone = time_calls([lambda i=i: ours(i, **best_cfg) for i in schedule(copies)])
+            finally:
+                os.environ.pop("APPLIANCE_PDL", None)
+            note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
         if best_cfg:
             note += f"; swept {best_cfg}"
         rows.append(Row("paged decode vs SDPA", f"B={batch}, ctx={ctx}", us, f"SDPA ({backend}), contiguous", base,
