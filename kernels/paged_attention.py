@@ -105,6 +105,14 @@ def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, scale_log2):
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
 
 
+@device_fn
+def _to_f16(q):
+    """q for an fp8 cache: the products run in fp16, into which e4m3 K and V convert exactly, two values per
+    instruction (to bf16 takes a scalar conversion per value: 10-14% slower decode on an H200, bench/RESULTS.md).
+    q is clamped to fp16's range (+-65504); p is rounded to fp16, finer than bf16."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
 @jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, scale_log2, chunk,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -116,9 +124,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     sequence; every KV tile is loaded once for the whole group. Without SPLIT the result goes to ``out``; with it,
     the normalised partial output to ``po`` [B, Hq, splits, D] fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]
     (nothing is written for a split past the context: the merge skips those)."""
-    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)  # a step input: read before the previous kernel ends
     pdl_wait(PDL)
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
     start = split * chunk
     end = tl.minimum(ctx, start + chunk)
     g = tl.arange(0, BLOCK_G)
@@ -128,6 +136,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    elif kc_ptr.dtype.element_ty == tl.float8e4nv:
+        q = _to_f16(q)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -175,13 +185,15 @@ def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, chunk, num_splits, stride_
 def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> int:
     """Tokens per split of the decode kernel (a multiple of 64), or ``max_tokens`` rounded up (no split) when
     ``batch * kv_heads`` programs already fill the GPU. ``max_tokens`` is the block table's width in tokens: size
-    block tables to the batch's longest sequence. Depends only on shapes, so a CUDA graph keeps it."""
+    block tables to the batch's longest sequence (a CUDA graph's tables are ``max_model_len`` wide: splits past a
+    sequence's context exit at once, and the merge skips them). Depends only on shapes, so a graph keeps it."""
     programs = batch * kv_heads
     whole = cdiv(max(max_tokens, 1), 64) * 64
     if programs >= 2 * sms:
         return whole
-    if programs <= 16:  # H200 sweeps (bench/RESULTS.md): 64 up to 4k tokens (7.1 vs 7.8 µs for 128 at 1k, 11.4 vs
-        chunk = 64 if max_tokens <= 4096 else 128 if max_tokens <= 8192 else 256  # 12.7 at 4k), 256 at 16k
+    if programs <= 16:  # H200 sweeps (bench/RESULTS.md): 64 up to 4k tokens (7.1 vs 7.8 µs for 128 at 1k, 11.4
+        # vs 12.7 at 4k), 128 up to 8k, 256 beyond (23.7 µs at 16k)
+        chunk = 64 if max_tokens <= 4096 else 128 if max_tokens <= 8192 else 256
     else:  # about four splits, 256 to 2048 tokens each
         chunk = min(2048, max(256, next_pow2(cdiv(max_tokens, 4))))
     return min(chunk, whole)
@@ -192,8 +204,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Triton :func:`paged_attention_decode_ref` (same arguments and result), without host syncs (graph-safe).
 
     q: [B, Hq, D] (last dim contiguous); caches [num_blocks, block_size, Hkv, D], any float dtype (converted to
-    q's on load); block_tables int32 [B, max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks *
-    block_size. Splits the context in chunks (:func:`decode_split_chunk`) when B * Hkv is too small to fill the GPU,
+    q's on load; an fp8 e4m3 cache computes in fp16 on the GPU, see ``_to_f16``); block_tables int32 [B,
+    max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits the context in chunks (:func:`decode_split_chunk`) when B * Hkv is too small to fill the GPU,
     then merges them in a second launch.
     """
     return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, **DECODE_CONFIG)
@@ -272,6 +284,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                 mask=rmask[:, None] & dmask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    elif kc_ptr.dtype.element_ty == tl.float8e4nv:
+        q = _to_f16(q)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
