@@ -17,11 +17,12 @@ with ``launch_pdl``, so it may start while the kernel before it on the stream is
 CUDA graph). Such a kernel must, in every program, call :func:`pdl_wait` (PTX ``griddepcontrol.wait``: the
 previous kernel has finished and its writes are visible) before it reads anything a previous kernel wrote or writes
 anything one reads. Before that it may only read what the kernel just before it cannot be writing: weights, the
-rotary table, and a step's inputs (positions, block tables, context lengths), written before the forward pass's
-first kernel, which is torch's and launched without PDL (so all work before it is complete). No kernel triggers its dependents early (``griddepcontrol.launch_dependents``): the next kernel launches
-as this one's programs exit, so what overlaps is its launch and its prologue (the GEMV's first weight tile). On an
-H200 that measured 2-6% faster per kernel in a chain and 2.3% per 7B decode step; triggering at the start of each
-program measured up to 1.6x slower (the waiting programs of the next kernel crowd the running one), bench/RESULTS.md.
+rotary table, and the rotary kernel's positions (a step input written before the forward pass's first kernel,
+which is torch's and launched without PDL, so all work before it is complete). No kernel triggers its
+dependents early (``griddepcontrol.launch_dependents``): the next kernel launches as this one's programs exit, so
+what overlaps is its launch and its prologue (the GEMV's first weight tile). On an H200 that measured 2-6% faster
+per kernel in a chain and 2% per 7B decode step; triggering at the start of each program measured up to 1.6x
+slower (the waiting programs of the next kernel crowd the running one), bench/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -107,11 +108,26 @@ def dot_f32(t: torch.Tensor) -> bool:
 
 def pdl(t: torch.Tensor) -> bool:
     """Whether kernels on ``t`` launch with programmatic dependent launch (see the module doc): a CUDA device of
-    compute capability 9.0 or newer, and ``APPLIANCE_PDL`` is not "0". A pure function of the device, so a CUDA
-    graph keeps the choice."""
+    compute capability 9.0 or newer, and ``APPLIANCE_PDL`` is not "0". Read at every launch: eager launches
+    follow the environment of the moment, a captured CUDA graph keeps the launches of its capture."""
     if t.device.type != "cuda" or os.environ.get("APPLIANCE_PDL", "1") == "0":
         return False
     return _cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@contextlib.contextmanager
+def without_pdl():
+    """While it lasts, kernels launch without programmatic dependent launch (``APPLIANCE_PDL=0``); the previous
+    value of the variable comes back after (the benchmark's baseline)."""
+    before = os.environ.get("APPLIANCE_PDL")
+    os.environ["APPLIANCE_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("APPLIANCE_PDL", None)
+        else:
+            os.environ["APPLIANCE_PDL"] = before
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,6 +35,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, inter, dtype=x.dtype, device=x.device)
     block = min(next_pow2(inter), 1024)
     if tokens:
-        _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, PDL=pdl(x),
-                                                          num_warps=4, enable_fp_fusion=False)
+        _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
+                                                          PDL=pdl(x), num_warps=4, enable_fp_fusion=False)
     return out

@@ -117,7 +117,9 @@ def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_m
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`rotary_ref`: rotate q [T, Hq, D] and k [T, Hkv, D] (views are fine: last dim contiguous) by
-    positions (int64 [T]) in one launch; returns new contiguous tensors, equal to the reference's."""
+    positions (int64 [T]) in one launch; returns new contiguous tensors, equal to the reference's. With PDL the
+    kernel reads ``positions`` and ``cos_sin`` before the previous kernel has finished: the kernel launched just
+    before must not write them (the engine copies positions in before the forward pass)."""
     return _launch(positions, q, k, cos_sin)
 
 
@@ -135,7 +137,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> torch.Tensor:
     """Triton :func:`rotary_write_kv_ref` in one launch (a decode step's rotary and KV write, fused): the same
-    values in q and in the caches. The two caches must share strides (as the model runner allocates them)."""
+    values in q and in the caches. The two caches must share strides (as the model runner allocates them).
+    ``positions`` and ``cos_sin``: as for :func:`rotary`."""
     if k_cache.stride() != v_cache.stride():
         raise ValueError("rotary_write_kv: k_cache and v_cache must have the same strides")
     return _launch(positions, q, k, cos_sin, v, k_cache, v_cache, slot_mapping)[0]

@@ -21,7 +21,8 @@ Three paths, picked per shape by :func:`choose_plan` (thresholds measured on an 
 
 Split-K partial sums (fp32) are added in a fixed order, by a second small kernel for the GEMM (and the GEMV with
 ``serial=False``), in the same launch for the GEMV: results are deterministic on every path. The GEMV's in-launch
-reduction keeps arrival counters in a buffer per (device, stream): GEMVs on one stream run one after another.
+reduction keeps arrival counters in a buffer per (device, stream), touched only after the kernel's PDL wait,
+when the kernel before it on the stream (maybe another GEMV) has finished.
 Errors: ``ValueError`` for a QuantizedWeight / x mismatch; shapes the fused kernels cannot tile (a group size
 with no power-of-two divisor >= 16 for the GEMM) fall back to the ``dequant`` path.
 """
@@ -500,14 +501,15 @@ def _split(k: int, block_k: int, tiles: int, target: int) -> int:
 DEQUANT_ABOVE_M = 256
 
 #: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 16 | 64 | 256, N, K), group size 128
-#: (bench/gpu_suite.py --sweep, 2026-11-30; ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
+#: (bench/gpu_suite.py --sweep, 2026-11-30; the M = 1 splits retuned in the fourth session's probes so the grid
+#: fills whole waves; ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
 #: The "tc" plans use mode 3 (the scale multiplied in packed bf16): 5-10% faster than the exact mode 1 at M = 16
 #: and 64 (same sweep); with fp16 scales each weight is rounded twice (scale to bf16, then the product).
 TUNED = {
     (1, 4096, 4096): Plan("gemv", 1, 128, 128, 512),
-    (1, 12288, 4096): Plan("gemv", 1, 128, 128, 896),  # 5 splits: 480 programs, one wave at 4 per SM (128
-    (1, 22016, 4096): Plan("gemv", 1, 128, 128, 1408),  # registers); 6 splits left 48 programs for a 2nd wave
-    (1, 4096, 11008): Plan("gemv", 1, 128, 128, 1408),
+    (1, 12288, 4096): Plan("gemv", 1, 128, 128, 896),  # 5 splits, 480 programs: one wave at 4 per SM (6: 576)
+    (1, 22016, 4096): Plan("gemv", 1, 128, 128, 1408),  # 3 splits, 516 programs (4 splits: 688, 1.3 waves)
+    (1, 4096, 11008): Plan("gemv", 1, 128, 128, 1408),  # 8 splits, 256 programs (9 measured 5% slower)
     (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
     (16, 12288, 4096): Plan("tc", 16, 64, 128, 2048, swap=True, mode=3),
     (16, 22016, 4096): Plan("tc", 16, 64, 128, 4096, swap=True, mode=3),
@@ -580,10 +582,10 @@ _MAX_LOCKS = 1 << 16  # column blocks of one GEMV: N up to 65536 x BLOCK_N
 def _locks(device: torch.device, count: int) -> torch.Tensor:
     """``_MAX_LOCKS`` int32 split-K arrival counters for GEMVs on ``device``'s current stream, all 0 between
     calls (each call's last program resets its counters). One buffer per (device, stream): two streams running
-    GEMVs at once would otherwise share counters (wrong sums; measured on an H200), while calls on one stream run
-    one after another. Never reallocated (captured CUDA graphs keep its address). Allocated on a stream's first
-    call; when that is inside a graph capture, the zeroing is captured too, so replays start from zeros.
-    Raises ``ValueError`` past ``_MAX_LOCKS`` column blocks."""
+    GEMVs at once would otherwise share counters (wrong sums; measured on an H200), while on one stream a GEMV
+    touches them only after its PDL wait, when the kernel before it has finished. Never reallocated (captured
+    CUDA graphs keep its address). Allocated on a stream's first call; when that is inside a graph capture, the
+    zeroing is captured too, so replays start from zeros. Raises ``ValueError`` past ``_MAX_LOCKS`` column blocks."""
     if count > _MAX_LOCKS:
         raise ValueError(f"w4a16 GEMV: {count} column blocks, at most {_MAX_LOCKS}")
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

@@ -1,7 +1,10 @@
 """Programmatic dependent launch (kernels/_triton.py): when kernels launch with it, and that every kernel that can
-be launched with it waits for the previous kernel before touching its outputs. The GPU behaviour itself (graphs =
-eager = torch reference with PDL on) is checked by bench/gpu_suite.py on an H200."""
+be launched with it waits for the previous kernel before it writes anything or enters its loop. On a GPU the
+kernel tests and the engine's graphs = eager = torch reference rows run with PDL on (bench/gpu_suite.py)."""
+import ast
 import inspect
+import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch
 from kernels import _triton, activation, kv_cache, norm, paged_attention, rotary, w4a16
 
 MODULES = (activation, kv_cache, norm, paged_attention, rotary, w4a16)
+WRITES = {"store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "atomic_min", "_store_tile"}
 
 
 def _kernels():
@@ -16,10 +20,31 @@ def _kernels():
             if isinstance(obj, _triton.Kernel)]
 
 
-def test_pdl_is_off_on_cpu_and_when_disabled(monkeypatch):
-    assert _triton.pdl(torch.zeros(1)) is False
+def test_pdl_needs_hopper_a_cuda_tensor_and_no_opt_out(monkeypatch):
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.delenv("APPLIANCE_PDL", raising=False)
+    monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (9, 0))
+    assert _triton.pdl(on_gpu) is True
+    assert _triton.pdl(torch.zeros(1)) is False  # CPU: interpreted
     monkeypatch.setenv("APPLIANCE_PDL", "0")
-    assert _triton.pdl(torch.zeros(1)) is False
+    assert _triton.pdl(on_gpu) is False
+    monkeypatch.delenv("APPLIANCE_PDL")
+    monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (8, 9))  # Ada: no griddepcontrol
+    assert _triton.pdl(on_gpu) is False
+
+
+@pytest.mark.parametrize("before", [None, "1"])
+def test_without_pdl_turns_it_off_and_restores_the_variable(monkeypatch, before):
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (9, 0))
+    if before is None:
+        monkeypatch.delenv("APPLIANCE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("APPLIANCE_PDL", before)
+    with _triton.without_pdl():
+        assert _triton.pdl(on_gpu) is False
+    assert _triton.os.environ.get("APPLIANCE_PDL") == before
+    assert _triton.pdl(on_gpu) is True
 
 
 class _Recorder:
@@ -36,6 +61,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_launch_pdl_follows_the_pdl_constexpr(flag):
+    pytest.importorskip("triton")
     kernel = _triton.Kernel(lambda x, PDL: None)
     kernel._compiled = _Recorder()
     kernel[(1,)](3, PDL=flag)  # no CPU tensor among the arguments: the compiled path
@@ -43,17 +69,30 @@ def test_launch_pdl_follows_the_pdl_constexpr(flag):
     assert kernel._compiled.meta["PDL"] is flag
 
 
-def test_every_kernel_takes_pdl_and_waits_before_its_loop():
-    found = _kernels()
-    assert len(found) >= 12
-    for module, name, kernel in found:
-        params = inspect.signature(kernel.fn).parameters
-        assert "PDL" in params, f"{module}.{name} has no PDL constexpr"
-        assert "pdl_wait(PDL)" in inspect.getsource(kernel.fn), f"{module}.{name} never waits"
+def _is_wait(stmt) -> bool:
+    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+            and getattr(stmt.value.func, "id", None) == "pdl_wait"
+            and [getattr(a, "id", None) for a in stmt.value.args] == ["PDL"])
 
 
-def test_every_launch_passes_pdl():
+def _called(node) -> set[str]:
+    return {getattr(n.func, "attr", getattr(n.func, "id", None)) for n in ast.walk(node) if isinstance(n, ast.Call)}
+
+
+@pytest.mark.parametrize("module,name,kernel", _kernels(), ids=[f"{m}.{n}" for m, n, _ in _kernels()])
+def test_each_kernel_waits_at_top_level_before_any_write_branch_or_loop(module, name, kernel):
+    fn = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0]
+    assert "PDL" in [a.arg for a in fn.args.args], f"{module}.{name} has no PDL constexpr"
+    waits = [i for i, stmt in enumerate(fn.body) if _is_wait(stmt)]
+    assert len(waits) == 1, f"{module}.{name}: pdl_wait(PDL) must be one statement of the kernel's body"
+    for stmt in fn.body[:waits[0]]:
+        assert not any(isinstance(n, (ast.For, ast.While, ast.If, ast.Return)) for n in ast.walk(stmt)), \
+            f"{module}.{name}: a branch or loop before the wait (line {stmt.lineno})"
+        assert not _called(stmt) & WRITES, f"{module}.{name}: a write before the wait (line {stmt.lineno})"
+
+
+def test_the_kernel_list_is_complete_and_every_launch_passes_pdl():
+    assert len(_kernels()) == 12
     for module in MODULES:
         src = inspect.getsource(module)
-        launches = src.count("_kernel[")
-        assert launches == src.count("PDL=pdl("), f"{module.__name__}: a launch without PDL=pdl(...)"
+        assert src.count("_kernel[") == src.count("PDL=pdl("), f"{module.__name__}: a launch without PDL=pdl(...)"
