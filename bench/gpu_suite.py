@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from kernels import paged_attention as pa  # noqa: E402
 from kernels import quant_formats as qf  # noqa: E402
 from kernels import w4a16  # noqa: E402
-from kernels._triton import cdiv, num_sms, pdl  # noqa: E402
+from kernels._triton import cdiv, num_sms, pdl, without_pdl  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # inputs touched per graph replay: > 4x the H200's 60 MB L2
 MIN_CALLS = 24  # calls per captured graph, at least
@@ -217,11 +217,8 @@ def w4a16_rows(log: dict, tuned: dict | None = None) -> list[Row]:
             note = (f"{plan_str(plan, k)}{' (swept)' if (k, n, m) in tuned else ''}; "
                     f"{bytes_w4 / ours / 1e6:.2f} TB/s")
             if pdl(x):  # each call may start while the previous one ends: time without too
-                os.environ["APPLIANCE_PDL"] = "0"
-                try:
+                with without_pdl():
                     alone = time_calls([lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies4)])
-                finally:
-                    os.environ.pop("APPLIANCE_PDL", None)
                 note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
             rows.append(Row("W4A16 vs bf16 F.linear", shape, ours, "F.linear bf16", base, W4_TARGETS[m], note))
             log.setdefault("w4a16", []).append(dict(k=k, n=n, m=m, plan=plan.__dict__, ours_us=ours, bf16_us=base))
@@ -388,7 +385,7 @@ def decode_candidates(batch: int) -> list[dict]:
     cands = [dict(block_n=64, num_warps=4, num_stages=st) for st in (2, 3, 4)] + [dict(block_n=32, num_warps=4,
                                                                                         num_stages=3)]
     if batch * KV_HEADS < 2 * num_sms(torch.device(DEV)):
-        cands += [dict(block_n=bn, num_warps=4, num_stages=st, chunk=c) for c in (128, 256, 512, 1024, 2048)
+        cands += [dict(block_n=bn, num_warps=4, num_stages=st, chunk=c) for c in (64, 128, 256, 512, 1024, 2048)
                   for bn, st in ((64, 3), (64, 2), (32, 3))]
     return cands
 
@@ -448,11 +445,8 @@ def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
         frac = kv_bytes / (us * 1e-6) / copy_bw
         note = f"{frac:.0%} of copy BW" + (" (target ≥ 70%)" if batch == 64 else "")
         if pdl(sets[0][0]):
-            os.environ["APPLIANCE_PDL"] = "0"
-            try:
+            with without_pdl():
                 alone = time_calls([lambda i=i: ours(i, **best_cfg) for i in schedule(copies)])
-            finally:
-                os.environ.pop("APPLIANCE_PDL", None)
             note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
         if best_cfg:
             note += f"; swept {best_cfg}"
