@@ -205,8 +205,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     q: [B, Hq, D] (last dim contiguous); caches [num_blocks, block_size, Hkv, D], any float dtype (converted to
     q's on load; an fp8 e4m3 cache computes in fp16 on the GPU, see ``_to_f16``); block_tables int32 [B,
-    max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits the context in chunks (:func:`decode_split_chunk`) when B * Hkv is too small to fill the GPU,
-    then merges them in a second launch.
+    max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits the context in chunks
+    (:func:`decode_split_chunk`) when B * Hkv is too small to fill the GPU, then merges them in a second launch.
     """
     return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, **DECODE_CONFIG)
 
