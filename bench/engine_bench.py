@@ -10,7 +10,6 @@ timed in the same run).
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -97,24 +96,24 @@ def _step_profile(llm: LLM, steps: int = 8, top: int = 12) -> list[tuple[str, fl
     return rows[:top]
 
 
+def _bs1_engine(model_dir: str, eager: bool) -> LLM:
+    """The 7B-shaped model at batch 1 on the GPU, warmed up (graphs captured unless ``eager``)."""
+    llm = LLM(model_dir, device="cuda", max_num_seqs=1, max_model_len=1024, enforce_eager=eager,
+              gpu_memory_utilization=0.3)
+    _decode_tok_s(llm, 32, 16)
+    return llm
+
+
 def decode_rows(ctx: dict, make_row) -> list:
     """Batch-1 decode of the 7B-shaped model: graphs on vs the bandwidth bound, graphs on vs eager, async
     scheduling (the default) vs reading every step back before scheduling the next, and programmatic dependent
     launch (the default on Hopper) vs not (``APPLIANCE_PDL=0`` while the engine is built and captured)."""
     model_dir = ctx.setdefault("model_7b", str(write_random_awq_model("/tmp/rand_7b")))
     tok_s, notes = {}, {}
-    with_pdl = pdl(torch.empty(0, device="cuda"))
-    for eager in ("nopdl", False, True) if with_pdl else (False, True):
+    for eager in (False, True):
         torch.cuda.reset_peak_memory_stats()
-        with without_pdl() if eager == "nopdl" else contextlib.nullcontext():
-            llm = LLM(model_dir, device="cuda", max_num_seqs=1, max_model_len=1024, enforce_eager=eager is True,
-                      gpu_memory_utilization=0.3)
-            _decode_tok_s(llm, 32, 16)  # warm-up
-            tok_s[eager] = _decode_tok_s(llm, 32, 256)
-        if eager == "nopdl":
-            del llm
-            _free()
-            continue
+        llm = _bs1_engine(model_dir, eager)
+        tok_s[eager] = _decode_tok_s(llm, 32, 256)
         if not eager:
             llm.engine.async_scheduling = False
             tok_s["sync"] = _decode_tok_s(llm, 32, 256)
@@ -124,6 +123,13 @@ def decode_rows(ctx: dict, make_row) -> list:
         bytes_per_step = _weight_bytes(llm) + kv_bytes
         notes[eager] = (f"{tok_s[eager]:.0f} tok/s; {bytes_per_step / 1e9:.2f} GB/step; "
                         f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        del llm
+        _free()
+    with_pdl = pdl(torch.empty(0, device="cuda"))
+    if with_pdl:  # Hopper: the same graphs, captured with every kernel launched without PDL
+        with without_pdl():
+            llm = _bs1_engine(model_dir, False)
+            tok_s["nopdl"] = _decode_tok_s(llm, 32, 256)
         del llm
         _free()
     bound_us = bytes_per_step / ctx["copy_bw"] * 1e6

@@ -135,6 +135,12 @@ def time_calls(calls: list[Callable[[], object]], replays: int = 15) -> float:
     return statistics.median(times) * 1000 / len(calls)
 
 
+def time_without_pdl(calls: list[Callable[[], object]]) -> float:
+    """:func:`time_calls` with every kernel launched (and captured) without programmatic dependent launch."""
+    with without_pdl():
+        return time_calls(calls)
+
+
 def rotation(bytes_per_call: int, cap: int = 64) -> int:
     """How many input copies one graph cycles through so that it reads ROTATE_BYTES."""
     return max(1, min(cap, cdiv(ROTATE_BYTES, max(bytes_per_call, 1))))
@@ -217,8 +223,7 @@ def w4a16_rows(log: dict, tuned: dict | None = None) -> list[Row]:
             note = (f"{plan_str(plan, k)}{' (swept)' if (k, n, m) in tuned else ''}; "
                     f"{bytes_w4 / ours / 1e6:.2f} TB/s")
             if pdl(x):  # each call may start while the previous one ends: time without too
-                with without_pdl():
-                    alone = time_calls([lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies4)])
+                alone = time_without_pdl([lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies4)])
                 note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
             rows.append(Row("W4A16 vs bf16 F.linear", shape, ours, "F.linear bf16", base, W4_TARGETS[m], note))
             log.setdefault("w4a16", []).append(dict(k=k, n=n, m=m, plan=plan.__dict__, ours_us=ours, bf16_us=base))
@@ -445,8 +450,7 @@ def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
         frac = kv_bytes / (us * 1e-6) / copy_bw
         note = f"{frac:.0%} of copy BW" + (" (target ≥ 70%)" if batch == 64 else "")
         if pdl(sets[0][0]):
-            with without_pdl():
-                alone = time_calls([lambda i=i: ours(i, **best_cfg) for i in schedule(copies)])
+            alone = time_without_pdl([lambda i=i: ours(i, **best_cfg) for i in schedule(copies)])
             note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
         if best_cfg:
             note += f"; swept {best_cfg}"
