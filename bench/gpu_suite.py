@@ -210,7 +210,7 @@ def w4a16_rows(log: dict, tuned: dict | None = None) -> list[Row]:
             int4 = [int4pack_of(qw) for qw in qws]
         except Exception as e:  # noqa: BLE001 - the baseline may not exist on this build
             print(f"int4pack baseline unavailable: {str(e).splitlines()[0]}")
-        for m in (1, 16, 64, 256):
+        for m in (1, 8, 16, 64, 256):  # M=8 (no target): the batched decode of a few requests
             x = torch.randn(m, k, dtype=torch.bfloat16)
             plan = tuned.get((k, n, m)) or w4a16.choose_plan(m, n, k, 4, 128, num_sms(x.device))
             y = w4a16.run_plan(x, qws[0], None, plan)
@@ -225,7 +225,7 @@ def w4a16_rows(log: dict, tuned: dict | None = None) -> list[Row]:
             if pdl(x):  # each call may start while the previous one ends: time without too
                 alone = time_without_pdl([lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies4)])
                 note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
-            rows.append(Row("W4A16 vs bf16 F.linear", shape, ours, "F.linear bf16", base, W4_TARGETS[m], note))
+            rows.append(Row("W4A16 vs bf16 F.linear", shape, ours, "F.linear bf16", base, W4_TARGETS.get(m), note))
             log.setdefault("w4a16", []).append(dict(k=k, n=n, m=m, plan=plan.__dict__, ours_us=ours, bf16_us=base))
             if int4 is not None and m == 1:
                 try:
@@ -285,6 +285,11 @@ def w4a16_candidates(m: int, n: int, k: int, sms: int) -> list[w4a16.Plan]:
         tc(128, 64, 64, True, 4, 3, 3, (0,))
         tc(256, 128, 64, True, 8, 3, 3, (0,))
         plans.append(P("dequant"))
+    if m <= 16:  # the tensor-core GEMV: one or two warps per program, K split to 6-24 warps per SM
+        for warps in (1, 2):
+            for per_sm in (6, 8, 12, 16, 24):
+                kps = w4a16._split(k, 128, cdiv(n, 64 * warps), per_sm * sms // warps)
+                plans.append(P("mma", 8 if m <= 8 else 16, 64 * warps, 128, kps, num_warps=warps, num_stages=1))
     if m == 1:
         for bn, bk, warps, programs in ((128, 128, 4, 2), (128, 128, 4, 4), (128, 128, 4, 1), (128, 128, 8, 2),
                                         (64, 128, 4, 2), (64, 128, 4, 4), (256, 128, 8, 1), (256, 128, 8, 2),
@@ -301,9 +306,9 @@ def w4a16_candidates(m: int, n: int, k: int, sms: int) -> list[w4a16.Plan]:
 
 
 #: the M values the sweep times (``--sweep-m``)
-SWEEP_MS = (1, 16, 64, 256, 1024, 4096)
+SWEEP_MS = (1, 8, 16, 64, 256, 1024, 4096)
 #: seconds the sweep may spend on one (shape, M), compiles included (the first shape pays most of them)
-SWEEP_SLICE = {1: 30, 16: 30, 64: 30, 256: 30, 1024: 6, 4096: 6}
+SWEEP_SLICE = {1: 30, 8: 20, 16: 30, 64: 30, 256: 30, 1024: 6, 4096: 6}
 
 
 def plan_str(p: w4a16.Plan, k: int) -> str:
@@ -344,7 +349,7 @@ def sweep_w4a16(log: dict) -> dict:
             base = time_calls([lambda i=i: F.linear(x, w16[i]) for i in schedule(len(w16), 8)], replays=5)
             results.sort(key=lambda r: r[0])
             best[(k, n, m)] = results[0][1]
-            if m in (1, 16, 64, 256):  # the engine rows of this run use the winners too (choose_plan reads TUNED)
+            if m in (1, 8, 16, 64, 256):  # the engine rows of this run use the winners too (choose_plan reads TUNED)
                 w4a16.TUNED[(m, n, k)] = results[0][1]
                 w4a16.choose_plan.cache_clear()
             print(f"sweep {k}->{n} M={m}: bf16 {base:.1f} us; {len(results)} plans; default "

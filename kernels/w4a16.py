@@ -12,6 +12,9 @@ Three paths, picked per shape by :func:`choose_plan` (thresholds measured on an 
   4-bit codes one ``prmt`` per code places a nibble-masked byte under the exponent byte (f = 0.5 + c/256), so a
   weight costs about a ``prmt`` and an FMA. Split-K partial sums are added by the last program of each column
   block in the same launch (an arrival counter), in a fixed order.
+* ``mma`` (4-bit, M <= 16): the tensor-core GEMV of :mod:`kernels.w4a16_mma` (``mma.sync`` fed straight from
+  the packed words, about 1.9 instructions per weight against the CUDA-core GEMV's 4.2): the measured winner at
+  2 <= M <= 8 on every Llama shape and at M = 1 on three of four (bench/RESULTS.md, fifth session).
 * ``gemm`` (1 < M <= 64, 2- and 8-bit): tensor-core tile GEMM; each K tile of the weight is dequantized to x's dtype in
   registers (exactly as ``dequantize(qw).to(x.dtype)`` rounds it) and fed to ``tl.dot``; split-K when the output
   tiles alone cannot fill the GPU.
@@ -36,6 +39,7 @@ import torch
 from . import activation
 from ._triton import cdiv, device_fn, dot_f32, jit, num_sms, pdl, pdl_wait, tl
 from .quant_formats import QuantizedWeight
+from . import w4a16_mma
 
 @device_fn
 def _load_tile(qw_ptr, s_ptr, z_ptr, k0, k_end, w, n, nmask, N, BITS: tl.constexpr, GROUP: tl.constexpr):
@@ -463,7 +467,8 @@ def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) 
 
 @dataclass(frozen=True)
 class Plan:
-    """How one W4A16 call runs: ``path`` "gemv" | "gemm" | "tc" | "dequant"; tile sizes; K per split (a multiple of
+    """How one W4A16 call runs: ``path`` "gemv" | "mma" | "gemm" | "tc" | "dequant"; tile sizes (``mma``: block_n
+    is 64 x num_warps, each warp owning 64 columns; block_m unused); K per split (a multiple of
     block_k; >= K means no split); ``swap`` computes the transposed product in the GEMM; ``fast`` its scale-after
     -the-dot dequantization (4-bit, block_k >= 128, fp16/bf16 activations; see ``_gemm_kernel``); ``serial``: the
     GEMV adds its split-K partial sums in the same launch (see ``_gemv_kernel``), else in a second kernel. ``tc``
@@ -500,19 +505,24 @@ def _split(k: int, block_k: int, tiles: int, target: int) -> int:
 #: 2026-11-30 run 9) and other shapes dequantize.
 DEQUANT_ABOVE_M = 256
 
-#: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 16 | 64 | 256, N, K), group size 128
-#: (bench/gpu_suite.py --sweep, 2026-11-30; the M = 1 splits retuned in the fourth session's probes so the grid
-#: fills whole waves; ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
+#: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 8 | 16 | 64 | 256, N, K), group size
+#: 128 (bench/gpu_suite.py --sweep, 2026-11-30; the M = 1 splits retuned in the fourth session's probes so the grid
+#: fills whole waves; the "mma" plans from the fifth session's probes, against the best other plan in the same run;
+#: ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
 #: The "tc" plans use mode 3 (the scale multiplied in packed bf16): 5-10% faster than the exact mode 1 at M = 16
 #: and 64 (same sweep); with fp16 scales each weight is rounded twice (scale to bf16, then the product).
 TUNED = {
-    (1, 4096, 4096): Plan("gemv", 1, 128, 128, 512),
-    (1, 12288, 4096): Plan("gemv", 1, 128, 128, 896),  # 5 splits, 480 programs: one wave at 4 per SM (6: 576)
-    (1, 22016, 4096): Plan("gemv", 1, 128, 128, 1408),  # 3 splits, 516 programs (4 splits: 688, 1.3 waves)
-    (1, 4096, 11008): Plan("gemv", 1, 128, 128, 1408),  # 8 splits, 256 programs (9 measured 5% slower)
+    (1, 4096, 4096): Plan("gemv", 1, 128, 128, 512),  # the mma GEMV: 8.2-8.4 us against 7.4-7.6
+    (1, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits (gemv: 13.9 us, 5)
+    (1, 22016, 4096): Plan("mma", 8, 64, 128, 768, num_warps=1, num_stages=1),  # 6 splits (gemv: 22.0 us, 3)
+    (1, 4096, 11008): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 22 splits (gemv: 13.5 us, 8)
+    (8, 4096, 4096): Plan("mma", 8, 64, 128, 384, num_warps=1, num_stages=1),  # 11 splits
+    (8, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits
+    (8, 22016, 4096): Plan("mma", 8, 128, 128, 768, num_warps=2, num_stages=1),  # 6 splits
+    (8, 4096, 11008): Plan("mma", 8, 64, 128, 768, num_warps=1, num_stages=1),  # 15 splits
+    (16, 12288, 4096): Plan("mma", 16, 64, 128, 1024, num_warps=1, num_stages=1),  # 4 splits (tc: 20.6 us)
+    (16, 22016, 4096): Plan("mma", 16, 128, 128, 1408, num_warps=2, num_stages=1),  # 3 splits (tc: 37.1 us)
     (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
-    (16, 12288, 4096): Plan("tc", 16, 64, 128, 2048, swap=True, mode=3),
-    (16, 22016, 4096): Plan("tc", 16, 64, 128, 4096, swap=True, mode=3),
     (16, 4096, 11008): Plan("tc", 16, 64, 128, 1280, swap=True, mode=3),
     (64, 4096, 4096): Plan("tc", 64, 64, 128, 896, swap=True, mode=3),
     (64, 12288, 4096): Plan("tc", 64, 64, 128, 2048, swap=True, mode=3),
@@ -532,11 +542,16 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan
     pf = 32 // bits
     if group % pf or m > DEQUANT_ABOVE_M:
         return Plan("dequant")
-    tuned = TUNED.get((1 if m == 1 else 16 if m <= 16 else 64 if m <= 64 else 256, n, k))
+    tuned = TUNED.get((1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 64 if m <= 64 else 256, n, k))
     if tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k):
         return tuned
     if m > 64:
         return Plan("dequant")
+    if 1 < m <= 8 and bits == 4 and (group % 32 == 0 or group >= k) and n % 8 == 0:
+        # the tensor-core GEMV, one warp per 64 columns, K split to about 12 warps per SM
+        block_k = 128 if group >= k else _pow2_divisor(group, 128)
+        return Plan("mma", block_m=8, block_n=64, block_k=block_k,
+                    k_per_split=_split(k, block_k, cdiv(n, 64), 12 * sms), num_warps=1, num_stages=1)
     if m == 1:
         block_n = 64 if n <= 1024 else 128
         block_k = _pow2_divisor(group, 128)
@@ -570,7 +585,7 @@ def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
         raise ValueError(f"w4a16_linear: x has {x.shape[-1]} features, the weight expects {width}")
     x2 = x.reshape(-1, width)
     plan = choose_plan(x2.shape[0], qw.out_features, qw.in_features, qw.bits, qw.group_size, num_sms(x.device))
-    if silu_gated and plan.path != "gemv":
+    if silu_gated and plan.path not in ("gemv", "mma"):
         x2, silu_gated = activation.silu_and_mul(x2), False
     return run_plan(x2, qw, bias, plan, silu_gated).reshape(*x.shape[:-1], qw.out_features)
 
@@ -598,9 +613,9 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
 def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, plan: Plan,
              silu_gated: bool = False) -> torch.Tensor:
     """Run one :class:`Plan` on x [M, K] (the benchmark sweeps plans through this). Returns [M, N] in x's dtype.
-    ``silu_gated`` (the gemv path only): x is [1, 2K], see :func:`w4a16_linear`."""
-    if silu_gated and plan.path != "gemv":
-        raise ValueError("silu_gated inputs run on the gemv path only")
+    ``silu_gated`` (the gemv and mma paths only): x is [M, 2K], see :func:`w4a16_linear`."""
+    if silu_gated and plan.path not in ("gemv", "mma"):
+        raise ValueError("silu_gated inputs run on the gemv and mma paths only")
     m, k = x.shape[0], qw.in_features
     if x.shape[1] != k * (2 if silu_gated else 1):
         raise ValueError(f"run_plan: x has {x.shape[1]} features, the weight expects {k}"
@@ -610,7 +625,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
                                    (qw.group_size % plan.block_k and qw.group_size < k)):
         raise ValueError(f"plan block_k {plan.block_k} must divide the group size {qw.group_size} "
                          f"and be a multiple of {qw.pack_factor}")
-    if x.stride(-1) != 1 or (plan.path == "gemv" and not x.is_contiguous()):
+    if x.stride(-1) != 1 or (plan.path in ("gemv", "mma") and not x.is_contiguous()):
         x = x.contiguous()
     if plan.path == "dequant":
         y = x @ dequantize_triton(qw, x.dtype)
@@ -626,7 +641,24 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
                   HAS_PERM=qw.perm is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
                   num_warps=plan.num_warps, num_stages=plan.num_stages)
     fast = plan.fast and qw.bits == 4 and plan.block_k >= 128 and x.dtype in (torch.float16, torch.bfloat16)
-    if plan.path == "tc":
+    if plan.path == "mma":
+        if qw.bits != 4 or m > 16 or n % 8 or x.dtype not in (torch.float16, torch.bfloat16) or plan.block_k % 32:
+            raise ValueError("the mma path takes 4-bit weights, fp16/bf16 x with M <= 16, N a multiple of 8 and "
+                             "block_k a multiple of 32")
+        if qw.perm is not None:  # act-order: kernel row k reads x[:, perm[k]] (gate and up alike when gated)
+            x = x.view(m, -1, k)[:, :, qw.perm.long()].reshape(m, -1)
+        serial = splits > 1 and plan.serial
+        locks = _locks(x.device, cdiv(n, 64 * plan.num_warps)) if serial else target
+        w4a16_mma._gemv_mma_kernel[(cdiv(n, 64 * plan.num_warps), splits)](
+            x.view(torch.int32), qw.qweight, qw.scales, qw.qzeros, bias_arg, out, target, locks, m, n, k,
+            x.shape[1] // 2, plan.k_per_split, splits, 0x43004300, GROUP=qw.group_size, BLOCK_K=plan.block_k,
+            HAS_BIAS=bias is not None, SPLIT=splits > 1, SERIAL=serial, GATED=silu_gated,
+            IS_BF16=x.dtype == torch.bfloat16, ASM=not dot_f32(x), WARPS=plan.num_warps,
+            EVEN=k % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0 and n % (64 * plan.num_warps) == 0,
+            SETS=1 if m <= 8 else 2, PDL=pdl(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
+        if serial or splits == 1:
+            return out
+    elif plan.path == "tc":
         if qw.bits != 4:
             raise ValueError(f"the tc path takes 4-bit weights, got {qw.bits}")
         xk = x if qw.perm is None else x[:, qw.perm.long()]  # act-order: kernel row k reads x[:, perm[k]]

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import _triton, activation, kv_cache, norm, paged_attention, rotary, w4a16
+from kernels import _triton, activation, kv_cache, norm, paged_attention, rotary, w4a16, w4a16_mma
 
-MODULES = (activation, kv_cache, norm, paged_attention, rotary, w4a16)
-WRITES = {"store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "atomic_min", "_store_tile"}
+MODULES = (activation, kv_cache, norm, paged_attention, rotary, w4a16, w4a16_mma)
+WRITES = {"store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "atomic_min", "_store_tile", "_store"}
 
 
 def _kernels():
@@ -92,7 +92,7 @@ def test_each_kernel_waits_at_top_level_before_any_write_branch_or_loop(module, 
 
 
 def test_the_kernel_list_is_complete_and_every_launch_passes_pdl():
-    assert len(_kernels()) == 12
+    assert len(_kernels()) == 13
     for module in MODULES:
         src = inspect.getsource(module)
         assert src.count("_kernel[") == src.count("PDL=pdl("), f"{module.__name__}: a launch without PDL=pdl(...)"

@@ -127,6 +127,46 @@ def test_silu_gated_input(fmt, group, act_order, m):
         w4a16.run_plan(h[:1], qw, None, PLANS["gemv"], silu_gated=True)
 
 
+MMA_PLANS = {
+    "mma": w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, num_warps=1),
+    "mma_split_two_warps": w4a16.Plan("mma", block_m=8, block_n=128, block_k=32, k_per_split=96, num_warps=2),
+}
+
+
+@pytest.mark.parametrize("fmt,group,act_order,m,n,dtype", [
+    ("awq", 32, False, 1, 128, torch.bfloat16),  # EVEN for one warp: no masks
+    ("gptq", 64, True, 5, 96, torch.bfloat16),  # act-order: x permuted first; N not a multiple of 64
+    ("ct_sym", -1, False, 8, 96, torch.float16),  # per channel; fp16: c - z by a packed sub
+    ("ct_asym", 128, False, 16, 128, torch.bfloat16),  # two sets of 8 rows of x
+    ("gptq_v2", 32, False, 11, 96, torch.float16),
+])
+@pytest.mark.parametrize("plan", list(MMA_PLANS))
+def test_mma_path(fmt, group, act_order, m, n, dtype, plan):
+    """The tensor-core GEMV (interpreted: its mma computed from the same per-lane fragments, kernels/w4a16_mma.py)
+    on every format, up to 16 rows of x, split-K in one launch."""
+    k = 224 if group == 32 else 256  # 224: the split's last K range is shorter
+    qw, w = make_weight(fmt, k, n, group, act_order, scale_dtype=dtype)
+    x = torch.randn(m, k, dtype=dtype)
+    bias = torch.randn(n, dtype=dtype) if "split" in plan else None
+    check_product(w4a16.run_plan(x, qw, bias, MMA_PLANS[plan]), x, w, bias)
+
+
+def test_mma_path_gated_input_and_bad_plans():
+    """silu(gate) * up in the mma path's loads equals the separate activation kernel bit for bit; weights it
+    cannot take raise."""
+    from kernels import activation
+
+    qw, w = make_weight("awq", 256, 64, 64, False)
+    x = torch.randn(2, 512, dtype=torch.bfloat16)
+    y = w4a16.run_plan(x, qw, None, MMA_PLANS["mma"], silu_gated=True)
+    assert torch.equal(y, w4a16.run_plan(activation.silu_and_mul(x), qw, None, MMA_PLANS["mma"]))
+    with pytest.raises(ValueError, match="mma path"):
+        w4a16.run_plan(x[:, :256].float(), qw, None, MMA_PLANS["mma"])
+    qw8, _ = make_weight("gptq", 256, 64, 64, False, bits=8)
+    with pytest.raises(ValueError, match="mma path"):
+        w4a16.run_plan(x[:, :256], qw8, None, MMA_PLANS["mma"])
+
+
 def test_gemv_split_k_reduction_in_one_launch_is_deterministic():
     """The last program to finish adds the partial sums in split order, like the second kernel does: the same bits;
     every arrival counter is back at 0 afterwards (the next call depends on it)."""
@@ -191,6 +231,11 @@ def test_plans_follow_shape():
     assert w4a16.choose_plan(16, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(16, 12288, 4096)]
     assert w4a16.choose_plan(16, 12288, 4096, 4, 32, 132).block_k == 32  # the tuned tile does not fit a group of 32
     assert w4a16.choose_plan(1, 1536, 576, 4, 64, 132).path == "gemv"
+    assert w4a16.choose_plan(5, 4096, 4096, 4, 128, 132) == w4a16.TUNED[(8, 4096, 4096)]
+    small = w4a16.choose_plan(3, 1536, 576, 4, 64, 132)  # 2..8 rows: the tensor-core GEMV by rule
+    assert (small.path, small.block_k, small.num_warps) == ("mma", 64, 1)
+    assert w4a16.choose_plan(3, 1536, 576, 4, 16, 132).path == "tc"  # a group of 16: no 32-row step inside
+    assert w4a16.choose_plan(3, 1536, 576, 8, 64, 132).path == "gemm"  # 8-bit
     assert w4a16.choose_plan(16, 4096, 4096, 4, 128, 132).path == "tc"
     assert w4a16.choose_plan(40, 1536, 576, 4, 64, 132).path == "tc"
     assert w4a16.choose_plan(40, 1536, 576, 8, 64, 132).path == "gemm"  # 8-bit: the older GEMM
