@@ -651,7 +651,8 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
         locks = _locks(x.device, cdiv(n, 64 * plan.num_warps)) if serial else target
         w4a16_mma._gemv_mma_kernel[(cdiv(n, 64 * plan.num_warps), splits)](
             x.view(torch.int32), qw.qweight, qw.scales, qw.qzeros, bias_arg, out, target, locks, m, n, k,
-            x.shape[1] // 2, plan.k_per_split, splits, 0x43004300, GROUP=qw.group_size, BLOCK_K=plan.block_k,
+            x.shape[1] // 2, plan.k_per_split, splits,
+            0x43004300 if x.dtype == torch.bfloat16 else 0x64006400, GROUP=qw.group_size, BLOCK_K=plan.block_k,
             HAS_BIAS=bias is not None, SPLIT=splits > 1, SERIAL=serial, GATED=silu_gated,
             IS_BF16=x.dtype == torch.bfloat16, ASM=not dot_f32(x), WARPS=plan.num_warps,
             EVEN=k % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0 and n % (64 * plan.num_warps) == 0,

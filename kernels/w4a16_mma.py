@@ -64,25 +64,15 @@ def _half(r, h: tl.constexpr, IS_BF16: tl.constexpr):
 
 
 @device_fn
-def _codes(q, j: tl.constexpr, zero, zz, IS_BF16: tl.constexpr, ASM: tl.constexpr):
-    """Codes j and j + 4 of the words q [T] as A registers (code j in the low half). bf16: 128 + c, one ``lop3``
-    putting the codes under the magic exponent 0x43 (the caller takes 128 + z times the sum of x off); fp16: c - z
-    exact, the ``lop3`` with 0x64 (1024 + c) then one packed ``sub`` of ``zz`` (1024 + z in both halves; Kim et
-    al. 2022). ``zz``: bf16: 0x43004300; fp16: 1024 + z in both halves. Interpreted: the same bits from plain integer
-    arithmetic (``zero``, int32)."""
-    if IS_BF16 and ASM:  # the magic from a kernel argument: in a register, so one lop3 (a literal takes the
-        # immediate slot the mask needs, and the and / or then come as two)
-        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, $2, 0xEA;", "=r,r,r", [q >> (4 * j), zz],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    if IS_BF16:
-        return ((q >> (4 * j)) & 0x000F000F) | 0x43004300
+def _codes(q, j: tl.constexpr, magic, ASM: tl.constexpr):
+    """Codes j and j + 4 of the words q [T] as A registers, OFF + c in x's 16-bit dtype (code j in the low half):
+    one ``lop3`` putting the codes under the magic exponent (``magic``: 0x43004300, 128 + c in bf16; 0x64006400,
+    1024 + c in fp16; a kernel argument, so in a register: a literal would take the immediate slot the mask needs
+    and the and / or would come as two instructions). Interpreted: the same bits from plain integer arithmetic."""
     if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 $0, t, $2; }",
-            "=r,r,r", [q >> (4 * j), zz], dtype=tl.int32, is_pure=True, pack=1)
-    lo = ((q >> (4 * j)) & 15) - zero
-    hi = ((q >> (4 * j + 16)) & 15) - zero
-    return _pack(lo.to(tl.float32), hi.to(tl.float32), IS_BF16)
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, $2, 0xEA;", "=r,r,r", [q >> (4 * j), magic],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    return ((q >> (4 * j)) & 0x000F000F) | magic
 
 
 @device_fn
@@ -209,26 +199,21 @@ def _gated(gate, up, IS_BF16: tl.constexpr):
 
 
 @device_fn
-def _zeros(word, col, IS_BF16: tl.constexpr):
-    """Zeros [T, 4] int32 of columns col .. col + 3 (col a multiple of 4) from their qzeros word [T], and
-    (1024 + zero) in both 16-bit halves (the fp16 ``sub`` operand)."""
-    zero = (word[:, None] >> (((col[:, None] + tl.arange(0, 4)[None, :]) % 8) * 4)) & 15
-    return zero, (zero + 0x6400) * 0x10001
+def _zeros(word, col):
+    """Zeros [T, 4] int32 of columns col .. col + 3 (col a multiple of 4) from their qzeros word [T]."""
+    return (word[:, None] >> (((col[:, None] + tl.arange(0, 4)[None, :]) % 8) * 4)) & 15
 
 
 @device_fn
-def _tile(q, z4, zz4, xbs, accs, j: tl.constexpr, WARPS: tl.constexpr, IS_BF16: tl.constexpr,
-          ASM: tl.constexpr):
+def _tile(q, magic, xbs, accs, j: tl.constexpr, WARPS: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr):
     """The mmas of one column tile (A rows: one column of the lane's words q = (low half, high half)) over the k
     slots of code pairs (j, j + 4) and (j + 1, j + 5): A built once, one mma per set of 8 rows of x (``xbs``: B
     registers per set; ``accs``: (c0, c1, c2, c3) per set). Returns the new ``accs``."""
     q_lo, q_hi = q
-    z_lo, z_hi = z4
-    zz_lo, zz_hi = zz4
-    a0 = _codes(q_lo, j, z_lo, zz_lo, IS_BF16, ASM)
-    a1 = _codes(q_hi, j, z_hi, zz_hi, IS_BF16, ASM)
-    a2 = _codes(q_lo, j + 1, z_lo, zz_lo, IS_BF16, ASM)
-    a3 = _codes(q_hi, j + 1, z_hi, zz_hi, IS_BF16, ASM)
+    a0 = _codes(q_lo, j, magic, ASM)
+    a1 = _codes(q_hi, j, magic, ASM)
+    a2 = _codes(q_lo, j + 1, magic, ASM)
+    a3 = _codes(q_hi, j + 1, magic, ASM)
     out = ()
     for b in tl.static_range(len(xbs)):
         c0, c1, c2, c3 = accs[b]
@@ -298,21 +283,16 @@ def _read_parts(part_ptr, row0: tl.constexpr, col_lo, col_hi, tg, M, N, splits):
 def _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T: tl.constexpr, STEPS: tl.constexpr, GATED: tl.constexpr,
             IS_BF16: tl.constexpr, ASM: tl.constexpr, WARPS: tl.constexpr):
     """acc + one fetched K tile (:func:`_fetch_w`, and :func:`_fetch_x` per set of 8 rows of x): per step and
-    column tile two mmas per set into fp32 tile sums, then (bf16) (128 + z) times the tile's x sum taken off, and
-    the sums times the scales added to acc (acc[set][tile] = (c0, c1, c2, c3))."""
+    column tile two mmas per set into fp32 tile sums of x (OFF + c), then (OFF + z) times the tile's x sum taken
+    off (sum x (c - z); the cancellation costs about log2(OFF / 8) of fp32's 24 bits), and the sums times the
+    scales added to acc (acc[set][tile] = (c0, c1, c2, c3))."""
     SETS: tl.constexpr = len(x_cur)
+    OFF: tl.constexpr = 128 if IS_BF16 else 1024  # A holds OFF + c
     w_steps, group = w_cur
     s_lo, s_hi, zw_lo, zw_hi = group
-    z_lo, zz_lo = _zeros(zw_lo, col_lo, IS_BF16)
-    z_hi, zz_hi = _zeros(zw_hi, col_hi, IS_BF16)
-    zl, zh = _split4(z_lo), _split4(z_hi)
-    if IS_BF16:
-        m = magic + col_lo * 0
-        zzl = (m, m, m, m)
-        zzh = zzl
-    else:
-        zzl, zzh = _split4(zz_lo), _split4(zz_hi)
+    zl, zh = _split4(_zeros(zw_lo, col_lo)), _split4(_zeros(zw_hi, col_hi))
     sl, sh = _split4(s_lo.to(tl.float32)), _split4(s_hi.to(tl.float32))
+    m = magic + col_lo * 0
     z = tl.zeros([T], tl.float32)
     zero4 = (z, z, z, z)
     part = ()  # [tile][set] = (c0, c1, c2, c3)
@@ -321,10 +301,10 @@ def _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T: tl.constexpr, STEPS: tl
         for b in tl.static_range(SETS):
             sets = sets + (zero4,)
         part = part + (sets,)
-    xs = ()  # bf16: the sum of x over the tile per set and C column (an mma with A all ones)
+    xs = ()  # the sum of x over the tile per set and C column: an mma with A all ones (1.0 in x's dtype)
     for b in tl.static_range(SETS):
         xs = xs + (zero4,)
-    one = col_lo * 0 + 0x3F803F80
+    one = col_lo * 0 + (0x3F803F80 if IS_BF16 else 0x3C003C00)
     for s in tl.static_range(STEPS):
         q_lo, q_hi = w_steps[s]
         ql, qh = _split4(q_lo), _split4(q_hi)
@@ -332,30 +312,28 @@ def _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T: tl.constexpr, STEPS: tl
         for b in tl.static_range(SETS):
             xv, up = x_cur[b][s]
             xbs = xbs + (_x_pairs(xv, up, GATED, IS_BF16),)
-        if IS_BF16:
-            new = ()
-            for b in tl.static_range(SETS):
-                xb = xbs[b]
-                c = xs[b]
-                c = _mma(one, one, one, one, xb[0], xb[1], c[0], c[1], c[2], c[3], WARPS, IS_BF16, ASM)
-                c = _mma(one, one, one, one, xb[2], xb[3], c[0], c[1], c[2], c[3], WARPS, IS_BF16, ASM)
-                new = new + (c,)
-            xs = new
+        new = ()
+        for b in tl.static_range(SETS):
+            xb = xbs[b]
+            c = xs[b]
+            c = _mma(one, one, one, one, xb[0], xb[1], c[0], c[1], c[2], c[3], WARPS, IS_BF16, ASM)
+            c = _mma(one, one, one, one, xb[2], xb[3], c[0], c[1], c[2], c[3], WARPS, IS_BF16, ASM)
+            new = new + (c,)
+        xs = new
         new = ()
         for i in tl.static_range(4):
-            a = _tile((ql[i], qh[i]), (zl[i], zh[i]), (zzl[i], zzh[i]), xbs, part[i], 0, WARPS, IS_BF16, ASM)
-            a = _tile((ql[i], qh[i]), (zl[i], zh[i]), (zzl[i], zzh[i]), xbs, a, 2, WARPS, IS_BF16, ASM)
+            a = _tile((ql[i], qh[i]), m, xbs, part[i], 0, WARPS, IS_BF16, ASM)
+            a = _tile((ql[i], qh[i]), m, xbs, a, 2, WARPS, IS_BF16, ASM)
             new = new + (a,)
         part = new
     out = ()
     for b in tl.static_range(SETS):
         tiles = ()
         for i in tl.static_range(4):
-            p = part[i][b]
-            if IS_BF16:  # A held 128 + c: take (128 + z) sum(x) off
-                x0, x1 = xs[b][0], xs[b][1]
-                p = (p[0] - (zl[i] + 128).to(tl.float32) * x0, p[1] - (zl[i] + 128).to(tl.float32) * x1,
-                     p[2] - (zh[i] + 128).to(tl.float32) * x0, p[3] - (zh[i] + 128).to(tl.float32) * x1)
+            p = part[i][b]  # A held OFF + c: take (OFF + z) sum(x) off
+            x0, x1 = xs[b][0], xs[b][1]
+            p = (p[0] - (zl[i] + OFF).to(tl.float32) * x0, p[1] - (zl[i] + OFF).to(tl.float32) * x1,
+                 p[2] - (zh[i] + OFF).to(tl.float32) * x0, p[3] - (zh[i] + OFF).to(tl.float32) * x1)
             q = acc[b][i]
             tiles = tiles + ((q[0] + p[0] * sl[i], q[1] + p[1] * sl[i], q[2] + p[2] * sh[i], q[3] + p[3] * sh[i]),)
         out = out + (tiles,)
