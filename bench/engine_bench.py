@@ -10,6 +10,7 @@ timed in the same run).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -20,6 +21,7 @@ import torch
 
 from bench.random_model import write_random_awq_model
 from engine import LLM, SamplingParams
+from kernels import w4a16
 from kernels._triton import pdl, without_pdl
 
 
@@ -104,10 +106,31 @@ def _bs1_engine(model_dir: str, eager: bool) -> LLM:
     return llm
 
 
+#: The CUDA-core GEMV plans the tensor-core ("mma") GEMV replaced at M = 1 (TUNED before the fifth session)
+CUDA_CORE_M1 = {(1, 12288, 4096): w4a16.Plan("gemv", 1, 128, 128, 896),
+                (1, 22016, 4096): w4a16.Plan("gemv", 1, 128, 128, 1408),
+                (1, 4096, 11008): w4a16.Plan("gemv", 1, 128, 128, 1408)}
+
+
+@contextlib.contextmanager
+def cuda_core_gemv():
+    """While it lasts, M = 1 products of the Llama-7B shapes run the CUDA-core GEMV (``CUDA_CORE_M1``), not the
+    tensor-core one (the baseline of the "tensor-core GEMV vs CUDA-core" row)."""
+    before = {key: w4a16.TUNED[key] for key in CUDA_CORE_M1}
+    w4a16.TUNED.update(CUDA_CORE_M1)
+    w4a16.choose_plan.cache_clear()
+    try:
+        yield
+    finally:
+        w4a16.TUNED.update(before)
+        w4a16.choose_plan.cache_clear()
+
+
 def decode_rows(ctx: dict, make_row) -> list:
     """Batch-1 decode of the 7B-shaped model: graphs on vs the bandwidth bound, graphs on vs eager, async
     scheduling (the default) vs reading every step back before scheduling the next, and programmatic dependent
-    launch (the default on Hopper) vs not (``APPLIANCE_PDL=0`` while the engine is built and captured)."""
+    launch (the default on Hopper) vs not (``APPLIANCE_PDL=0`` while the engine is built and captured), and the
+    tensor-core GEMV vs the CUDA-core one (:func:`cuda_core_gemv` while the engine is built and captured)."""
     model_dir = ctx.setdefault("model_7b", str(write_random_awq_model("/tmp/rand_7b")))
     tok_s, notes = {}, {}
     for eager in (False, True):
@@ -132,6 +155,11 @@ def decode_rows(ctx: dict, make_row) -> list:
             tok_s["nopdl"] = _decode_tok_s(llm, 32, 256)
         del llm
         _free()
+    with cuda_core_gemv():
+        llm = _bs1_engine(model_dir, False)
+        tok_s["cuda_core"] = _decode_tok_s(llm, 32, 256)
+    del llm
+    _free()
     bound_us = bytes_per_step / ctx["copy_bw"] * 1e6
     rows = [
         make_row("7B AWQ decode bs1, CUDA graphs, vs bandwidth bound", "Llama-2-7B shape, ctx ~160",
@@ -146,6 +174,9 @@ def decode_rows(ctx: dict, make_row) -> list:
         rows.append(make_row("7B AWQ decode bs1, PDL vs not", "same, graphs on", 1e6 / tok_s[False],
                              "kernels launched without PDL", 1e6 / tok_s["nopdl"], 1.0,
                              f"{tok_s['nopdl']:.0f} tok/s without"))
+    rows.append(make_row("7B AWQ decode bs1, tensor-core GEMV vs CUDA-core", "same, graphs on", 1e6 / tok_s[False],
+                         "M=1 q/k/v, gate/up, down on the CUDA-core GEMV", 1e6 / tok_s["cuda_core"], 1.0,
+                         f"{tok_s['cuda_core']:.0f} tok/s with the CUDA-core GEMV"))
     return rows
 
 

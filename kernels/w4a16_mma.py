@@ -42,18 +42,6 @@ def _split4(v):
 
 
 @device_fn
-def _pack(lo, hi, IS_BF16: tl.constexpr):
-    """fp32 [T] lo, hi rounded to x's 16-bit dtype and packed into one int32 (lo in the low half)."""
-    if IS_BF16:
-        lo16 = lo.to(tl.bfloat16).to(tl.int16, bitcast=True)
-        hi16 = hi.to(tl.bfloat16).to(tl.int16, bitcast=True)
-    else:
-        lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True)
-        hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True)
-    return (lo16.to(tl.int32) & 0xFFFF) | (hi16.to(tl.int32) << 16)
-
-
-@device_fn
 def _half(r, h: tl.constexpr, IS_BF16: tl.constexpr):
     """Half h (0: low) of the packed int32 pairs r [T] as fp32."""
     if IS_BF16:
@@ -144,58 +132,38 @@ def _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k0, GROUP: tl.const
 
 
 @device_fn
-def _fetch_x(x_ptr, K, x_row, tg, xm, k0, STEPS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+def _fetch_x(x_ptr, K, x_row, tg, xm, k0, STEPS: tl.constexpr, EVEN: tl.constexpr):
     """x's loads for the K tile from row k0: per step, row ``xm`` [T] at rows 8 w .. 8 w + 7 as int32 words
-    [T, 4], and (GATED) up's, else x's again."""
+    [T, 4] (pairs (0, 1), (2, 3), (4, 5), (6, 7))."""
     ar = tl.arange(0, 4)[None, :]
     steps = ()
     for s in tl.static_range(STEPS):
         w = k0 // 8 + 4 * s + tg
         xp = x_ptr + xm[:, None] * x_row + (4 * w)[:, None] + ar
         if EVEN:
-            xv = tl.load(xp)
-            up = tl.load(xp + K // 2) if GATED else xv
+            steps = steps + (tl.load(xp),)
         else:
-            ok = (w < K // 8)[:, None]
-            xv = tl.load(xp, mask=ok, other=0)
-            up = tl.load(xp + K // 2, mask=ok, other=0) if GATED else xv
-        steps = steps + ((xv, up),)
+            steps = steps + (tl.load(xp, mask=(w < K // 8)[:, None], other=0),)
     return steps
 
 
 @device_fn
-def _fetch_xs(x_ptr, K, x_row, gr, tg, M, k0, SETS: tl.constexpr, STEPS: tl.constexpr, EVEN: tl.constexpr,
-              GATED: tl.constexpr):
+def _fetch_xs(x_ptr, K, x_row, gr, tg, M, k0, SETS: tl.constexpr, STEPS: tl.constexpr, EVEN: tl.constexpr):
     """:func:`_fetch_x` for each set b of 8 rows of x: B column gr is x's row 8 b + gr (rows past M repeat the
     last row; their C values are never stored)."""
     out = ()
     for b in tl.static_range(SETS):
-        out = out + (_fetch_x(x_ptr, K, x_row, tg, tl.minimum(gr + 8 * b, M - 1), k0, STEPS, EVEN, GATED),)
+        out = out + (_fetch_x(x_ptr, K, x_row, tg, tl.minimum(gr + 8 * b, M - 1), k0, STEPS, EVEN),)
     return out
 
 
 @device_fn
-def _x_pairs(xv, up, GATED: tl.constexpr, IS_BF16: tl.constexpr):
+def _x_pairs(xv):
     """B registers from x's words [T, 4] (rows 8w .. 8w + 7 as pairs (0, 1), (2, 3), (4, 5), (6, 7)): the pairs
-    (j, j + 4) for j = 0 .. 3. GATED: the input is silu(gate) * up, each rounded to x's dtype (as
-    ``activation.silu_and_mul``), gate from ``xv`` and up from ``up``."""
-    if GATED:
-        lo = _gated(_half(xv, 0, IS_BF16), _half(up, 0, IS_BF16), IS_BF16)
-        hi = _gated(_half(xv, 1, IS_BF16), _half(up, 1, IS_BF16), IS_BF16)
-        xv = _pack(lo, hi, IS_BF16)
+    (j, j + 4) for j = 0 .. 3."""
     p01, p23, p45, p67 = _split4(xv)
     return ((p01 & 0xFFFF) | (p45 << 16), ((p01 >> 16) & 0xFFFF) | (p45 & -65536),
             (p23 & 0xFFFF) | (p67 << 16), ((p23 >> 16) & 0xFFFF) | (p67 & -65536))
-
-
-@device_fn
-def _gated(gate, up, IS_BF16: tl.constexpr):
-    """silu(gate) * up with each factor rounded to x's dtype, as fp32."""
-    if IS_BF16:
-        act = (gate / (1.0 + tl.exp(-gate))).to(tl.bfloat16).to(tl.float32)
-        return (act * up).to(tl.bfloat16).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32)
-    return (act * up).to(tl.float16).to(tl.float32)
 
 
 @device_fn
@@ -280,8 +248,8 @@ def _read_parts(part_ptr, row0: tl.constexpr, col_lo, col_hi, tg, M, N, splits):
 
 
 @device_fn
-def _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T: tl.constexpr, STEPS: tl.constexpr, GATED: tl.constexpr,
-            IS_BF16: tl.constexpr, ASM: tl.constexpr, WARPS: tl.constexpr):
+def _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T: tl.constexpr, STEPS: tl.constexpr, IS_BF16: tl.constexpr,
+            ASM: tl.constexpr, WARPS: tl.constexpr):
     """acc + one fetched K tile (:func:`_fetch_w`, and :func:`_fetch_x` per set of 8 rows of x): per step and
     column tile two mmas per set into fp32 tile sums of x (OFF + c), then (OFF + z) times the tile's x sum taken
     off (sum x (c - z); the cancellation costs about log2(OFF / 8) of fp32's 24 bits), and the sums times the
@@ -310,8 +278,7 @@ def _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T: tl.constexpr, STEPS: tl
         ql, qh = _split4(q_lo), _split4(q_hi)
         xbs = ()
         for b in tl.static_range(SETS):
-            xv, up = x_cur[b][s]
-            xbs = xbs + (_x_pairs(xv, up, GATED, IS_BF16),)
+            xbs = xbs + (_x_pairs(x_cur[b][s]),)
         new = ()
         for b in tl.static_range(SETS):
             xb = xbs[b]
@@ -343,7 +310,7 @@ def _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T: tl.constexpr, STEPS: tl
 @jit
 def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, x_row,
                      k_per_split, splits, magic, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SPLIT: tl.constexpr, SERIAL: tl.constexpr, GATED: tl.constexpr, IS_BF16: tl.constexpr,
+                     SPLIT: tl.constexpr, SERIAL: tl.constexpr, IS_BF16: tl.constexpr,
                      ASM: tl.constexpr, WARPS: tl.constexpr, SETS: tl.constexpr, EVEN: tl.constexpr,
                      PDL: tl.constexpr):
     """Grid (cdiv(N, 64 WARPS), splits), ``WARPS`` warps per program (num_warps must equal it): warp v of program
@@ -370,7 +337,7 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     acc = ()
     for b in tl.static_range(SETS):
         acc = acc + ((zero4, zero4, zero4, zero4),)
-    x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_lo, SETS, STEPS, EVEN, GATED)
+    x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_lo, SETS, STEPS, EVEN)
     k_last = tl.maximum(k_lo, k_hi - BLOCK_K)  # EVEN: the last tile; the prefetch past it reads it again
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_next = k0 + BLOCK_K
@@ -378,10 +345,10 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
             k_next = tl.minimum(k_next, k_last)
         w_nxt = _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k_next, GROUP, STEPS, EVEN)
         if SETS == 1:  # x one tile ahead too (with two sets that takes too many registers)
-            x_nxt = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_next, SETS, STEPS, EVEN, GATED)
+            x_nxt = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_next, SETS, STEPS, EVEN)
         else:
-            x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k0, SETS, STEPS, EVEN, GATED)
-        acc = _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T, STEPS, GATED, IS_BF16, ASM, WARPS)
+            x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k0, SETS, STEPS, EVEN)
+        acc = _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T, STEPS, IS_BF16, ASM, WARPS)
         w_cur = w_nxt
         if SETS == 1:
             x_cur = x_nxt

@@ -151,20 +151,18 @@ def test_mma_path(fmt, group, act_order, m, n, dtype, plan):
     check_product(w4a16.run_plan(x, qw, bias, MMA_PLANS[plan]), x, w, bias)
 
 
-def test_mma_path_gated_input_and_bad_plans():
-    """silu(gate) * up in the mma path's loads equals the separate activation kernel bit for bit; weights it
-    cannot take raise."""
-    from kernels import activation
-
-    qw, w = make_weight("awq", 256, 64, 64, False)
-    x = torch.randn(2, 512, dtype=torch.bfloat16)
-    y = w4a16.run_plan(x, qw, None, MMA_PLANS["mma"], silu_gated=True)
-    assert torch.equal(y, w4a16.run_plan(activation.silu_and_mul(x), qw, None, MMA_PLANS["mma"]))
+def test_mma_path_bad_input_raises():
+    """Weights, activations and inputs the mma path cannot take raise (the activation of a gated input runs
+    first: fused, the GEMV measured 28% slower)."""
+    qw, _ = make_weight("awq", 256, 64, 64, False)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="mma path"):
-        w4a16.run_plan(x[:, :256].float(), qw, None, MMA_PLANS["mma"])
+        w4a16.run_plan(x.float(), qw, None, MMA_PLANS["mma"])
     qw8, _ = make_weight("gptq", 256, 64, 64, False, bits=8)
     with pytest.raises(ValueError, match="mma path"):
-        w4a16.run_plan(x[:, :256], qw8, None, MMA_PLANS["mma"])
+        w4a16.run_plan(x, qw8, None, MMA_PLANS["mma"])
+    with pytest.raises(ValueError, match="gemv path only"):
+        w4a16.run_plan(torch.randn(1, 512, dtype=torch.bfloat16), qw, None, MMA_PLANS["mma"], silu_gated=True)
 
 
 def test_gemv_split_k_reduction_in_one_launch_is_deterministic():
