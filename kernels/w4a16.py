@@ -36,10 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import activation
+from . import activation, w4a16_mma
 from ._triton import cdiv, device_fn, dot_f32, jit, num_sms, pdl, pdl_wait, tl
 from .quant_formats import QuantizedWeight
-from . import w4a16_mma
 
 @device_fn
 def _load_tile(qw_ptr, s_ptr, z_ptr, k0, k_end, w, n, nmask, N, BITS: tl.constexpr, GROUP: tl.constexpr):
@@ -535,19 +534,21 @@ TUNED = {
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan:
+def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int, mma: bool = True) -> Plan:
     """The path and tiles for an [m, k] x [k, n] W{bits} product with group size ``group`` (= k per-channel) on a
     GPU of ``sms`` multiprocessors: a measured plan from TUNED where one fits, else the rules below, which follow
-    the sweeps. Pure function of shapes (no host sync, stable under CUDA graphs)."""
+    the sweeps. ``mma``: the tensor-core GEMV may run (fp16/bf16 x; fp32 x takes the other paths). Pure function
+    of shapes (no host sync, stable under CUDA graphs)."""
     pf = 32 // bits
     if group % pf or m > DEQUANT_ABOVE_M:
         return Plan("dequant")
     tuned = TUNED.get((1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 64 if m <= 64 else 256, n, k))
-    if tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k):
+    fits = tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k)
+    if fits and (mma or tuned.path != "mma"):
         return tuned
     if m > 64:
         return Plan("dequant")
-    if 1 < m <= 8 and bits == 4 and (group % 32 == 0 or group >= k) and n % 8 == 0:
+    if mma and 1 < m <= 8 and bits == 4 and (group % 32 == 0 or group >= k):
         # the tensor-core GEMV, one warp per 64 columns, K split to about 12 warps per SM
         block_k = 128 if group >= k else _pow2_divisor(group, 128)
         return Plan("mma", block_m=8, block_n=64, block_k=block_k,
@@ -584,7 +585,8 @@ def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     if x.shape[-1] != width:
         raise ValueError(f"w4a16_linear: x has {x.shape[-1]} features, the weight expects {width}")
     x2 = x.reshape(-1, width)
-    plan = choose_plan(x2.shape[0], qw.out_features, qw.in_features, qw.bits, qw.group_size, num_sms(x.device))
+    plan = choose_plan(x2.shape[0], qw.out_features, qw.in_features, qw.bits, qw.group_size, num_sms(x.device),
+                       x.dtype in (torch.float16, torch.bfloat16))
     if silu_gated and plan.path != "gemv":  # the mma path measured 28% slower with it fused (8 lanes repeat it)
         x2, silu_gated = activation.silu_and_mul(x2), False
     return run_plan(x2, qw, bias, plan, silu_gated).reshape(*x.shape[:-1], qw.out_features)
@@ -642,9 +644,15 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
                   num_warps=plan.num_warps, num_stages=plan.num_stages)
     fast = plan.fast and qw.bits == 4 and plan.block_k >= 128 and x.dtype in (torch.float16, torch.bfloat16)
     if plan.path == "mma":
-        if qw.bits != 4 or m > 16 or n % 8 or x.dtype not in (torch.float16, torch.bfloat16) or plan.block_k % 32:
-            raise ValueError("the mma path takes 4-bit weights, fp16/bf16 x with M <= 16, N a multiple of 8 and "
-                             "block_k a multiple of 32")
+        problems = [what for what, bad in (
+            (f"4-bit weights (got {qw.bits})", qw.bits != 4), (f"at most 16 rows (got {m})", m > 16),
+            (f"fp16/bf16 x (got {x.dtype})", x.dtype not in (torch.float16, torch.bfloat16)),
+            (f"block_k a multiple of 32 (got {plan.block_k})", plan.block_k % 32),
+            (f"k_per_split a multiple of block_k (got {plan.k_per_split})", plan.k_per_split % plan.block_k),
+            (f"block_n = 64 x num_warps (got {plan.block_n}, {plan.num_warps})", plan.block_n != 64 * plan.num_warps),
+        ) if bad]
+        if problems:
+            raise ValueError(f"the mma path takes {', '.join(problems)}")
         if qw.perm is not None:  # act-order: kernel row k reads x[:, perm[k]]
             x = x[:, qw.perm.long()].contiguous()
         serial = splits > 1 and plan.serial
@@ -655,7 +663,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             0x43004300 if x.dtype == torch.bfloat16 else 0x64006400, GROUP=qw.group_size, BLOCK_K=plan.block_k,
             HAS_BIAS=bias is not None, SPLIT=splits > 1, SERIAL=serial, IS_BF16=x.dtype == torch.bfloat16,
             ASM=not dot_f32(x), WARPS=plan.num_warps,
-            EVEN=k % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0 and n % (64 * plan.num_warps) == 0,
+            EVEN=k % plan.block_k == 0 and n % plan.block_n == 0,
             SETS=1 if m <= 8 else 2, PDL=pdl(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
         if serial or splits == 1:
             return out

@@ -2,10 +2,10 @@
 
 At M = 1 the CUDA-core GEMV (:func:`kernels.w4a16._gemv_kernel`) spends about 4.2 instructions per weight (a
 ``prmt`` and an FMA per code, plus x, its sums and layout moves) and is issue-bound at about half the memory
-bandwidth (Nsight Compute on an H200, bench/RESULTS.md). Here one ``lop3`` puts two codes under a bf16 magic
-exponent (128 + c, exact; Kim et al., "Who says elephants can't run", 2022) and one ``mma.sync`` multiplies 256
-weights by x; (128 + z) times the sum of x (one more mma, A all ones) comes off per K tile, then the scale. fp16
-x takes c - z exact from one more packed ``sub`` instead. About 1.9 SASS instructions per weight in the loop.
+bandwidth (Nsight Compute on an H200, bench/RESULTS.md). Here one ``lop3`` puts two codes under a magic exponent
+(OFF + c exact in x's dtype: 128 + c in bf16, 1024 + c in fp16; Kim et al., "Who says elephants can't run", 2022)
+and one ``mma.sync`` multiplies 256 weights by x; (OFF + z) times the sum of x (one more mma, A all ones) comes off
+per K tile, then the scale. About 1.9 SASS instructions per weight in the loop.
 
 No new weight layout. ``qweight`` stays int32 [K/8, N] (word w of column n holds the codes of rows 8w .. 8w + 7,
 code j in bits 4j .. 4j + 3). The trick is the k order inside one mma: the product sums over k, so any
@@ -65,8 +65,9 @@ def _codes(q, j: tl.constexpr, magic, ASM: tl.constexpr):
 
 @device_fn
 def _slots(r0, r1, WARPS: tl.constexpr, IS_BF16: tl.constexpr):
-    """The four k slots of one lane (r0: 2tg, 2tg + 1; r1: 2tg + 8, 2tg + 9) as fp32 [T / 32, 8, 4, 4]
-    (warp, group gr, thread-in-group tg, slot)."""
+    """The four k slots of one lane (r0: 2tg, 2tg + 1; r1: 2tg + 8, 2tg + 9) as fp32 [WARPS, 8, 4, 4] (warp, group
+    gr, thread-in-group tg, slot), the slots in the order 2tg, 2tg + 8, 2tg + 1, 2tg + 9 (``tl.join`` adds the last
+    dim); A and B share it, and the product sums over it."""
     v = tl.join(tl.join(_half(r0, 0, IS_BF16), _half(r0, 1, IS_BF16)),
                 tl.join(_half(r1, 0, IS_BF16), _half(r1, 1, IS_BF16)))
     return tl.reshape(v, [WARPS, 8, 4, 4])
@@ -208,7 +209,7 @@ def _rows(acc):
 def _store(ptr, rows, row0: tl.constexpr, col_lo, col_hi, tg, M, N, HAS_BIAS: tl.constexpr, bias_ptr):
     """The lane's outputs for x rows row0 .. row0 + 7 (:func:`_rows`: C register h holds y row row0 + 2tg + h % 2
     at columns col_lo .. + 3 for h < 2, col_hi .. + 3 for h >= 2) to ``ptr`` [M, N], + bias [N] when HAS_BIAS, in
-    ptr's dtype: 16-byte stores."""
+    ptr's dtype: one vector store of four columns per C register."""
     ar = tl.arange(0, 4)[None, :]
     for h in tl.static_range(4):
         col = (col_lo if h < 2 else col_hi)[:, None] + ar
@@ -222,9 +223,8 @@ def _store(ptr, rows, row0: tl.constexpr, col_lo, col_hi, tg, M, N, HAS_BIAS: tl
 @device_fn
 def _read_parts(part_ptr, row0: tl.constexpr, col_lo, col_hi, tg, M, N, splits):
     """The sums over splits of the lane's partial outputs for rows row0 .. in ``part`` [splits, M, N] fp32
-    (:func:`_rows` order),
-    added in split order; the loads of four splits are issued together (one at a time, each would wait a full L2
-    round trip)."""
+    (:func:`_rows` order), added in split order; the loads of four splits are issued together (one at a time,
+    each would wait a full L2 round trip)."""
     ar = tl.arange(0, 4)[None, :]
     lo, hi = col_lo[:, None] + ar, col_hi[:, None] + ar
     m0, m1 = (row0 + 2 * tg)[:, None], (row0 + 2 * tg + 1)[:, None]
@@ -248,13 +248,14 @@ def _read_parts(part_ptr, row0: tl.constexpr, col_lo, col_hi, tg, M, N, splits):
 
 
 @device_fn
-def _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T: tl.constexpr, STEPS: tl.constexpr, IS_BF16: tl.constexpr,
+def _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, STEPS: tl.constexpr, IS_BF16: tl.constexpr,
             ASM: tl.constexpr, WARPS: tl.constexpr):
     """acc + one fetched K tile (:func:`_fetch_w`, and :func:`_fetch_x` per set of 8 rows of x): per step and
     column tile two mmas per set into fp32 tile sums of x (OFF + c), then (OFF + z) times the tile's x sum taken
     off (sum x (c - z); the cancellation costs about log2(OFF / 8) of fp32's 24 bits), and the sums times the
     scales added to acc (acc[set][tile] = (c0, c1, c2, c3))."""
     SETS: tl.constexpr = len(x_cur)
+    T: tl.constexpr = WARPS * 32
     OFF: tl.constexpr = 128 if IS_BF16 else 1024  # A holds OFF + c
     w_steps, group = w_cur
     s_lo, s_hi, zw_lo, zw_hi = group
@@ -315,7 +316,7 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
                      PDL: tl.constexpr):
     """Grid (cdiv(N, 64 WARPS), splits), ``WARPS`` warps per program (num_warps must equal it): warp v of program
     p computes y[:M, 64 (WARPS p + v) ..][:64] (M <= 8 SETS; SETS 1 or 2) over K rows k_per_split p1 .. (a
-    multiple of BLOCK_K). x: int32 words [M, x_row] (two 16-bit values each). With two sets of 8 rows of x each
+    multiple of BLOCK_K, the caller checks). x: int32 words [M, x_row] (two 16-bit values each). With two sets of 8 rows of x each
     A fragment meets two B fragments (two mmas for one dequantization). EVEN: K and k_per_split are multiples of
     BLOCK_K and N of 64 WARPS (no masks). BLOCK_K (32, 64 or 128 rows: 1, 2 or 4 steps) divides
     GROUP, or GROUP >= K: one scale per column per K tile, applied to the tile's fp32 mma sums. SPLIT / SERIAL: as
@@ -337,18 +338,19 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     acc = ()
     for b in tl.static_range(SETS):
         acc = acc + ((zero4, zero4, zero4, zero4),)
-    x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_lo, SETS, STEPS, EVEN)
+    if SETS == 1:  # x one tile ahead too (with two sets that takes too many registers)
+        x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_lo, SETS, STEPS, EVEN)
     k_last = tl.maximum(k_lo, k_hi - BLOCK_K)  # EVEN: the last tile; the prefetch past it reads it again
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_next = k0 + BLOCK_K
         if EVEN:
             k_next = tl.minimum(k_next, k_last)
         w_nxt = _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k_next, GROUP, STEPS, EVEN)
-        if SETS == 1:  # x one tile ahead too (with two sets that takes too many registers)
+        if SETS == 1:
             x_nxt = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_next, SETS, STEPS, EVEN)
         else:
             x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k0, SETS, STEPS, EVEN)
-        acc = _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, T, STEPS, IS_BF16, ASM, WARPS)
+        acc = _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, STEPS, IS_BF16, ASM, WARPS)
         w_cur = w_nxt
         if SETS == 1:
             x_cur = x_nxt

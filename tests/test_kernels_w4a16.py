@@ -6,6 +6,8 @@ then repacked by ``kernels.quant_formats``. Dequantization must be bit-exact (fp
 GPU: the interpreter truncates to bf16); products within bf16 rounding of dequantize-then-matmul in fp32.
 KERNEL_TEST_DEVICE=cuda runs the same checks compiled on a GPU.
 """
+import dataclasses
+
 import pytest
 import torch
 from kernels_testenv import DEVICE, on_device  # noqa: F401 (autouse fixture)
@@ -127,42 +129,63 @@ def test_silu_gated_input(fmt, group, act_order, m):
         w4a16.run_plan(h[:1], qw, None, PLANS["gemv"], silu_gated=True)
 
 
-MMA_PLANS = {
-    "mma": w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, num_warps=1),
-    "mma_split_two_warps": w4a16.Plan("mma", block_m=8, block_n=128, block_k=32, k_per_split=96, num_warps=2),
+MMA_PLANS = {  # num_stages=1 as in the shipped plans (the kernel prefetches the next K tile itself)
+    "mma": w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, num_warps=1, num_stages=1),
+    "mma_split_two_warps": w4a16.Plan("mma", block_m=8, block_n=128, block_k=32, k_per_split=96, num_warps=2,
+                                      num_stages=1),
+    "mma_split_two_launches": w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, k_per_split=64, num_warps=1,
+                                         num_stages=1, serial=False),
 }
 
 
-@pytest.mark.parametrize("fmt,group,act_order,m,n,dtype", [
-    ("awq", 32, False, 1, 128, torch.bfloat16),  # EVEN for one warp: no masks
-    ("gptq", 64, True, 5, 96, torch.bfloat16),  # act-order: x permuted first; N not a multiple of 64
-    ("ct_sym", -1, False, 8, 96, torch.float16),  # per channel; fp16: c - z by a packed sub
-    ("ct_asym", 128, False, 16, 128, torch.bfloat16),  # two sets of 8 rows of x
-    ("gptq_v2", 32, False, 11, 96, torch.float16),
+@pytest.mark.parametrize("fmt,group,act_order,m,k,n,dtype,scale_dtype,plan", [
+    ("awq", 32, False, 1, 256, 128, torch.bfloat16, torch.float16, "mma"),  # EVEN; fp16 scales, bf16 x
+    ("gptq", 64, True, 5, 256, 96, torch.bfloat16, torch.bfloat16, "mma"),  # act-order: x permuted first
+    ("ct_sym", -1, False, 8, 200, 104, torch.float16, torch.float16, "mma"),  # per channel, ragged K and N
+    ("ct_asym", 128, False, 16, 256, 128, torch.bfloat16, torch.bfloat16, "mma"),  # two sets of 8 rows of x
+    ("gptq_v2", 32, False, 11, 224, 96, torch.float16, torch.float16, "mma_split_two_warps"),  # short last split
+    ("gptq", 64, True, 1, 256, 104, torch.bfloat16, torch.float16, "mma_split_two_warps"),
+    ("ct_sym", 32, False, 16, 200, 128, torch.bfloat16, torch.bfloat16, "mma_split_two_launches"),
 ])
-@pytest.mark.parametrize("plan", list(MMA_PLANS))
-def test_mma_path(fmt, group, act_order, m, n, dtype, plan):
+def test_mma_path(fmt, group, act_order, m, k, n, dtype, scale_dtype, plan):
     """The tensor-core GEMV (interpreted: its mma computed from the same per-lane fragments, kernels/w4a16_mma.py)
-    on every format, up to 16 rows of x, split-K in one launch."""
-    k = 224 if group == 32 else 256  # 224: the split's last K range is shorter
-    qw, w = make_weight(fmt, k, n, group, act_order, scale_dtype=dtype)
+    on every format, fp16 and bf16 x (OFF + c in A, the sum of x taken off), up to 16 rows of x, split-K in one
+    launch and in two."""
+    qw, w = make_weight(fmt, k, n, group, act_order, scale_dtype=scale_dtype)
     x = torch.randn(m, k, dtype=dtype)
     bias = torch.randn(n, dtype=dtype) if "split" in plan else None
     check_product(w4a16.run_plan(x, qw, bias, MMA_PLANS[plan]), x, w, bias)
 
 
 def test_mma_path_bad_input_raises():
-    """Weights, activations and inputs the mma path cannot take raise (the activation of a gated input runs
-    first: fused, the GEMV measured 28% slower)."""
+    """Weights, activations, plans and inputs the mma path cannot take raise, naming what is wrong (the
+    activation of a gated input runs first: fused, the GEMV measured 28% slower)."""
     qw, _ = make_weight("awq", 256, 64, 64, False)
     x = torch.randn(2, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="mma path"):
-        w4a16.run_plan(x.float(), qw, None, MMA_PLANS["mma"])
+    plan = MMA_PLANS["mma"]
+    with pytest.raises(ValueError, match="fp16/bf16 x"):
+        w4a16.run_plan(x.float(), qw, None, plan)
     qw8, _ = make_weight("gptq", 256, 64, 64, False, bits=8)
-    with pytest.raises(ValueError, match="mma path"):
-        w4a16.run_plan(x, qw8, None, MMA_PLANS["mma"])
+    with pytest.raises(ValueError, match="4-bit weights"):
+        w4a16.run_plan(x, qw8, None, plan)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        w4a16.run_plan(torch.randn(17, 256, dtype=torch.bfloat16), qw, None, plan)
+    for bad, what in (({"block_k": 16}, "block_k a multiple of 32"), ({"k_per_split": 48}, "k_per_split a multiple"),
+                      ({"block_n": 128}, "block_n = 64 x num_warps")):
+        with pytest.raises(ValueError, match=what):
+            w4a16.run_plan(x, qw, None, dataclasses.replace(plan, **bad))
     with pytest.raises(ValueError, match="gemv path only"):
-        w4a16.run_plan(torch.randn(1, 512, dtype=torch.bfloat16), qw, None, MMA_PLANS["mma"], silu_gated=True)
+        w4a16.run_plan(torch.randn(1, 512, dtype=torch.bfloat16), qw, None, plan, silu_gated=True)
+
+
+def test_fp32_activations_skip_the_mma_path():
+    """choose_plan keeps fp32 x (mma=False) off the tensor-core GEMV, also where TUNED names it."""
+    assert w4a16.TUNED[(1, 12288, 4096)].path == "mma"
+    assert w4a16.choose_plan(1, 12288, 4096, 4, 128, 132, False).path == "gemv"
+    assert w4a16.choose_plan(4, 1536, 576, 4, 64, 132, False).path == "tc"
+    qw, w = make_weight("awq", 256, 64, 64, False)
+    x = torch.randn(3, 256)
+    check_product(w4a16.w4a16_linear(x, qw), x, w)  # fp32 x: the tc path, not the mma path's ValueError
 
 
 def test_gemv_split_k_reduction_in_one_launch_is_deterministic():
