@@ -4,7 +4,7 @@ Consumes :class:`kernels.quant_formats.QuantizedWeight` (every checkpoint format
 ``qweight`` int32 [K/pf, N] packed along K, ``qzeros`` int32 [G, N/pf] packed along N, ``scales`` fp16/bf16
 [G, N], optional act-order ``perm`` [K] (kernel row k reads input channel ``perm[k]``). 2, 4 and 8 bits.
 
-Three paths, picked per shape by :func:`choose_plan` (thresholds measured on an H200, see bench/RESULTS.md):
+The paths, picked per shape by :func:`choose_plan` (thresholds measured on an H200, see bench/RESULTS.md):
 
 * ``gemv`` (M = 1): CUDA-core split-K GEMV. The scale and zero factor out of each group,
   y_n = sum_g s_gn * sum_{k in g} x_k (q_kn - z_gn), and codes become floats linear in the code without an
