@@ -13,6 +13,7 @@ from kernels import _triton, activation, kv_cache, norm, paged_attention, rotary
 
 MODULES = (activation, kv_cache, norm, paged_attention, rotary, w4a16, w4a16_mma)
 WRITES = {"store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "atomic_min", "_store_tile", "_store"}
+ACTIVATION_READS = {"_load_x", "_load_x_f32", "_fetch_x", "_fetch_xs"}  # the W4A16 kernels' loads of x
 
 
 def _kernels():
@@ -89,6 +90,8 @@ def test_each_kernel_waits_at_top_level_before_any_write_branch_or_loop(module, 
         assert not any(isinstance(n, (ast.For, ast.While, ast.If, ast.Return)) for n in ast.walk(stmt)), \
             f"{module}.{name}: a branch or loop before the wait (line {stmt.lineno})"
         assert not _called(stmt) & WRITES, f"{module}.{name}: a write before the wait (line {stmt.lineno})"
+        assert not _called(stmt) & ACTIVATION_READS, \
+            f"{module}.{name}: x (a previous kernel's output) read before the wait (line {stmt.lineno})"
 
 
 def test_the_kernel_list_is_complete_and_every_launch_passes_pdl():
