@@ -316,10 +316,10 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
                      PDL: tl.constexpr):
     """Grid (cdiv(N, 64 WARPS), splits), ``WARPS`` warps per program (num_warps must equal it): warp v of program
     p computes y[:M, 64 (WARPS p + v) ..][:64] (M <= 8 SETS; SETS 1 or 2) over K rows k_per_split p1 .. (a
-    multiple of BLOCK_K, the caller checks). x: int32 words [M, x_row] (two 16-bit values each). With two sets of 8 rows of x each
-    A fragment meets two B fragments (two mmas for one dequantization). EVEN: K and k_per_split are multiples of
-    BLOCK_K and N of 64 WARPS (no masks). BLOCK_K (32, 64 or 128 rows: 1, 2 or 4 steps) divides
-    GROUP, or GROUP >= K: one scale per column per K tile, applied to the tile's fp32 mma sums. SPLIT / SERIAL: as
+    multiple of BLOCK_K, the caller checks). x: int32 words [M, x_row] (two 16-bit values each). With two sets of
+    8 rows of x each A fragment meets two B fragments (two mmas for one dequantization). EVEN: K is a multiple of
+    BLOCK_K and N of 64 WARPS (no masks). BLOCK_K (a multiple of 32 rows: one step each) divides GROUP, or
+    GROUP >= K: one scale per column per K tile, applied to the tile's fp32 mma sums. SPLIT / SERIAL: as
     :func:`kernels.w4a16._gemv_kernel` (fp32 partials in part [splits, M, N]; the last program of a column block to
     arrive adds them in split order)."""
     T: tl.constexpr = WARPS * 32
