@@ -656,8 +656,8 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
         if qw.perm is not None:  # act-order: kernel row k reads x[:, perm[k]]
             x = x[:, qw.perm.long()].contiguous()
         serial = splits > 1 and plan.serial
-        locks = _locks(x.device, cdiv(n, 64 * plan.num_warps)) if serial else target
-        w4a16_mma._gemv_mma_kernel[(cdiv(n, 64 * plan.num_warps), splits)](
+        locks = _locks(x.device, cdiv(n, plan.block_n)) if serial else target
+        w4a16_mma._gemv_mma_kernel[(cdiv(n, plan.block_n), splits)](
             x.view(torch.int32), qw.qweight, qw.scales, qw.qzeros, bias_arg, out, target, locks, m, n, k,
             x.shape[1] // 2, plan.k_per_split, splits,
             0x43004300 if x.dtype == torch.bfloat16 else 0x64006400, GROUP=qw.group_size, BLOCK_K=plan.block_k,
