@@ -290,6 +290,9 @@ def w4a16_candidates(m: int, n: int, k: int, sms: int) -> list[w4a16.Plan]:
             for per_sm in (6, 8, 12, 16, 24):
                 kps = w4a16._split(k, 128, cdiv(n, 64 * warps), per_sm * sms // warps)
                 plans.append(P("mma", 8 if m <= 8 else 16, 64 * warps, 128, kps, num_warps=warps, num_stages=1))
+        for splits in (3, 8):  # two warps per 64 columns sharing each split's K (k_warps): the M = 8 winners
+            kps = cdiv(cdiv(cdiv(k, 128), splits), 2) * 256
+            plans.append(P("mma", 8 if m <= 8 else 16, 128, 128, kps, num_warps=4, num_stages=1, k_warps=2))
     if m == 1:
         for bn, bk, warps, programs in ((128, 128, 4, 2), (128, 128, 4, 4), (128, 128, 4, 1), (128, 128, 8, 2),
                                         (64, 128, 4, 2), (64, 128, 4, 4), (256, 128, 8, 1), (256, 128, 8, 2),
@@ -315,7 +318,7 @@ def plan_str(p: w4a16.Plan, k: int) -> str:
     """A plan in one short line."""
     return (f"{p.path} {p.block_m}x{p.block_n}x{p.block_k} split {cdiv(k, p.k_per_split)} w{p.num_warps} "
             f"s{p.num_stages}{' swap' if p.swap else ''}{' fast' if p.fast else ''}"
-            f"{f' mode {p.mode}' if p.path == 'tc' else ''}")
+            f"{f' mode {p.mode}' if p.path == 'tc' else ''}{f' kw{p.k_warps}' if p.k_warps > 1 else ''}")
 
 
 def sweep_w4a16(log: dict) -> dict:

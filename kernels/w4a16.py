@@ -467,8 +467,9 @@ def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) 
 @dataclass(frozen=True)
 class Plan:
     """How one W4A16 call runs: ``path`` "gemv" | "mma" | "gemm" | "tc" | "dequant"; tile sizes (``mma``: block_n
-    is 64 x num_warps, each warp owning 64 columns; block_m unused); K per split (a multiple of
-    block_k; >= K means no split); ``swap`` computes the transposed product in the GEMM; ``fast`` its scale-after
+    is 64 x num_warps / k_warps, each warp owning 64 columns and ``k_warps`` warps sharing them, each taking every
+    k_warps-th K tile of the split, their sums added in shared memory; block_m unused); K per split (a multiple of
+    block_k, and of block_k x k_warps for the mma path; >= K means no split); ``swap`` computes the transposed product in the GEMM; ``fast`` its scale-after
     -the-dot dequantization (4-bit, block_k >= 128, fp16/bf16 activations; see ``_gemm_kernel``); ``serial``: the
     GEMV adds its split-K partial sums in the same launch (see ``_gemv_kernel``), else in a second kernel. ``tc``
     (4-bit): ``_gemm_tc_kernel``, ``swap`` as for the GEMM, ``mode`` its dequantization (``_tc_pair``; bf16 x on a
@@ -485,6 +486,7 @@ class Plan:
     fast: bool = False
     serial: bool = True
     mode: int = 1
+    k_warps: int = 1
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -515,10 +517,12 @@ TUNED = {
     (1, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits (gemv: 13.9 us, 5)
     (1, 22016, 4096): Plan("mma", 8, 64, 128, 768, num_warps=1, num_stages=1),  # 6 splits (gemv: 22.0 us, 3)
     (1, 4096, 11008): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 22 splits (gemv: 13.5 us, 8)
-    (8, 4096, 4096): Plan("mma", 8, 64, 128, 384, num_warps=1, num_stages=1),  # 11 splits
+    # M = 8: two warps per 64 columns share each split's K (k_warps, sixth session): 9.4 / 20.3 / 14.7 us against
+    # 10.1 / 21.2 / 16.2 with one warp (same probe); on 4096 -> 12288 one warp stays faster (13.9 against 15.0)
+    (8, 4096, 4096): Plan("mma", 8, 128, 128, 512, num_warps=4, num_stages=1, k_warps=2),  # 8 splits
     (8, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits
-    (8, 22016, 4096): Plan("mma", 8, 128, 128, 768, num_warps=2, num_stages=1),  # 6 splits
-    (8, 4096, 11008): Plan("mma", 8, 64, 128, 768, num_warps=1, num_stages=1),  # 15 splits
+    (8, 22016, 4096): Plan("mma", 8, 128, 128, 1536, num_warps=4, num_stages=1, k_warps=2),  # 3 splits
+    (8, 4096, 11008): Plan("mma", 8, 128, 128, 1536, num_warps=4, num_stages=1, k_warps=2),  # 8 splits
     (16, 12288, 4096): Plan("mma", 16, 64, 128, 1024, num_warps=1, num_stages=1),  # 4 splits (tc: 20.6 us)
     (16, 22016, 4096): Plan("mma", 16, 128, 128, 1408, num_warps=2, num_stages=1),  # 3 splits (tc: 37.1 us)
     (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
@@ -649,7 +653,12 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             (f"fp16/bf16 x (got {x.dtype})", x.dtype not in (torch.float16, torch.bfloat16)),
             (f"block_k a multiple of 32 (got {plan.block_k})", plan.block_k % 32),
             (f"k_per_split a multiple of block_k (got {plan.k_per_split})", plan.k_per_split % plan.block_k),
-            (f"block_n = 64 x num_warps (got {plan.block_n}, {plan.num_warps})", plan.block_n != 64 * plan.num_warps),
+            (f"num_warps a multiple of k_warps (got {plan.num_warps}, {plan.k_warps})",
+             plan.k_warps < 1 or plan.num_warps % plan.k_warps),
+            (f"block_n = 64 x num_warps / k_warps (got {plan.block_n}, {plan.num_warps}, {plan.k_warps})",
+             plan.block_n * max(plan.k_warps, 1) != 64 * plan.num_warps),
+            (f"k_per_split a multiple of block_k x k_warps (got {plan.k_per_split})",
+             plan.k_per_split % (plan.block_k * max(plan.k_warps, 1)) and plan.k_per_split < k),
         ) if bad]
         if problems:
             raise ValueError(f"the mma path takes {', '.join(problems)}")
@@ -663,8 +672,9 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             0x43004300 if x.dtype == torch.bfloat16 else 0x64006400, GROUP=qw.group_size, BLOCK_K=plan.block_k,
             HAS_BIAS=bias is not None, SPLIT=splits > 1, SERIAL=serial, IS_BF16=x.dtype == torch.bfloat16,
             ASM=not dot_f32(x), WARPS=plan.num_warps,
-            EVEN=k % plan.block_k == 0 and n % plan.block_n == 0,
-            SETS=1 if m <= 8 else 2, PDL=pdl(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
+            EVEN=k % (plan.block_k * plan.k_warps) == 0 and n % plan.block_n == 0,
+            SETS=1 if m <= 8 else 2, PDL=pdl(x), KW=plan.k_warps, num_warps=plan.num_warps,
+            num_stages=plan.num_stages)
         if serial or splits == 1:
             return out
     elif plan.path == "tc":

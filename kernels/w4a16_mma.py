@@ -101,9 +101,9 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, WARPS: tl.constexpr, IS_BF16: t
 @device_fn
 def _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k0, GROUP: tl.constexpr, STEPS: tl.constexpr,
              EVEN: tl.constexpr):
-    """The weight loads of the K tile from row k0 (a scalar), all issued before any is used: per step s the lane's
-    words [T, 4] at word row w = k0 / 8 + 4 s + tg, columns col_lo .. + 3 and col_hi .. + 3; then the tile's
-    scales [T, 4] (their dtype) and zero words [T] for both column sets. EVEN: every load is inside the tensors
+    """The weight loads of the K tile from row k0 (a scalar, or [T]: each warp's own tile), all issued before any
+    is used: per step s the lane's words [T, 4] at word row w = k0 / 8 + 4 s + tg, columns col_lo .. + 3 and
+    col_hi .. + 3; then the tile's scales [T, 4] (their dtype) and zero words [T] for both column sets. EVEN: every load is inside the tensors
     (no masks); else rows past K and columns past N read 0."""
     ar = tl.arange(0, 4)[None, :]
     steps = ()
@@ -120,13 +120,15 @@ def _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k0, GROUP: tl.const
     grp = k0 // GROUP
     k_ok = (k0 + col_lo * 0) < K
     if EVEN:
-        s_lo = tl.load(s_ptr + grp * N + col_lo[:, None] + ar)
-        s_hi = tl.load(s_ptr + grp * N + col_hi[:, None] + ar)
+        s_lo = tl.load(s_ptr + (grp * N + col_lo)[:, None] + ar)
+        s_hi = tl.load(s_ptr + (grp * N + col_hi)[:, None] + ar)
         z_lo = tl.load(z_ptr + grp * (N // 8) + col_lo // 8)
         z_hi = tl.load(z_ptr + grp * (N // 8) + col_hi // 8)
     else:
-        s_lo = tl.load(s_ptr + grp * N + col_lo[:, None] + ar, mask=(col_lo[:, None] + ar < N) & k_ok[:, None], other=0)
-        s_hi = tl.load(s_ptr + grp * N + col_hi[:, None] + ar, mask=(col_hi[:, None] + ar < N) & k_ok[:, None], other=0)
+        s_lo = tl.load(s_ptr + (grp * N + col_lo)[:, None] + ar, mask=(col_lo[:, None] + ar < N) & k_ok[:, None],
+                       other=0)
+        s_hi = tl.load(s_ptr + (grp * N + col_hi)[:, None] + ar, mask=(col_hi[:, None] + ar < N) & k_ok[:, None],
+                       other=0)
         z_lo = tl.load(z_ptr + grp * (N // 8) + col_lo // 8, mask=(col_lo < N) & k_ok, other=0)
         z_hi = tl.load(z_ptr + grp * (N // 8) + col_hi // 8, mask=(col_hi < N) & k_ok, other=0)
     return steps, (s_lo, s_hi, z_lo, z_hi)
@@ -203,6 +205,23 @@ def _rows(acc):
     0 .. 3 are four adjacent output columns)."""
     return (_vec4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]), _vec4(acc[0][1], acc[1][1], acc[2][1], acc[3][1]),
             _vec4(acc[0][2], acc[1][2], acc[2][2], acc[3][2]), _vec4(acc[0][3], acc[1][3], acc[2][3], acc[3][3]))
+
+
+@device_fn
+def _k_start(k_lo, t, CW: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first K row of each thread's tiles: k_lo (a scalar) with KW = 1, else [T]: warp group kw = t // (32 CW)
+    reads tiles kw, kw + KW, ... of the split."""
+    if KW == 1:
+        k = k_lo
+    else:
+        k = k_lo + (t // (32 * CW)) * BLOCK_K
+    return k
+
+
+@device_fn
+def _sum_kw(v, KW: tl.constexpr):
+    """v [T, 4] (T = 32 KW CW: warp group kw = t // (32 CW) outermost) summed over the KW groups: [32 CW, 4]."""
+    return tl.sum(tl.reshape(v, [KW, v.shape[0] // KW, 4]), axis=0)
 
 
 @device_fn
@@ -313,25 +332,28 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
                      k_per_split, splits, magic, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SPLIT: tl.constexpr, SERIAL: tl.constexpr, IS_BF16: tl.constexpr,
                      ASM: tl.constexpr, WARPS: tl.constexpr, SETS: tl.constexpr, EVEN: tl.constexpr,
-                     PDL: tl.constexpr):
-    """Grid (cdiv(N, 64 WARPS), splits), ``WARPS`` warps per program (num_warps must equal it): warp v of program
-    p computes y[:M, 64 (WARPS p + v) ..][:64] (M <= 8 SETS; SETS 1 or 2) over K rows k_per_split p1 .. (a
-    multiple of BLOCK_K, the caller checks). x: int32 words [M, x_row] (two 16-bit values each). With two sets of
-    8 rows of x each A fragment meets two B fragments (two mmas for one dequantization). EVEN: K is a multiple of
-    BLOCK_K and N of 64 WARPS (no masks). BLOCK_K (a multiple of 32 rows: one step each) divides GROUP, or
+                     PDL: tl.constexpr, KW: tl.constexpr = 1):
+    """Grid (cdiv(N, 64 CW), splits), ``WARPS`` = CW KW warps per program (num_warps must equal it): warp v of
+    program p computes y[:M, 64 (CW p + v % CW) ..][:64] (M <= 8 SETS; SETS 1 or 2) over the K tiles v // CW,
+    v // CW + KW, ... of rows k_per_split p1 .. (a multiple of BLOCK_K KW, the caller checks); the KW warps of a
+    column block add their sums through shared memory before the store. x: int32 words [M, x_row] (two 16-bit
+    values each). With two sets of 8 rows of x each A fragment meets two B fragments (two mmas for one
+    dequantization). EVEN: K is a multiple of BLOCK_K KW and N of 64 CW (no masks). BLOCK_K (a multiple of 32 rows: one step each) divides GROUP, or
     GROUP >= K: one scale per column per K tile, applied to the tile's fp32 mma sums. SPLIT / SERIAL: as
     :func:`kernels.w4a16._gemv_kernel` (fp32 partials in part [splits, M, N]; the last program of a column block to
     arrive adds them in split order)."""
     T: tl.constexpr = WARPS * 32
+    CW: tl.constexpr = WARPS // KW  # warps side by side over the columns; KW of each share them, splitting K
     STEPS: tl.constexpr = BLOCK_K // 32
     t = tl.arange(0, T)
     gr = (t % 32) // 4
     tg = t % 4
-    col_lo = (tl.program_id(0) * WARPS + t // 32) * 64 + 4 * gr
+    col_lo = (tl.program_id(0) * CW + (t // 32) % CW) * 64 + 4 * gr
     col_hi = col_lo + 32
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    w_cur = _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k_lo, GROUP, STEPS, EVEN)
+    k_me = _k_start(k_lo, t, CW, KW, BLOCK_K)
+    w_cur = _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k_me, GROUP, STEPS, EVEN)
     pdl_wait(PDL)  # the first weight tile is on its way while the previous kernel finishes; x comes after
     z = tl.zeros([T], tl.float32)
     zero4 = (z, z, z, z)
@@ -339,23 +361,33 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     for b in tl.static_range(SETS):
         acc = acc + ((zero4, zero4, zero4, zero4),)
     if SETS == 1:  # x one tile ahead too (with two sets that takes too many registers)
-        x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_lo, SETS, STEPS, EVEN)
-    k_last = tl.maximum(k_lo, k_hi - BLOCK_K)  # EVEN: the last tile; the prefetch past it reads it again
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_next = k0 + BLOCK_K
+        x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_me, SETS, STEPS, EVEN)
+    k_last = tl.maximum(k_lo, k_hi - BLOCK_K * KW)  # EVEN: the last tiles; the prefetch past them reads them again
+    for k0 in range(k_lo, k_hi, BLOCK_K * KW):
+        k_cur = k0 - k_lo + k_me
+        k_next = k0 + BLOCK_K * KW
         if EVEN:
             k_next = tl.minimum(k_next, k_last)
+        k_next = k_next - k_lo + k_me
         w_nxt = _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k_next, GROUP, STEPS, EVEN)
         if SETS == 1:
             x_nxt = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_next, SETS, STEPS, EVEN)
         else:
-            x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k0, SETS, STEPS, EVEN)
+            x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_cur, SETS, STEPS, EVEN)
         acc = _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, STEPS, IS_BF16, ASM, WARPS)
         w_cur = w_nxt
         if SETS == 1:
             x_cur = x_nxt
+    if KW > 1:  # add the KW warp groups' sums (through shared memory); lane indices of the reduced tensors
+        t = tl.arange(0, CW * 32)
+        gr = (t % 32) // 4
+        tg = t % 4
+        col_lo = (tl.program_id(0) * CW + t // 32) * 64 + 4 * gr
+        col_hi = col_lo + 32
     for b in tl.static_range(SETS):
         rows = _rows(acc[b])
+        if KW > 1:
+            rows = (_sum_kw(rows[0], KW), _sum_kw(rows[1], KW), _sum_kw(rows[2], KW), _sum_kw(rows[3], KW))
         if SPLIT:
             _store(part_ptr + tl.program_id(1) * M * N, rows, 8 * b, col_lo, col_hi, tg, M, N, False, bias_ptr)
         else:

@@ -135,6 +135,9 @@ MMA_PLANS = {  # num_stages=1 as in the shipped plans (the kernel prefetches the
                                       num_stages=1),
     "mma_split_two_launches": w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, k_per_split=64, num_warps=1,
                                          num_stages=1, serial=False),
+    "mma_k_warps": w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, num_warps=4, num_stages=1, k_warps=4),
+    "mma_k_warps_split": w4a16.Plan("mma", block_m=8, block_n=128, block_k=32, k_per_split=128, num_warps=4,
+                                    num_stages=1, k_warps=2),
 }
 
 
@@ -146,11 +149,15 @@ MMA_PLANS = {  # num_stages=1 as in the shipped plans (the kernel prefetches the
     ("gptq_v2", 32, False, 11, 224, 96, torch.float16, torch.float16, "mma_split_two_warps"),  # short last split
     ("gptq", 64, True, 1, 256, 104, torch.bfloat16, torch.float16, "mma_split_two_warps"),
     ("ct_sym", 32, False, 16, 200, 128, torch.bfloat16, torch.bfloat16, "mma_split_two_launches"),
+    ("awq", 32, False, 1, 256, 128, torch.bfloat16, torch.float16, "mma_k_warps"),  # 4 warps split K, EVEN
+    ("ct_sym", -1, False, 8, 200, 104, torch.float16, torch.float16, "mma_k_warps"),  # ragged: warps past K
+    ("ct_asym", 128, False, 16, 256, 128, torch.bfloat16, torch.bfloat16, "mma_k_warps_split"),
+    ("gptq", 64, True, 3, 320, 96, torch.bfloat16, torch.bfloat16, "mma_k_warps_split"),  # short last split
 ])
 def test_mma_path(fmt, group, act_order, m, k, n, dtype, scale_dtype, plan):
     """The tensor-core GEMV (interpreted: its mma computed from the same per-lane fragments, kernels/w4a16_mma.py)
     on every format, fp16 and bf16 x (OFF + c in A, the sum of x taken off), up to 16 rows of x, split-K in one
-    launch and in two."""
+    launch and in two, K split between the warps of a program too (``k_warps``)."""
     qw, w = make_weight(fmt, k, n, group, act_order, scale_dtype=scale_dtype)
     x = torch.randn(m, k, dtype=dtype)
     bias = torch.randn(n, dtype=dtype) if "split" in plan else None
@@ -171,7 +178,9 @@ def test_mma_path_bad_input_raises():
     with pytest.raises(ValueError, match="at most 16 rows"):
         w4a16.run_plan(torch.randn(17, 256, dtype=torch.bfloat16), qw, None, plan)
     for bad, what in (({"block_k": 16}, "block_k a multiple of 32"), ({"k_per_split": 48}, "k_per_split a multiple"),
-                      ({"block_n": 128}, "block_n = 64 x num_warps")):
+                      ({"block_n": 128}, "block_n = 64 x num_warps"),
+                      ({"num_warps": 3, "block_n": 64, "k_warps": 2}, "num_warps a multiple of k_warps"),
+                      ({"num_warps": 2, "k_warps": 2, "k_per_split": 96}, "multiple of block_k x k_warps")):
         with pytest.raises(ValueError, match=what):
             w4a16.run_plan(x, qw, None, dataclasses.replace(plan, **bad))
     with pytest.raises(ValueError, match="gemv path only"):
