@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import jit, next_pow2, pdl, pdl_wait, tl
+from ._triton import device_fn, jit, next_pow2, pdl, pdl_wait, tl
 from .kv_cache import to_cache, write_kv_cache_ref
 
 
@@ -37,6 +37,16 @@ def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+@device_fn
+def _rotate_store(x1, x2, cos, sin, out, half, mask, dt: tl.constexpr, out_ty: tl.constexpr):
+    """Store the rotated halves of x (fp32 [H, half] each) at out and out + half, rounded like the reference in x's
+    dtype ``dt`` (cos and sin, each product, then the sum), then converted to ``out_ty`` (a cache's dtype)."""
+    o1 = (x1 * cos).to(dt).to(tl.float32) + (-x2 * sin).to(dt).to(tl.float32)
+    o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+    tl.store(out, to_cache(o1.to(dt), out_ty), mask=mask)
+    tl.store(out + half, to_cache(o2.to(dt), out_ty), mask=mask)
+
+
 @jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_heads, half,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
@@ -62,30 +72,31 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
         slot = tl.load(slot_ptr + t).to(tl.int64)
         cache_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
         kv_mask = (h < tl.where(slot >= 0, k_heads, 0))[:, None] & dmask[None, :]
-    for which in tl.static_range(2):
-        if which == 0:
-            src, dst, heads, st, sh = q_ptr, qo_ptr, q_heads, stride_qt, stride_qh
-        else:
-            src, dst, heads, st, sh = k_ptr, ko_ptr, k_heads, stride_kt, stride_kh
-        mask = (h < heads)[:, None] & dmask[None, :]
-        base = src + t * st + h[:, None] * sh + d[None, :]
-        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
-        o1 = (x1 * cos).to(dt).to(tl.float32) + (-x2 * sin).to(dt).to(tl.float32)
-        o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
-        if WRITE_KV and which == 1:
-            out = kc_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
-            tl.store(out, to_cache(o1.to(dt), kc_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(out + half, to_cache(o2.to(dt), kc_ptr.dtype.element_ty), mask=kv_mask)
-        else:
-            out = dst + t * heads * 2 * half + h[:, None] * 2 * half + d[None, :]
-            tl.store(out, o1.to(dt), mask=mask)
-            tl.store(out + half, o2.to(dt), mask=mask)
+    # every load first (q, k and v: one round trip to memory), then the stores (they may alias nothing the loads
+    # read, but the compiler cannot know that and would otherwise keep each load behind the stores before it)
+    qm = (h < q_heads)[:, None] & dmask[None, :]
+    km = (h < k_heads)[:, None] & dmask[None, :]
+    q_base = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
+    k_base = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
+    q1 = tl.load(q_base, mask=qm, other=0.0).to(tl.float32)
+    q2 = tl.load(q_base + half, mask=qm, other=0.0).to(tl.float32)
+    k1 = tl.load(k_base, mask=km, other=0.0).to(tl.float32)
+    k2 = tl.load(k_base + half, mask=km, other=0.0).to(tl.float32)
     if WRITE_KV:
         vbase = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+        v1 = tl.load(vbase, mask=kv_mask)
+        v2 = tl.load(vbase + half, mask=kv_mask)
+    out = qo_ptr + t * q_heads * 2 * half + h[:, None] * 2 * half + d[None, :]
+    _rotate_store(q1, q2, cos, sin, out, half, qm, dt, qo_ptr.dtype.element_ty)
+    if WRITE_KV:
+        out = kc_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
+        _rotate_store(k1, k2, cos, sin, out, half, kv_mask, dt, kc_ptr.dtype.element_ty)
         out = vc_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
-        tl.store(out, to_cache(tl.load(vbase, mask=kv_mask), vc_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(out + half, to_cache(tl.load(vbase + half, mask=kv_mask), vc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(out, to_cache(v1, vc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(out + half, to_cache(v2, vc_ptr.dtype.element_ty), mask=kv_mask)
+    else:
+        out = ko_ptr + t * k_heads * 2 * half + h[:, None] * 2 * half + d[None, :]
+        _rotate_store(k1, k2, cos, sin, out, half, km, dt, ko_ptr.dtype.element_ty)
 
 
 def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):
