@@ -63,6 +63,27 @@ def _decode_tok_s(llm: LLM, prompt_len: int, steps: int) -> float:
     return steps / elapsed
 
 
+def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int) -> float:
+    """Output tokens per second of ``batch`` sequences decoding together (all past their prefill), summed."""
+    engine = llm.engine
+    ids = [f"batch{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, list(range(3 + i, 3 + i + prompt_len)),
+                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):  # the prefills, then every sequence decoding
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()
+    return batch * steps / elapsed
+
+
 def _profile_steps(engine, steps: int) -> tuple[float, list[tuple[str, float, int]]]:
     """Run ``steps`` engine steps under the CUDA profiler: (wall µs per step, [(kernel, GPU µs per step, launches
     per step)] largest first)."""
@@ -130,7 +151,8 @@ def decode_rows(ctx: dict, make_row) -> list:
     """Batch-1 decode of the 7B-shaped model: graphs on vs the bandwidth bound, graphs on vs eager, async
     scheduling (the default) vs reading every step back before scheduling the next, and programmatic dependent
     launch (the default on Hopper) vs not (``APPLIANCE_PDL=0`` while the engine is built and captured), and the
-    tensor-core GEMV vs the CUDA-core one (:func:`cuda_core_gemv` while the engine is built and captured)."""
+    tensor-core GEMV vs the CUDA-core one (:func:`cuda_core_gemv` while the engine is built and captured); and a
+    decode step of 8 sequences (the M = 8 products) against its bandwidth bound (no target)."""
     model_dir = ctx.setdefault("model_7b", str(write_random_awq_model("/tmp/rand_7b")))
     tok_s, notes = {}, {}
     for eager in (False, True):
@@ -160,6 +182,13 @@ def decode_rows(ctx: dict, make_row) -> list:
         tok_s["cuda_core"] = _decode_tok_s(llm, 32, 256)
     del llm
     _free()
+    llm = LLM(model_dir, device="cuda", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.3)
+    _batch_decode_tok_s(llm, 8, 32, 16)  # warm-up
+    tok_s["batch8"] = _batch_decode_tok_s(llm, 8, 32, 256)
+    kv8 = llm.engine.runner._bytes_per_block() / llm.engine.config.block_size * 160 * 8
+    bytes8 = _weight_bytes(llm) + kv8
+    del llm
+    _free()
     bound_us = bytes_per_step / ctx["copy_bw"] * 1e6
     rows = [
         make_row("7B AWQ decode bs1, CUDA graphs, vs bandwidth bound", "Llama-2-7B shape, ctx ~160",
@@ -177,6 +206,11 @@ def decode_rows(ctx: dict, make_row) -> list:
     rows.append(make_row("7B AWQ decode bs1, tensor-core GEMV vs CUDA-core", "same, graphs on", 1e6 / tok_s[False],
                          "M=1 q/k/v, gate/up, down on the CUDA-core GEMV", 1e6 / tok_s["cuda_core"], 1.0,
                          f"{tok_s['cuda_core']:.0f} tok/s with the CUDA-core GEMV"))
+    step8 = 8e6 / tok_s["batch8"]  # µs per step of 8 sequences
+    rows.append(make_row("7B AWQ decode, 8 sequences, CUDA graphs, vs bandwidth bound", "same, ctx ~160 each",
+                         step8, "bytes/step ÷ copy BW", bytes8 / ctx["copy_bw"] * 1e6, None,
+                         f"{tok_s['batch8']:.0f} tok/s in all ({tok_s['batch8'] / tok_s[False]:.2f}x bs1); "
+                         f"{bytes8 / 1e9:.2f} GB/step"))
     return rows
 
 
