@@ -46,31 +46,15 @@ def _weight_bytes(llm: LLM) -> int:
     return total + head.numel() * head.element_size()
 
 
-def _decode_tok_s(llm: LLM, prompt_len: int, steps: int) -> float:
+def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int, warm_steps: int = 4) -> float:
+    """Output tokens per second of ``batch`` sequences decoding together, summed: ``steps`` engine steps timed
+    after ``warm_steps`` (the prefills, then every sequence decoding); the requests are aborted afterwards."""
     engine = llm.engine
-    engine.add_request("bench", list(range(3, 3 + prompt_len)),
-                       SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    engine.step()  # prefill
-    engine.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    engine.abort_request("bench")
-    engine.step()
-    return steps / elapsed
-
-
-def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int) -> float:
-    """Output tokens per second of ``batch`` sequences decoding together (all past their prefill), summed."""
-    engine = llm.engine
-    ids = [f"batch{i}" for i in range(batch)]
+    ids = [f"bench{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, list(range(3 + i, 3 + i + prompt_len)),
                            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(4):  # the prefills, then every sequence decoding
+    for _ in range(warm_steps):
         engine.step()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -82,6 +66,11 @@ def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int) -> fl
         engine.abort_request(rid)
     engine.step()
     return batch * steps / elapsed
+
+
+def _decode_tok_s(llm: LLM, prompt_len: int, steps: int) -> float:
+    """Tokens per second of one sequence decoding (timed after its prefill and one decode step)."""
+    return _batch_decode_tok_s(llm, 1, prompt_len, steps, warm_steps=2)
 
 
 def _profile_steps(engine, steps: int) -> tuple[float, list[tuple[str, float, int]]]:
