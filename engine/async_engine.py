@@ -10,6 +10,13 @@ Admission: at most ``max_num_seqs + max_waiting`` requests are in the engine at 
 or aborted), so at most ``max_waiting`` of them wait for a batch slot; one more is refused at once with
 ``EngineOverloadedError`` (the server answers 503 with ``Retry-After``) and leaves nothing behind. The default
 ``max_waiting`` is Ollama's ``OLLAMA_MAX_QUEUE`` (512); vLLM itself queues without a bound.
+
+Request ids: an id names at most one live request (submitted, neither finished nor aborted); adding a live id is
+refused with ``ValueError`` (as vLLM's AsyncLLM), and an id may be reused as soon as ``abort`` returns. Each
+``RequestStream`` object is its request's key: commands carry the stream, and the engine thread routes the
+``LLMEngine``'s outputs through ``_routes`` (id inside the ``LLMEngine`` -> the stream of the request it holds
+under that id). A reused id enters the ``LLMEngine`` only once the old request's last output (its "abort") is
+out, so the ``LLMEngine`` never holds two requests of one id and nothing of the old one reaches the new stream.
 """
 from __future__ import annotations
 
@@ -75,7 +82,7 @@ class RequestStream:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
-            self._engine.abort(self.request_id)
+            self._engine._abort_stream(self)
 
     async def wait_accepted(self) -> None:
         """Wait until the engine took the request; raise its rejection (and mark the stream finished)."""
@@ -108,10 +115,11 @@ class RequestStream:
         return item
 
     def abort(self) -> None:
-        """Abort the request in the engine unless it already finished; idempotent."""
+        """Abort the request in the engine unless it already finished; idempotent. Never touches a newer request
+        that reuses the id."""
         if not self.finished:
             self.finished = True
-            self._engine.abort(self.request_id)
+            self._engine._abort_stream(self)
 
 
 class AsyncLLMEngine:
@@ -138,7 +146,10 @@ class AsyncLLMEngine:
         self._state = "new"
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.RLock()  # makes registering a stream, and releasing a given one, atomic
+        self._streams: dict[str, RequestStream] = {}  # the live requests by id
+        self._routes: dict[str, RequestStream] = {}  # engine thread only: id in the LLMEngine -> its request's stream
+        self._parked: dict[str, tuple] = {}  # engine thread only: "add"s waiting for an old request of their id to end
         self._listeners: list[OutputListener] = []
         self._stats: EngineStats | None = None
         self._stop = False
@@ -214,17 +225,13 @@ class AsyncLLMEngine:
         """
         if self._state == "new":
             raise RuntimeError("AsyncLLMEngine.start() was not called")
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already running")
-        if len(self._streams) >= self.max_requests:
-            raise EngineOverloadedError(self.max_requests, self.max_waiting)
         stream = RequestStream(self, request_id)
-        self._streams[request_id] = stream
+        self._register(stream)
         if self.is_dead:  # checked after registering: _fail_all() cannot miss this stream
-            self._streams.pop(request_id, None)
+            self._release(stream)
             raise EngineDeadError(f"engine is dead: {self.error!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._send(("add", request_id, prompt, params, arrival))
+        self._send(("add", stream, prompt, params, arrival))
         try:
             await stream.wait_accepted()
         except asyncio.CancelledError:
@@ -243,9 +250,42 @@ class AsyncLLMEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from any thread; no further outputs are delivered for it. Idempotent."""
-        self._streams.pop(request_id, None)
-        self._send(("abort", request_id))
+        """Abort the live request ``request_id`` from any thread; no further outputs are delivered for it and the
+        id may be reused at once. Idempotent; an id that is not live is ignored."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._send(("abort", stream))
+
+    # ---- live streams, from any thread ----
+    def _register(self, stream: RequestStream) -> None:
+        """Make ``stream`` the live request of its id. Raises ValueError while the id is live and
+        ``EngineOverloadedError`` at ``max_requests``; nothing is kept when it raises."""
+        with self._lock:
+            if stream.request_id in self._streams:
+                raise ValueError(f"request_id: {stream.request_id!r} is already running")
+            if len(self._streams) >= self.max_requests:
+                raise EngineOverloadedError(self.max_requests, self.max_waiting)
+            self._streams[stream.request_id] = stream
+
+    def _is_live(self, stream: RequestStream) -> bool:
+        """Whether ``stream`` is still the live request of its id (not finished, failed or aborted)."""
+        return self._streams.get(stream.request_id) is stream
+
+    def _release(self, stream: RequestStream) -> bool:
+        """End ``stream``'s life unless it ended already (its id may name a newer request by now). True when this
+        call ended it: only that caller hands the stream its last item."""
+        with self._lock:
+            if not self._is_live(stream):
+                return False
+            del self._streams[stream.request_id]
+            return True
+
+    def _abort_stream(self, stream: RequestStream) -> None:
+        """``abort`` the request of ``stream`` if it is still live: never a newer request that reuses the id."""
+        with self._lock:
+            if self._is_live(stream):
+                self.abort(stream.request_id)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -292,37 +332,54 @@ class AsyncLLMEngine:
             if self._failed_steps >= MAX_FAILED_STEPS:
                 raise e
         for request_id in e.request_ids:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
+            stream = self._routes.pop(request_id, None)
+            if stream is not None and self._release(stream):
                 stream.put_threadsafe(e.cause if e.request_error else e)
         self._stats = self._engine.get_stats()
         self._deliver(e.outputs)
 
     def _drain_commands(self) -> None:
+        """Admit the parked requests whose id came free, then apply the commands in the order they were sent."""
+        for request_id in [r for r in self._parked if r not in self._routes]:
+            self._admit(*self._parked.pop(request_id))
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "abort":
-                self._engine.abort_request(cmd[1])
-                continue
-            _, request_id, prompt, params, arrival = cmd
-            stream = self._streams.get(request_id)
-            if stream is None:  # aborted before the engine saw it
-                continue
-            try:
-                self._engine.add_request(request_id, prompt, params, arrival_time=arrival)
-            except Exception as e:  # noqa: BLE001 - rejections belong to the request, not the engine
-                self._streams.pop(request_id, None)
+            if cmd[0] == "add":
+                self._admit(*cmd[1:])
+            elif self._routes.get(cmd[1].request_id) is cmd[1]:  # "abort": only if the engine holds that request
+                self._engine.abort_request(cmd[1].request_id)
+
+    def _admit(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams, arrival: float) -> None:
+        """Hand ``stream``'s request to the ``LLMEngine`` unless it was aborted meanwhile. While the engine still
+        holds an old request of the same id (aborted, its last output not out yet) it is parked until that ends."""
+        if not self._is_live(stream):  # aborted before the engine saw it
+            return
+        if stream.request_id in self._routes:
+            self._parked[stream.request_id] = (stream, prompt, params, arrival)  # an earlier parked one was aborted
+            return
+        try:
+            self._engine.add_request(stream.request_id, prompt, params, arrival_time=arrival)
+        except Exception as e:  # noqa: BLE001 - rejections belong to the request, not the engine
+            if self._release(stream):
                 stream.put_threadsafe(e)
-                continue
-            stream.put_threadsafe(_ACCEPTED)
+            return
+        self._routes[stream.request_id] = stream
+        stream.put_threadsafe(_ACCEPTED)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Route each output to the stream of the request the engine holds under its id: only while that stream is
+        live (an aborted one gets nothing more); a finished output ends the route and the stream."""
         for out in outputs:
-            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if stream is not None:
+            if out.finished:
+                stream = self._routes.pop(out.request_id, None)
+                live = stream is not None and self._release(stream)
+            else:
+                stream = self._routes.get(out.request_id)
+                live = stream is not None and self._is_live(stream)
+            if live:
                 stream.put_threadsafe(out)
         for fn in list(self._listeners):
             try:
@@ -331,9 +388,10 @@ class AsyncLLMEngine:
                 logger.exception("output listener failed")
 
     def _fail_all(self, cause: BaseException) -> None:
-        for request_id in list(self._streams):
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            if self._release(stream):
                 err = EngineDeadError(f"engine is dead: {cause!r}")
                 err.__cause__ = cause
                 stream.put_threadsafe(err)

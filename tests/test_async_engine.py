@@ -10,12 +10,8 @@ import pytest
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.errors import ContextLengthError
 from engine.sampling_params import SamplingParams
-from test_server_fakes import FakeEngine, fake_completion, wait_for
+from test_server_fakes import FakeEngine, fake_completion, run, started_engine, wait_for
 
-
-def run(coro, timeout: float = 20.0):
-    """Run ``coro`` on a fresh event loop, failing after ``timeout`` seconds instead of hanging."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 @pytest.fixture
@@ -25,11 +21,8 @@ def fake():
 
 @pytest.fixture
 def engine(fake):
-    eng = AsyncLLMEngine(lambda: fake, "fake-model")
-    eng.start()
-    wait_for(lambda: eng.is_ready, what="engine ready")
-    yield eng
-    eng.shutdown()
+    with started_engine(fake) as eng:
+        yield eng
 
 
 async def _collect(eng, prompt, params, request_id):

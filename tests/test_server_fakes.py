@@ -6,6 +6,7 @@ reported once with finish_reason "abort". Its "model" writes ``REPLY`` from an o
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import socket
 import threading
@@ -213,6 +214,25 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+
+
+def run(coro, timeout: float = 20.0):
+    """Run ``coro`` on a fresh event loop, failing after ``timeout`` seconds instead of hanging."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@contextmanager
+def started_engine(fake) -> Iterator[object]:
+    """An ``AsyncLLMEngine`` over ``fake``, started and ready; shut down on exit."""
+    from engine.async_engine import AsyncLLMEngine
+
+    eng = AsyncLLMEngine(lambda: fake, "fake-model")
+    eng.start()
+    wait_for(lambda: eng.is_ready, what="engine ready")
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
