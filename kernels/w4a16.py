@@ -176,8 +176,13 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
             arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == splits - 1:
                 y = tl.zeros([BLOCK_N], tl.float32)
-                for s in range(splits):
-                    y += tl.load(part_ptr + s * N + n, mask=nmask, other=0.0, cache_modifier=".cg")
+                for s0 in range(0, splits, 4):  # four splits' loads in flight, added in split order
+                    got = ()
+                    for u in tl.static_range(4):
+                        got = got + (tl.load(part_ptr + (s0 + u) * N + n, mask=nmask & (n * 0 + s0 + u < splits),
+                                             other=0.0, cache_modifier=".cg"),)
+                    for u in tl.static_range(4):
+                        y += got[u]
                 if HAS_BIAS:
                     y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
                 tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
