@@ -58,6 +58,15 @@ class EngineOverloadedError(RuntimeError):
 
 
 _ACCEPTED = object()  # first item on a request's queue once the engine has taken it
+_ABORTED = object()  # last item on a request's queue when ``AsyncLLMEngine.abort`` ended it from outside
+
+
+class _FailedRoute:
+    """The route of a request whose step failed: the ``LLMEngine`` may still hold an output of it, delivered by its
+    next step. Never live, so that output reaches nobody, and a reused id stays parked until it is out."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
 OutputListener = Callable[[list[RequestOutput]], None]
 
 
@@ -85,8 +94,12 @@ class RequestStream:
             self._engine._abort_stream(self)
 
     async def wait_accepted(self) -> None:
-        """Wait until the engine took the request; raise its rejection (and mark the stream finished)."""
+        """Wait until the engine took the request; raise its rejection (and mark the stream finished), or
+        ``asyncio.CancelledError`` when it was aborted by id first."""
         item = await self._queue.get()
+        if item is _ABORTED:
+            self.finished = True
+            raise asyncio.CancelledError(f"request {self.request_id!r} was aborted")
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -102,16 +115,21 @@ class RequestStream:
                 raise error
             raise StopAsyncIteration
         item = await self._queue.get()
-        while not isinstance(item, BaseException) and not self._queue.empty():
+        while not isinstance(item, BaseException) and item is not _ABORTED and not self._queue.empty():
             newer = self._queue.get_nowait()
-            if isinstance(newer, BaseException):
-                self._error = newer  # raised on the next call, after this output
+            if isinstance(newer, BaseException) or newer is _ABORTED:
+                # an error is raised on the next call, after this output; an abort by id ends the iteration there
+                self._error = newer if newer is not _ABORTED else None
+                self.finished = newer is _ABORTED
                 break
             item = newer  # a newer cumulative output supersedes this one
+        if item is _ABORTED:  # aborted by id from outside: the iteration ends
+            self.finished = True
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        self.finished = item.finished
+        self.finished = self.finished or item.finished
         return item
 
     def abort(self) -> None:
@@ -256,6 +274,7 @@ class AsyncLLMEngine:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._send(("abort", stream))
+            stream.put_threadsafe(_ABORTED)  # a consumer still reading it stops (its outputs stop here)
 
     # ---- live streams, from any thread ----
     def _register(self, stream: RequestStream) -> None:
@@ -302,6 +321,8 @@ class AsyncLLMEngine:
                 self._wakeup.clear()  # before draining: a command sent after this sets it again
                 self._drain_commands()
                 if not self._engine.has_unfinished_requests():
+                    if self._clear_failed_routes():  # nothing is held any more: parked requests may enter
+                        continue
                     self._stats = self._engine.get_stats()
                     self._wakeup.wait()
                     continue
@@ -313,6 +334,7 @@ class AsyncLLMEngine:
                 self._failed_steps = 0
                 self._stats = self._engine.get_stats()
                 self._deliver(outputs)
+                self._clear_failed_routes()  # a step that succeeds delivers every output held before it
         except BaseException as e:  # noqa: BLE001 - any failure makes the engine dead, never a hung request
             logger.exception("engine thread died")
             self.error = e
@@ -332,11 +354,21 @@ class AsyncLLMEngine:
             if self._failed_steps >= MAX_FAILED_STEPS:
                 raise e
         for request_id in e.request_ids:
-            stream = self._routes.pop(request_id, None)
-            if stream is not None and self._release(stream):
+            stream = self._routes.get(request_id)
+            if stream is None:
+                continue
+            self._routes[request_id] = _FailedRoute(request_id)  # cleared after the next step that succeeds
+            if self._release(stream):
                 stream.put_threadsafe(e.cause if e.request_error else e)
         self._stats = self._engine.get_stats()
         self._deliver(e.outputs)
+
+    def _clear_failed_routes(self) -> bool:
+        """Free the ids of requests whose step failed (their held outputs are out by now); True if there were any."""
+        failed = [r for r, stream in self._routes.items() if isinstance(stream, _FailedRoute)]
+        for request_id in failed:
+            del self._routes[request_id]
+        return bool(failed)
 
     def _drain_commands(self) -> None:
         """Admit the parked requests whose id came free, then apply the commands in the order they were sent."""

@@ -13,7 +13,6 @@ from engine.sampling_params import SamplingParams
 from test_server_fakes import FakeEngine, fake_completion, run, started_engine, wait_for
 
 
-
 @pytest.fixture
 def fake():
     return FakeEngine(max_model_len=128, max_num_seqs=2)

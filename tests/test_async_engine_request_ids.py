@@ -12,13 +12,13 @@ import pytest
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
+from engine.errors import StepFailed
 from engine.sampling_params import SamplingParams
 from test_server_fakes import FakeEngine, fake_completion, run, started_engine, wait_for
 
 OLD_PROMPT, NEW_PROMPT = "the old request, long enough to differ", "new"
 OLD_PARAMS = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # still running when aborted
 NEW_PARAMS = SamplingParams(temperature=0, max_tokens=8)
-
 
 
 @pytest.fixture
@@ -120,3 +120,70 @@ def test_a_reused_id_gets_only_its_own_outputs_on_the_real_engine(demo_model):
         assert eng.num_requests == 0 and not eng.engine.requests and eng.get_stats().kv_cache_usage == 0
     finally:
         eng.shutdown()
+
+
+class _FailsHoldingAnOutput(FakeEngine):
+    """Fails a step the way ``LLMEngine`` does when a launch raises: request "x" leaves the engine and its last
+    output is held, delivered by the next step. The failing step first waits for ``ready()`` (the test's abort and
+    re-add of "x" are queued), so the re-add is drained before the held output comes out."""
+
+    ready = None
+    in_failing_step = False  # True while the failing step waits for ``ready()``
+
+    def step(self):
+        if self.ready is not None and any(r.request_id == "x" for r in self.running):
+            self.in_failing_step = True
+            wait_for(self.ready, what="the abort and the re-add queued")
+            self.ready = None
+            old = next(r for r in self.running if r.request_id == "x")
+            self.running.remove(old)
+            old.done = ["abort"] * len(old.done)
+            self.pending_aborts.append(old)  # the held output: out with the next step
+            raise StepFailed(["x"], RuntimeError("device error"))
+        return super().step()
+
+
+def test_a_reused_id_waits_for_the_output_a_failed_step_held():
+    fake = _FailsHoldingAnOutput(max_model_len=128, max_num_seqs=2, step_delay=0.01)
+    with started_engine(fake) as eng:
+        alone = run(_outputs(eng, NEW_PROMPT, NEW_PARAMS, "alone"))
+
+        async def main():
+            old = await eng.add_request("x", OLD_PROMPT, OLD_PARAMS)
+            assert not (await old.__anext__()).finished
+            fake.ready = lambda: eng._commands.qsize() >= 2
+            while not fake.in_failing_step:  # the engine thread is in the step that will fail
+                await asyncio.sleep(0.001)
+            old.abort()
+            new = await eng.add_request("x", NEW_PROMPT, NEW_PARAMS)  # accepted once the held output is out
+            return [out async for out in new]
+
+        _assert_only_its_own(run(main()), alone)
+        wait_for(lambda: eng.get_stats().num_running == 0 and not fake.pending_aborts, what="engine idle")
+        assert eng.num_requests == 0 and not eng._routes and not eng._parked
+
+
+def test_abort_by_id_ends_the_stream_of_whoever_reads_it():
+    """``abort(request_id)`` from outside ends a stream being read (no hang), and a request not yet accepted
+    either raises CancelledError from ``add_request`` or yields nothing."""
+    fake = FakeEngine(max_model_len=128, max_num_seqs=2, step_delay=0.05)
+    with started_engine(fake) as eng:
+        async def main():
+            stream = await eng.add_request("y", OLD_PROMPT, OLD_PARAMS)
+            first = await stream.__anext__()
+            eng.abort("y")
+            rest = [out async for out in stream]
+            task = asyncio.create_task(eng.add_request("z", NEW_PROMPT, NEW_PARAMS))
+            await asyncio.sleep(0)  # registered and sent: the engine thread is in its 50 ms step
+            eng.abort("z")
+            try:
+                late = [out async for out in await task]
+            except asyncio.CancelledError:
+                late = None
+            return first, rest, late
+
+        first, rest, late = run(main())
+        assert not first.finished and not any(out.finished for out in rest) and len(rest) <= 1
+        assert late in (None, [])
+        wait_for(lambda: eng.get_stats().num_running == 0 and not fake.pending_aborts, what="engine idle")
+        assert eng.num_requests == 0 and "y" in fake.aborted
