@@ -58,7 +58,8 @@ def test_rotary(dtype, tokens, q_heads, kv_heads, dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,q_heads,kv_heads,dim,block_size", [(1, 4, 2, 64, 16), (9, 9, 3, 64, 8),
-                                                                    (4, 3, 1, 80, 16)])
+                                                                    (4, 3, 1, 80, 16),
+                                                                    (2, 64, 8, 128, 16)])  # 8 warps (70B heads)
 def test_rotary_write_kv(dtype, tokens, q_heads, kv_heads, dim, block_size):
     """Rotary with the KV write fused: the same q, and the same caches, as rotary then write_kv_cache (slot -1
     skipped, every other slot written)."""

@@ -138,6 +138,8 @@ MMA_PLANS = {  # num_stages=1 as in the shipped plans (the kernel prefetches the
     "mma_k_warps": w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, num_warps=4, num_stages=1, k_warps=4),
     "mma_k_warps_split": w4a16.Plan("mma", block_m=8, block_n=128, block_k=32, k_per_split=128, num_warps=4,
                                     num_stages=1, k_warps=2),
+    "mma_k_warps_two_launches": w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, k_per_split=128, num_warps=4,
+                                           num_stages=1, k_warps=4, serial=False),
 }
 
 
@@ -153,6 +155,8 @@ MMA_PLANS = {  # num_stages=1 as in the shipped plans (the kernel prefetches the
     ("ct_sym", -1, False, 8, 200, 104, torch.float16, torch.float16, "mma_k_warps"),  # ragged: warps past K
     ("ct_asym", 128, False, 16, 256, 128, torch.bfloat16, torch.bfloat16, "mma_k_warps_split"),
     ("gptq", 64, True, 3, 320, 96, torch.bfloat16, torch.bfloat16, "mma_k_warps_split"),  # short last split
+    ("awq", 32, False, 4, 288, 128, torch.bfloat16, torch.bfloat16, "mma_k_warps_split"),  # last split: one tile
+    ("ct_asym", 32, False, 2, 416, 64, torch.float16, torch.float16, "mma_k_warps_two_launches"),
 ])
 def test_mma_path(fmt, group, act_order, m, k, n, dtype, scale_dtype, plan):
     """The tensor-core GEMV (interpreted: its mma computed from the same per-lane fragments, kernels/w4a16_mma.py)
