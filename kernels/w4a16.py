@@ -474,9 +474,10 @@ class Plan:
     """How one W4A16 call runs: ``path`` "gemv" | "mma" | "gemm" | "tc" | "dequant"; tile sizes (``mma``: block_n
     is 64 x num_warps / k_warps, each warp owning 64 columns and ``k_warps`` warps sharing them, each taking every
     k_warps-th K tile of the split, their sums added in shared memory; block_m unused); K per split (a multiple of
-    block_k, and of block_k x k_warps for the mma path; >= K means no split); ``swap`` computes the transposed product in the GEMM; ``fast`` its scale-after
-    -the-dot dequantization (4-bit, block_k >= 128, fp16/bf16 activations; see ``_gemm_kernel``); ``serial``: the
-    GEMV adds its split-K partial sums in the same launch (see ``_gemv_kernel``), else in a second kernel. ``tc``
+    block_k, and of block_k x k_warps for the mma path; >= K means no split); ``swap`` computes the transposed
+    product in the GEMM; ``fast`` its scale-after-the-dot dequantization (4-bit, block_k >= 128, fp16/bf16
+    activations; see ``_gemm_kernel``); ``serial``: the GEMV adds its split-K partial sums in the same launch (see
+    ``_gemv_kernel``), else in a second kernel. ``tc``
     (4-bit): ``_gemm_tc_kernel``, ``swap`` as for the GEMM, ``mode`` its dequantization (``_tc_pair``; bf16 x on a
     GPU only, else 0)."""
 

@@ -103,8 +103,8 @@ def _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k0, GROUP: tl.const
              EVEN: tl.constexpr):
     """The weight loads of the K tile from row k0 (a scalar, or [T]: each warp's own tile), all issued before any
     is used: per step s the lane's words [T, 4] at word row w = k0 / 8 + 4 s + tg, columns col_lo .. + 3 and
-    col_hi .. + 3; then the tile's scales [T, 4] (their dtype) and zero words [T] for both column sets. EVEN: every load is inside the tensors
-    (no masks); else rows past K and columns past N read 0."""
+    col_hi .. + 3; then the tile's scales [T, 4] (their dtype) and zero words [T] for both column sets. EVEN: every
+    load is inside the tensors (no masks); else rows past K and columns past N read 0."""
     ar = tl.arange(0, 4)[None, :]
     steps = ()
     for s in tl.static_range(STEPS):
@@ -338,8 +338,9 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     v // CW + KW, ... of rows k_per_split p1 .. (a multiple of BLOCK_K KW, the caller checks); the KW warps of a
     column block add their sums through shared memory before the store. x: int32 words [M, x_row] (two 16-bit
     values each). With two sets of 8 rows of x each A fragment meets two B fragments (two mmas for one
-    dequantization). EVEN: K is a multiple of BLOCK_K KW and N of 64 CW (no masks). BLOCK_K (a multiple of 32 rows: one step each) divides GROUP, or
-    GROUP >= K: one scale per column per K tile, applied to the tile's fp32 mma sums. SPLIT / SERIAL: as
+    dequantization). EVEN: K is a multiple of BLOCK_K KW and N of 64 CW (no masks). BLOCK_K (a multiple of 32
+    rows: one step each) divides GROUP, or GROUP >= K: one scale per column per K tile, applied to the tile's fp32
+    mma sums. SPLIT / SERIAL: as
     :func:`kernels.w4a16._gemv_kernel` (fp32 partials in part [splits, M, N]; the last program of a column block to
     arrive adds them in split order)."""
     T: tl.constexpr = WARPS * 32
