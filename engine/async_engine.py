@@ -16,7 +16,8 @@ refused with ``ValueError`` (as vLLM's AsyncLLM), and an id may be reused as soo
 ``RequestStream`` object is its request's key: commands carry the stream, and the engine thread routes the
 ``LLMEngine``'s outputs through ``_routes`` (id inside the ``LLMEngine`` -> the stream of the request it holds
 under that id). A reused id enters the ``LLMEngine`` only once the old request's last output (its "abort") is
-out, so the ``LLMEngine`` never holds two requests of one id and nothing of the old one reaches the new stream.
+out, so the ``LLMEngine`` never holds two requests of one id and nothing of the old one reaches the new stream
+(after a failed step, until the next step that succeeds: the ``LLMEngine`` delivers what it held then).
 """
 from __future__ import annotations
 
@@ -166,7 +167,8 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._lock = threading.RLock()  # makes registering a stream, and releasing a given one, atomic
         self._streams: dict[str, RequestStream] = {}  # the live requests by id
-        self._routes: dict[str, RequestStream] = {}  # engine thread only: id in the LLMEngine -> its request's stream
+        # engine thread only: id in the LLMEngine -> its request's stream (a _FailedRoute after a failed step)
+        self._routes: dict[str, RequestStream | _FailedRoute] = {}
         self._parked: dict[str, tuple] = {}  # engine thread only: "add"s waiting for an old request of their id to end
         self._listeners: list[OutputListener] = []
         self._stats: EngineStats | None = None
