@@ -108,12 +108,19 @@ def _step_profile(llm: LLM, steps: int = 8, top: int = 12) -> list[tuple[str, fl
     return rows[:top]
 
 
-def _bs1_engine(model_dir: str, eager: bool) -> LLM:
-    """The 7B-shaped model at batch 1 on the GPU, warmed up (graphs captured unless ``eager``)."""
-    llm = LLM(model_dir, device="cuda", max_num_seqs=1, max_model_len=1024, enforce_eager=eager,
+def _decode_engine(model_dir: str, eager: bool = False, batch: int = 1) -> LLM:
+    """The 7B-shaped model on the GPU for ``batch`` sequences, warmed up (graphs captured unless ``eager``)."""
+    llm = LLM(model_dir, device="cuda", max_num_seqs=batch, max_model_len=1024, enforce_eager=eager,
               gpu_memory_utilization=0.3)
-    _decode_tok_s(llm, 32, 16)
+    _batch_decode_tok_s(llm, batch, 32, 16, warm_steps=2 if batch == 1 else 4)
     return llm
+
+
+def _bytes_per_step(llm: LLM, batch: int = 1, context: int = 160) -> float:
+    """Bytes a decode step of ``batch`` sequences reads: the weights once, and each sequence's KV cache
+    (``context`` tokens, about the mean of the timed steps)."""
+    kv_per_token = llm.engine.runner._bytes_per_block() / llm.engine.config.block_size
+    return _weight_bytes(llm) + kv_per_token * context * batch
 
 
 #: The CUDA-core GEMV plans the tensor-core ("mma") GEMV replaced at M = 1 (TUNED before the fifth session)
@@ -146,15 +153,14 @@ def decode_rows(ctx: dict, make_row) -> list:
     tok_s, notes = {}, {}
     for eager in (False, True):
         torch.cuda.reset_peak_memory_stats()
-        llm = _bs1_engine(model_dir, eager)
+        llm = _decode_engine(model_dir, eager)
         tok_s[eager] = _decode_tok_s(llm, 32, 256)
         if not eager:
             llm.engine.async_scheduling = False
             tok_s["sync"] = _decode_tok_s(llm, 32, 256)
         if eager:
             ctx["log"]["decode_profile"] = _step_profile(llm)
-        kv_bytes = llm.engine.runner._bytes_per_block() / llm.engine.config.block_size * 160
-        bytes_per_step = _weight_bytes(llm) + kv_bytes
+        bytes_per_step = _bytes_per_step(llm)
         notes[eager] = (f"{tok_s[eager]:.0f} tok/s; {bytes_per_step / 1e9:.2f} GB/step; "
                         f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         del llm
@@ -162,20 +168,18 @@ def decode_rows(ctx: dict, make_row) -> list:
     with_pdl = pdl(torch.empty(0, device="cuda"))
     if with_pdl:  # Hopper: the same graphs, captured with every kernel launched without PDL
         with without_pdl():
-            llm = _bs1_engine(model_dir, False)
+            llm = _decode_engine(model_dir)
             tok_s["nopdl"] = _decode_tok_s(llm, 32, 256)
         del llm
         _free()
     with cuda_core_gemv():
-        llm = _bs1_engine(model_dir, False)
+        llm = _decode_engine(model_dir)
         tok_s["cuda_core"] = _decode_tok_s(llm, 32, 256)
     del llm
     _free()
-    llm = LLM(model_dir, device="cuda", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.3)
-    _batch_decode_tok_s(llm, 8, 32, 16)  # warm-up
+    llm = _decode_engine(model_dir, batch=8)
     tok_s["batch8"] = _batch_decode_tok_s(llm, 8, 32, 256)
-    kv8 = llm.engine.runner._bytes_per_block() / llm.engine.config.block_size * 160 * 8
-    bytes8 = _weight_bytes(llm) + kv8
+    bytes8 = _bytes_per_step(llm, batch=8)
     del llm
     _free()
     bound_us = bytes_per_step / ctx["copy_bw"] * 1e6

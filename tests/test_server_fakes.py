@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 import uvicorn
 
+from engine.async_engine import AsyncLLMEngine
 from engine.errors import ContextLengthError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -222,10 +223,8 @@ def run(coro, timeout: float = 20.0):
 
 
 @contextmanager
-def started_engine(fake) -> Iterator[object]:
+def started_engine(fake) -> Iterator[AsyncLLMEngine]:
     """An ``AsyncLLMEngine`` over ``fake``, started and ready; shut down on exit."""
-    from engine.async_engine import AsyncLLMEngine
-
     eng = AsyncLLMEngine(lambda: fake, "fake-model")
     eng.start()
     wait_for(lambda: eng.is_ready, what="engine ready")
@@ -251,7 +250,6 @@ def demo_model_server(**config_kw) -> Iterator[tuple[str, object]]:
     """``(base URL, AsyncLLMEngine)`` of uvicorn serving the real engine over the demo model on the CPU, loaded;
     ``config_kw`` are ``EngineConfig`` fields. Skips the test when the demo model is not installed."""
     from appliance.demo_model import DemoModelMissing, demo_model_dir
-    from engine.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
     from engine.server.api_server import build_app
 
