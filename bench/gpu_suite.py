@@ -23,6 +23,7 @@ last and appended to ``--results`` (and written to ``$OUT/results.md``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -407,6 +408,29 @@ def sdpa_decode(q4, k4, v4):
     return F.scaled_dot_product_attention(q4, k4, v4, scale=HEAD_DIM ** -0.5, enable_gqa=True)
 
 
+def decode_fp8_row(batch: int, ctx: int, pool_k, pool_v, sets, copies: int, base: float, backend: str,
+                   copy_bw: float, log: dict) -> Row:
+    """The decode kernel on the same K/V in an fp8 e4m3 cache (shipped settings), against the bf16 SDPA time; its
+    output checked against SDPA on the fp8-rounded K/V."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    k8, v8 = pool_k.to(torch.float8_e4m3fn), pool_v.to(torch.float8_e4m3fn)
+    scale = HEAD_DIM ** -0.5
+    q, tables, lens, (q4, k4, v4) = sets[0]
+    out = pa.paged_attention_decode(q, k8, v8, tables, lens, scale)
+    rounded = (q4, k4.to(torch.float8_e4m3fn).to(torch.bfloat16), v4.to(torch.float8_e4m3fn).to(torch.bfloat16))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if backend == "flash" else contextlib.nullcontext():
+        ref = sdpa_decode(*rounded)[:, :, 0]
+    err = (out.float() - ref.float()).abs().max().item()
+    check(f"decode fp8 B={batch} ctx={ctx} vs SDPA on fp8-rounded K/V max err {err:.1e}", err < 2e-2)
+    us = time_calls([lambda i=i: pa.paged_attention_decode(sets[i][0], k8, v8, sets[i][1], sets[i][2], scale)
+                     for i in schedule(copies)])
+    frac = batch * ctx * KV_HEADS * HEAD_DIM * 2 / (us * 1e-6) / copy_bw
+    log.setdefault("decode_fp8", []).append(dict(batch=batch, ctx=ctx, ours_us=us, sdpa_us=base, bw_frac=frac))
+    del k8, v8
+    return Row("paged decode, fp8 KV cache, vs SDPA (bf16)", f"B={batch}, ctx={ctx}", us,
+               f"SDPA ({backend}), contiguous bf16", base, None, f"{frac:.0%} of copy BW (fp8 bytes)")
+
+
 def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
     rows = []
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -466,6 +490,7 @@ def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
                         1.0, note))
         log.setdefault("decode", []).append(dict(batch=batch, ctx=ctx, ours_us=us, sdpa_us=base, bw_frac=frac,
                                                  cfg=best_cfg))
+        rows.append(decode_fp8_row(batch, ctx, pool_k, pool_v, sets, copies, base, backend, copy_bw, log))
         del pool_k, pool_v, sets
         torch.cuda.empty_cache()
     return rows

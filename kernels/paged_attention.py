@@ -106,6 +106,20 @@ def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, scale_log2):
 
 
 @device_fn
+def _kv_tile(ptrs, mask, dtype, BYTES: tl.constexpr):
+    """A K or V tile [BLOCK_N, BLOCK_D] in the products' ``dtype``, 0 where ``mask`` is False. BYTES: an fp8 e4m3
+    cache read as uint8 and converted to fp16 by inline PTX (``cvt.rn.f16x2.e4m3x2``, four bytes per call, exact).
+    Triton's own ``.to`` moves an fp8 tile's conversion behind shared memory, read back by scalar loads (about four
+    times the ``LDS`` of a bf16 tile); this one is opaque to that. H200 probe, same settings (bench/RESULTS.md,
+    seventh session): 216 vs 250 us at B = 64, 4k context, 8 KV heads; 428 vs 563 at B = 256, 608, 32 KV heads."""
+    if BYTES:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [tl.load(ptrs, mask=mask, other=0)], dtype=tl.float16, is_pure=True, pack=4)
+    return tl.load(ptrs, mask=mask, other=0.0).to(dtype)
+
+
+@device_fn
 def _to_f16(q):
     """q for an fp8 cache: the products run in fp16, into which e4m3 K and V convert exactly, two values per
     instruction (to bf16 takes a scalar conversion per value: 10-14% slower decode on an H200, bench/RESULTS.md).
@@ -119,11 +133,12 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
                    stride_bt, stride_ob, stride_oh, num_splits,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-                   PDL: tl.constexpr):
+                   KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, PDL: tl.constexpr):
     """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [split*chunk, +chunk) of one
     sequence; every KV tile is loaded once for the whole group. Without SPLIT the result goes to ``out``; with it,
     the normalised partial output to ``po`` [B, Hq, splits, D] fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]
-    (nothing is written for a split past the context: the merge skips those)."""
+    (nothing is written for a split past the context: the merge skips those). KV_FP8 / KV_BYTES: see
+    :func:`_cache_args`."""
     pdl_wait(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
@@ -136,7 +151,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    elif kc_ptr.dtype.element_ty == tl.float8e4nv:
+    elif KV_FP8:
         q = _to_f16(q)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -148,10 +163,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
         page = tl.load(bt_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         row = (tok % BLOCK_SIZE)[:, None]
         kvmask = tmask[:, None] & (d < DIM)[None, :]
-        k = tl.load(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :], mask=kvmask,
-                    other=0.0).to(q.dtype)
-        v = tl.load(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :], mask=kvmask,
-                    other=0.0).to(q.dtype)
+        k = _kv_tile(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :],
+                     kvmask, q.dtype, KV_BYTES)
+        v = _kv_tile(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :],
+                     kvmask, q.dtype, KV_BYTES)
         m_i, l_i, acc = _online_softmax_step(q, k, v, tmask[None, :], m_i, l_i, acc, scale_log2)
     acc = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SPLIT:
@@ -199,6 +214,16 @@ def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> 
     return min(chunk, whole)
 
 
+def _cache_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The caches as the kernels take them, and their KV_FP8 / KV_BYTES constexprs: KV_FP8 for an fp8 e4m3 cache
+    (products in fp16, see :func:`_to_f16`); compiled, such a cache goes in as uint8 views with KV_BYTES
+    (converted by :func:`_kv_tile`); interpreted, as it is (the interpreter has no inline PTX)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and not dot_f32(q):
+        return k_cache.view(torch.uint8), v_cache.view(torch.uint8), dict(KV_FP8=True, KV_BYTES=True)
+    return k_cache, v_cache, dict(KV_FP8=fp8, KV_BYTES=False)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Triton :func:`paged_attention_decode_ref` (same arguments and result), without host syncs (graph-safe).
@@ -208,17 +233,29 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits the context in chunks
     (:func:`decode_split_chunk`) when B * Hkv is too small to fill the GPU, then merges them in a second launch.
     """
-    return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, **DECODE_CONFIG)
+    config = DECODE_CONFIG_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_CONFIG
+    return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, **config)
 
 
 #: Tile and launch settings of the decode kernel (measured on an H200: bench/gpu_suite.py --sweep).
 DECODE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3)
+#: The same for an fp8 cache: 128 fp8 tokens are the bytes of the bf16 tile (H200 probe, bench/RESULTS.md, seventh
+#: session: 218 vs 284 us with the bf16 settings at B = 64, 4k context). :func:`decode_with` narrows the tile to
+#: the chunk when the context is split finer (B = 1 up to 4k: 64 tokens per split).
+DECODE_CONFIG_FP8 = dict(block_n=128, num_warps=4, num_stages=3)
+
+
+def decode_tile(block_n: int, chunk: int) -> int:
+    """The decode kernel's KV tile in tokens: ``block_n``, narrowed to the largest power of two <= ``chunk`` (at
+    least 16, ``tl.dot``'s minimum) when the splits are shorter, so no tile is mostly masked."""
+    return min(block_n, max(16, 1 << (chunk.bit_length() - 1)))
 
 
 def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, chunk: int | None = None,
                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """:func:`paged_attention_decode` with explicit settings (the benchmark sweeps them): ``chunk`` tokens per
-    split (a multiple of ``block_n``; None = :func:`decode_split_chunk`), KV tile ``block_n`` tokens."""
+    split (None = :func:`decode_split_chunk`), KV tile ``block_n`` tokens (narrowed to a power of two <= the
+    chunk)."""
     batch, q_heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
@@ -229,17 +266,19 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
     if chunk is None:
         chunk = decode_split_chunk(batch, kv_heads, max_tokens, num_sms(q.device))
     splits = cdiv(max_tokens, chunk)
+    block_n = decode_tile(block_n, chunk)
     if splits > 1:
         po = torch.empty(batch, q_heads, splits, dim, dtype=torch.float32, device=q.device)
         plse = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     else:
         po = plse = out
+    kc, vc, kv_meta = _cache_args(q, k_cache, v_cache)
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, po, plse, scale * LOG2E, chunk,
+        q, kc, vc, block_tables, context_lens, out, po, plse, scale * LOG2E, chunk,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), splits, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
         BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
-        DOT_F32=dot_f32(q), PDL=pdl(q), num_warps=num_warps, num_stages=num_stages)
+        DOT_F32=dot_f32(q), PDL=pdl(q), num_warps=num_warps, num_stages=num_stages, **kv_meta)
     if splits > 1:
         _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, chunk, splits, out.stride(0), out.stride(1),
                                         DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), PDL=pdl(q),
@@ -253,12 +292,13 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                     stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                    DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M) + S, Hq): one tile of BLOCK_M new tokens of one sequence, one query head.
 
     Sequence s owns tiles from ``cu[s] // BLOCK_M + s`` on (an upper bound of the tiles before it), found by binary
     search; tiles past a sequence's new tokens do nothing. Query i of a sequence with context c and n new tokens
-    sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal).
+    sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal). KV_FP8 / KV_BYTES: see
+    :func:`_cache_args`.
     """
     pdl_wait(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
@@ -284,7 +324,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                 mask=rmask[:, None] & dmask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    elif kc_ptr.dtype.element_ty == tl.float8e4nv:
+    elif KV_FP8:
         q = _to_f16(q)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -297,10 +337,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
         page = tl.load(bt_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         row = (tok % BLOCK_SIZE)[:, None]
         kvmask = tmask[:, None] & dmask
-        k = tl.load(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :], mask=kvmask,
-                    other=0.0).to(q.dtype)
-        v = tl.load(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :], mask=kvmask,
-                    other=0.0).to(q.dtype)
+        k = _kv_tile(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :],
+                     kvmask, q.dtype, KV_BYTES)
+        v = _kv_tile(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :],
+                     kvmask, q.dtype, KV_BYTES)
         causal = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
         m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2)
     acc = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -321,11 +361,12 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     interp = dot_f32(q)
     block_m = 16 if interp else 64
+    kc, vc, kv_meta = _cache_args(q, k_cache, v_cache)
     _prefill_kernel[(cdiv(tokens, block_m) + num_seqs, q_heads)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E, num_seqs,
+        q, kc, vc, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q_heads // k_cache.shape[2], DIM=dim, BLOCK_D=max(16, next_pow2(dim)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if interp else 64,
         SEARCH_STEPS=max(1, num_seqs.bit_length()), DOT_F32=interp, PDL=pdl(q), num_warps=4,
-        num_stages=2)
+        num_stages=2, **kv_meta)
     return out

@@ -61,6 +61,19 @@ def test_decode_fp8_cache(lengths):
     check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 0.125 / 30)
 
 
+def test_decode_tile_narrows_to_the_chunk():
+    """A KV tile wider than the chunk (the fp8 settings' 128 tokens against 64-token splits) is narrowed to a power
+    of two that fits: a 48-token chunk runs 32-token tiles, and the merge of the splits gives the reference."""
+    assert [pa.decode_tile(128, c) for c in (64, 48, 128, 640, 8)] == [64, 32, 128, 128, 16]
+    assert pa.decode_tile(64, 4096) == 64
+    lengths = [100, 47]
+    k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
+    q = torch.randn(len(lengths), 4, 32, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    out = pa.decode_with(q, k_cache, v_cache, tables, ctx, 32 ** -0.5, chunk=48, block_n=128)
+    check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 32 ** -0.5)
+
+
 def test_decode_split_chunks_are_shape_only():
     assert pa.decode_split_chunk(64, 8, 4096, 132) == 4096  # 512 programs fill the GPU: one split
     assert pa.decode_split_chunk(1, 8, 16384, 132) == 256
