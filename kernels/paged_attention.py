@@ -233,16 +233,22 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits the context in chunks
     (:func:`decode_split_chunk`) when B * Hkv is too small to fill the GPU, then merges them in a second launch.
     """
-    config = DECODE_CONFIG_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_CONFIG
+    config = DECODE_CONFIG
+    if k_cache.dtype == torch.float8_e4m3fn:
+        config = DECODE_CONFIG_FP8 if q.shape[1] > k_cache.shape[2] else DECODE_CONFIG_FP8_MHA
     return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, **config)
 
 
 #: Tile and launch settings of the decode kernel (measured on an H200: bench/gpu_suite.py --sweep).
 DECODE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3)
-#: The same for an fp8 cache: 128 fp8 tokens are the bytes of the bf16 tile (H200 probe, bench/RESULTS.md, seventh
-#: session: 218 vs 284 us with the bf16 settings at B = 64, 4k context). :func:`decode_with` narrows the tile to
-#: the chunk when the context is split finer (B = 1 up to 4k: 64 tokens per split).
-DECODE_CONFIG_FP8 = dict(block_n=128, num_warps=4, num_stages=3)
+#: The same for an fp8 cache with grouped KV heads (GQA): 128 fp8 tokens are the bytes of the bf16 tile, and two
+#: warps beat four (H200 probes, bench/RESULTS.md, seventh session: 193 us at B = 64, 4k context, 8 KV heads,
+#: against 221 with four warps and 284 with the bf16 settings). :func:`decode_with` narrows the tile to the chunk
+#: when the context is split finer (B = 1 up to 4k: 64 tokens per split).
+DECODE_CONFIG_FP8 = dict(block_n=128, num_warps=2, num_stages=2)
+#: fp8 without grouping (one query head per KV head, as Llama-2-7B): 64 tokens (B = 256, 32 KV heads, 608 tokens:
+#: 409 us against 460 with 128 and 601 for the bf16 cache; 140 against 200 at 200 tokens).
+DECODE_CONFIG_FP8_MHA = dict(block_n=64, num_warps=2, num_stages=2)
 
 
 def decode_tile(block_n: int, chunk: int) -> int:

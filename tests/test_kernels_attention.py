@@ -51,11 +51,12 @@ def test_decode(dtype, lengths, q_heads, kv_heads, block_size):
 
 
 @pytest.mark.parametrize("lengths", [[15, 16, 17, 33], [300, 129]], ids=["no-split", "split"])
-def test_decode_fp8_cache(lengths):
+@pytest.mark.parametrize("q_heads", [4, 2], ids=["gqa", "mha"])  # the two fp8 settings
+def test_decode_fp8_cache(lengths, q_heads):
     """An fp8 e4m3 cache, converted to q's dtype on load: the reference on the same fp8 values."""
     k_cache, v_cache, tables = make_cache(lengths, 2, 64, 16, torch.float32)
     k_cache, v_cache = k_cache.mul(30).to(FP8), v_cache.to(FP8)  # K over fp8's range, V of order 1
-    q = torch.randn(len(lengths), 4, 64, dtype=torch.bfloat16)
+    q = torch.randn(len(lengths), q_heads, 64, dtype=torch.bfloat16)
     ctx = torch.tensor(lengths, dtype=torch.int32)
     out = pa.paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.125 / 30)
     check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 0.125 / 30)
