@@ -45,8 +45,9 @@ HAS_TRITON = triton is not None
 class Kernel:
     """A Triton kernel launched as ``kernel[grid](*args, **meta)``: compiled for CUDA tensors, interpreted for CPU."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, do_not_specialize: tuple[str, ...] = ()):
         self.fn = fn
+        self.do_not_specialize = do_not_specialize
         self._compiled = None
         self._interpreted = None
         functools.update_wrapper(self, fn)
@@ -64,7 +65,7 @@ class Kernel:
             with _interpreting():
                 return self._interpreted[grid](*args, **meta)
         if self._compiled is None:
-            self._compiled = triton.jit(self.fn)
+            self._compiled = triton.jit(self.fn, do_not_specialize=self.do_not_specialize)
         if meta.get("PDL"):
             meta["launch_pdl"] = True
         return self._compiled[grid](*args, **meta)
@@ -90,9 +91,13 @@ def _interpreted(fn):
     return InterpretedFunction(fn)
 
 
-def jit(fn) -> Kernel:
-    """Decorator: see :class:`Kernel`."""
-    return Kernel(fn)
+def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """Decorator: see :class:`Kernel`. ``@jit(do_not_specialize=("n",))``: Triton compiles one variant whatever the
+    integer argument ``n`` is (by default it specializes 1 and multiples of 16: a new compile, at serving time,
+    for an argument that changes from step to step)."""
+    if fn is None:
+        return lambda f: Kernel(f, do_not_specialize)
+    return Kernel(fn, do_not_specialize)
 
 
 def device_fn(fn):

@@ -292,7 +292,7 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
     return out
 
 
-@jit
+@jit(do_not_specialize=("num_seqs",))
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, scale_log2, num_seqs,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_bt, stride_ot, stride_oh,
@@ -354,6 +354,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
              acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask)
 
 
+#: Binary-search steps of the prefill kernel (a program finding its sequence) for up to 511 sequences, whatever
+#: their number: one compiled variant for every step (surplus steps keep the answer), where the number of steps
+#: as a constexpr compiled a new variant, at serving time, for each new bit length of the batch.
+PREFILL_SEARCH_STEPS = 9
+
+
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             scale: float) -> torch.Tensor:
@@ -373,6 +379,6 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q_heads // k_cache.shape[2], DIM=dim, BLOCK_D=max(16, next_pow2(dim)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if interp else 64,
-        SEARCH_STEPS=max(1, num_seqs.bit_length()), DOT_F32=interp, PDL=pdl(q), num_warps=4,
+        SEARCH_STEPS=max(PREFILL_SEARCH_STEPS, num_seqs.bit_length()), DOT_F32=interp, PDL=pdl(q), num_warps=4,
         num_stages=2, **kv_meta)
     return out
