@@ -249,7 +249,8 @@ class Background:
         return Status(mode=self.mode, running=pid is not None, pid=pid, detail=detail, log=str(self.log_file))
 
     def stop(self, timeout: float = 30.0) -> bool:
-        """SIGTERM the server's process group, SIGKILL it after ``timeout``; True if it was running."""
+        """SIGTERM the server's process group, SIGKILL it after ``timeout``; True if it was running. Returns once
+        no process of the group is left (the server's own children too, so its port and GPU memory are free)."""
         pid = self.pid()
         if pid is None:
             self.pid_file.unlink(missing_ok=True)
@@ -263,9 +264,9 @@ class Background:
                 raise ServiceError(f"not allowed to stop process {pid}",
                                    "run the command as the user who started it") from None
             deadline = time.monotonic() + timeout
-            while self.pid() is not None and time.monotonic() < deadline:
+            while (self.pid() is not None or _group_alive(pid)) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if self.pid() is None:
+            if self.pid() is None and not _group_alive(pid):
                 break
         self.pid_file.unlink(missing_ok=True)
         return True
@@ -291,6 +292,17 @@ class Background:
         was = self.stop()
         self.pid_file.unlink(missing_ok=True)
         return was
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` is left (zombies count until their parent reaps them)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def state_dir(data_dir: Path | str) -> Path:

@@ -124,3 +124,20 @@ def test_status_stop_logs_commands(bg):
     assert result.exit_code == 0 and "stopped" in result.output
     assert bg.status().running is False
     assert "not running" in runner.invoke(app, ["stop"]).output
+
+
+def test_stop_waits_for_the_servers_children(bg, tmp_path):
+    """The server dies at SIGTERM at once, its child (same process group) a second later: stop returns after both."""
+    child = tmp_path / "child.py"
+    child.write_text("import os, signal, sys, time\n"
+                     "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))\n"
+                     "print('child', os.getpid(), flush=True)\n"
+                     "time.sleep(300)\n")
+    server = tmp_path / "server.py"
+    server.write_text(f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, {str(child)!r}])\n"
+                      "time.sleep(300)\n")
+    bg.start([sys.executable, str(server)])
+    assert wait_for(lambda: any(line.startswith("child ") for line in bg.log_lines(5)))
+    child_pid = int(next(line for line in bg.log_lines(5) if line.startswith("child ")).split()[1])
+    assert bg.stop(timeout=10) is True
+    assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
