@@ -310,8 +310,9 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
     llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.9,
               kv_cache_dtype="fp8")
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    fp8 = max(tok_s(temperature=0), tok_s(temperature=0))  # best of two, as above: the first run of a new engine
-    # still compiles prefill variants the 4-token warm-up did not meet (~2.6 s with a cold Triton cache)
+    fp8 = max(tok_s(temperature=0), tok_s(temperature=0))  # best of two, as above: a first run of a new engine
+    # may still meet what its warm-up did not (it compiled prefill variants, 3 s with a cold Triton cache, before
+    # the prefill kernel stopped specializing on the batch; bench/RESULTS.md, seventh session)
     fp8_blocks = llm.engine.runner.num_blocks
     del llm
     _free()

@@ -411,9 +411,14 @@ def sdpa_decode(q4, k4, v4):
 def decode_fp8_row(batch: int, ctx: int, pool_k, pool_v, sets, copies: int, base: float, backend: str,
                    copy_bw: float, log: dict) -> Row:
     """The decode kernel on the same K/V in an fp8 e4m3 cache (shipped settings), against the bf16 SDPA time; its
-    output checked against SDPA on the fp8-rounded K/V."""
+    output checked against SDPA on the fp8-rounded K/V. The fp8 pool is repeated so that a graph replay still
+    reads ROTATE_BYTES (the copies of the bf16 pool hold half as many fp8 bytes)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    k8, v8 = pool_k.to(torch.float8_e4m3fn), pool_v.to(torch.float8_e4m3fn)
+    kv8_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM
+    reps = cdiv(rotation(kv8_bytes, cap=64), copies)
+    k8, v8 = pool_k.to(torch.float8_e4m3fn).repeat(reps, 1, 1, 1), pool_v.to(torch.float8_e4m3fn).repeat(reps, 1, 1, 1)
+    sets = [(q, tables + r * pool_k.shape[0], lens, sdpa) for r in range(reps) for q, tables, lens, sdpa in sets]
+    copies = len(sets)
     scale = HEAD_DIM ** -0.5
     q, tables, lens, (q4, k4, v4) = sets[0]
     out = pa.paged_attention_decode(q, k8, v8, tables, lens, scale)
@@ -424,7 +429,7 @@ def decode_fp8_row(batch: int, ctx: int, pool_k, pool_v, sets, copies: int, base
     check(f"decode fp8 B={batch} ctx={ctx} vs SDPA on fp8-rounded K/V max err {err:.1e}", err < 2e-2)
     us = time_calls([lambda i=i: pa.paged_attention_decode(sets[i][0], k8, v8, sets[i][1], sets[i][2], scale)
                      for i in schedule(copies)])
-    frac = batch * ctx * KV_HEADS * HEAD_DIM * 2 / (us * 1e-6) / copy_bw
+    frac = kv8_bytes / (us * 1e-6) / copy_bw
     log.setdefault("decode_fp8", []).append(dict(batch=batch, ctx=ctx, ours_us=us, sdpa_us=base, bw_frac=frac))
     del k8, v8
     return Row("paged decode, fp8 KV cache, vs SDPA (bf16)", f"B={batch}, ctx={ctx}", us,

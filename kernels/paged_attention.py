@@ -218,6 +218,8 @@ def _cache_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
     """The caches as the kernels take them, and their KV_FP8 / KV_BYTES constexprs: KV_FP8 for an fp8 e4m3 cache
     (products in fp16, see :func:`_to_f16`); compiled, such a cache goes in as uint8 views with KV_BYTES
     (converted by :func:`_kv_tile`); interpreted, as it is (the interpreter has no inline PTX)."""
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"paged attention: K and V caches differ in dtype ({k_cache.dtype}, {v_cache.dtype})")
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 and not dot_f32(q):
         return k_cache.view(torch.uint8), v_cache.view(torch.uint8), dict(KV_FP8=True, KV_BYTES=True)
@@ -247,7 +249,7 @@ DECODE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3)
 #: when the context is split finer (B = 1 up to 4k: 64 tokens per split).
 DECODE_CONFIG_FP8 = dict(block_n=128, num_warps=2, num_stages=2)
 #: fp8 without grouping (one query head per KV head, as Llama-2-7B): 64 tokens (B = 256, 32 KV heads, 608 tokens:
-#: 409 us against 460 with 128 and 601 for the bf16 cache; 140 against 200 at 200 tokens).
+#: 409 us against 460 with 128 and 601 for the bf16 cache; 140 against 199 at 200 tokens).
 DECODE_CONFIG_FP8_MHA = dict(block_n=64, num_warps=2, num_stages=2)
 
 
@@ -279,11 +281,15 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
     else:
         po = plse = out
     kc, vc, kv_meta = _cache_args(q, k_cache, v_cache)
+    block_d = max(16, next_pow2(dim))
+    if kv_meta["KV_BYTES"] and block_n * block_d < 4 * 32 * num_warps:  # the conversion takes 4 bytes per thread
+        raise ValueError(f"paged attention: an fp8 tile of {block_n} x {block_d} is too small for {num_warps} warps; "
+                         "use a larger block_n or fewer warps")
     _decode_kernel[(batch, kv_heads, splits)](
         q, kc, vc, block_tables, context_lens, out, po, plse, scale * LOG2E, chunk,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), splits, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
-        BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
         DOT_F32=dot_f32(q), PDL=pdl(q), num_warps=num_warps, num_stages=num_stages, **kv_meta)
     if splits > 1:
         _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, chunk, splits, out.stride(0), out.stride(1),
@@ -292,7 +298,7 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
     return out
 
 
-@jit(do_not_specialize=("num_seqs",))
+@jit(do_not_specialize=("num_seqs", "stride_bt"))  # both change from step to step
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, scale_log2, num_seqs,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_bt, stride_ot, stride_oh,

@@ -51,7 +51,7 @@ def test_decode(dtype, lengths, q_heads, kv_heads, block_size):
 
 
 @pytest.mark.parametrize("lengths", [[15, 16, 17, 33], [300, 129]], ids=["no-split", "split"])
-@pytest.mark.parametrize("q_heads", [4, 2], ids=["gqa", "mha"])  # the two fp8 settings
+@pytest.mark.parametrize("q_heads", [4, 2], ids=["gqa", "mha"])
 def test_decode_fp8_cache(lengths, q_heads):
     """An fp8 e4m3 cache, converted to q's dtype on load: the reference on the same fp8 values."""
     k_cache, v_cache, tables = make_cache(lengths, 2, 64, 16, torch.float32)
@@ -60,6 +60,39 @@ def test_decode_fp8_cache(lengths, q_heads):
     ctx = torch.tensor(lengths, dtype=torch.int32)
     out = pa.paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.125 / 30)
     check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 0.125 / 30)
+
+
+@pytest.mark.parametrize("config", ["DECODE_CONFIG_FP8", "DECODE_CONFIG_FP8_MHA"])
+def test_decode_fp8_shipped_tiles(config):
+    """The fp8 settings' own tiles (128 and 64 tokens), unsplit: one chunk spans each whole block table."""
+    lengths = [300, 129, 5, 200]
+    k_cache, v_cache, tables = make_cache(lengths, 2, 64, 16, torch.float32)
+    k_cache, v_cache = k_cache.mul(30).to(FP8), v_cache.to(FP8)
+    q = torch.randn(len(lengths), 4, 64, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    settings = getattr(pa, config)
+    out = pa.decode_with(q, k_cache, v_cache, tables, ctx, 0.125 / 30, chunk=tables.shape[1] * 16, **settings)
+    check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 0.125 / 30)
+
+
+def test_fp8_cache_goes_to_compiled_kernels_as_bytes():
+    """Compiled (any device but the CPU; ``meta`` here), an fp8 cache is passed as uint8 views of the same memory
+    layout for the inline-PTX conversion; interpreted, as it is. K and V of different dtypes are refused."""
+    k8 = torch.empty(5, 16, 2, 64, dtype=FP8, device="meta")[:, :, :, :32]  # not contiguous
+    v8 = torch.empty(5, 16, 2, 32, dtype=FP8, device="meta")
+    k, v, meta = pa._cache_args(torch.empty(1, 4, 32, device="meta"), k8, v8)
+    assert (k.dtype, v.dtype, meta) == (torch.uint8, torch.uint8, dict(KV_FP8=True, KV_BYTES=True))
+    assert (k.stride(), v.stride()) == (k8.stride(), v8.stride())
+    k8c = torch.zeros(5, 16, 2, 32, dtype=FP8, device="cpu")
+    k, v, meta = pa._cache_args(torch.zeros(1, 4, 32, device="cpu"), k8c, k8c)
+    assert k is k8c and meta == dict(KV_FP8=True, KV_BYTES=False)
+    with pytest.raises(ValueError, match="differ in dtype"):
+        pa._cache_args(torch.zeros(1, 4, 32), k8c, torch.zeros(5, 16, 2, 32, dtype=torch.bfloat16))
+    # the conversion takes four bytes per thread: 16 tokens x 32 dims cannot feed 8 warps (refused before launch)
+    q = torch.empty(1, 4, 32, dtype=torch.bfloat16, device="meta")
+    tables, ctx = torch.zeros(1, 2, dtype=torch.int32, device="meta"), torch.ones(1, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="too small"):
+        pa.decode_with(q, v8, v8, tables, ctx, 1.0, block_n=16, num_warps=8)
 
 
 def test_decode_tile_narrows_to_the_chunk():
