@@ -95,6 +95,29 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_model_len // self.block_size),
                                        self.model.config["hidden_size"], self.dtype, self.device,
                                        self.last_tokens)
+        if self.device.type == "cuda":
+            self.warm_up_prefill(max_model_len)
+
+    #: Prompt lengths of the start-up prefills: in each W4A16 plan bucket (1, <= 8, <= 16, <= 64, <= 256, above)
+    #: a count that is a multiple of 16 and one that is not (Triton specializes integer arguments on that), so
+    #: that every kernel variant a prompt can need compiles at start-up, not at a user's first prompt.
+    WARM_UP_TOKENS = (1, 7, 8, 15, 16, 63, 64, 255, 256, 257)
+
+    @torch.inference_mode()
+    def warm_up_prefill(self, max_model_len: int) -> None:
+        """Throw-away prefills of one sequence of each length in :attr:`WARM_UP_TOKENS` (up to ``max_model_len``),
+        then the LM head on its last row: their kernels compile here (vLLM's start-up profile run does the same).
+        Nothing is written to the KV cache (every slot is -1, padding) and the attention reads block 0 for every
+        position, whatever it holds: the outputs are discarded."""
+        for n in (t for t in self.WARM_UP_TOKENS if t <= max_model_len):
+            meta = AttentionMetadata(
+                is_prefill=True, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+                block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device),
+                context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device))
+            hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device),
+                                torch.arange(n, device=self.device), meta)
+            self.model.compute_logits(hidden[n - 1:])
 
     def _bytes_per_block(self) -> int:
         layer = self.model.layers[0]
