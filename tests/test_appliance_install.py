@@ -32,9 +32,10 @@ def test_install_end_to_end_without_systemd(tmp_path):
     # The converted demo model comes from the shared cache; everything else lands in the temporary HOME.
     env.update(HOME=str(home), APPLIANCE_CACHE_DIR=str(demo_model.cache_dir()), HF_HUB_OFFLINE="1", COLUMNS="160")
     port = free_port()
-    # 4,096 held-out tokens instead of 32,768 keep the two perplexities to a minute each on 2 cores.
+    # 2,048 held-out tokens instead of 32,768 keep the two perplexities to about 10 s each on 2 cores; the AWQ
+    # one is still about 1.16 times the unquantized one there, well inside the bounds checked below.
     install = [sys.executable, "-m", "appliance", "install", "--yes", "--no-service", "--port", str(port),
-               "--eval-tokens", "4096"]
+               "--eval-tokens", "2048"]
 
     def appliance(*args, timeout=120):
         return subprocess.run([sys.executable, "-m", "appliance", *args], env=env, capture_output=True, text=True,

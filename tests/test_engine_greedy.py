@@ -1,4 +1,10 @@
-"""Greedy equivalence: our engine's first 32 tokens equal transformers' greedy ``generate`` on the same weights."""
+"""Greedy equivalence: our engine's first 32 tokens equal transformers' greedy decoding on the same weights.
+
+transformers' side is one forward pass per prompt over the prompt and the engine's tokens (teacher forcing): its
+argmax at each position must be the engine's next token. That holds exactly when the engine's tokens are, token for
+token, what transformers' ``generate(do_sample=False)`` gives (by induction: each is the argmax after the same
+prefix), in a tenth of the time of generating 32 tokens one forward pass at a time.
+"""
 from __future__ import annotations
 
 import pytest
@@ -11,13 +17,16 @@ from engine_fixtures import demo_dir, prompts
 NUM_TOKENS = 32
 
 
-def hf_greedy(model, tokenizer, texts: list[str]) -> list[list[int]]:
+@torch.inference_mode()
+def hf_greedy_choices(model, tokenizer, texts: list[str], outputs: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy choice at each position of each output: the argmax of the logits after the prompt and
+    the output's tokens before that position (teacher forcing, one forward pass per prompt, EOS not special)."""
     out = []
-    for text in texts:
-        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_TOKENS,
-                             min_new_tokens=0, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
-        out.append(gen[0, ids.shape[1]:].tolist())
+    for text, tokens in zip(texts, outputs):
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        ids = torch.tensor([prompt + tokens[:-1]])
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1:]
+        out.append(logits.argmax(dim=-1).tolist())
     return out
 
 
@@ -36,10 +45,9 @@ def test_greedy_matches_transformers_unquantized(model_dir):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = prompts(tokenizer)
-    expected = hf_greedy(hf, tokenizer, texts)
     got = engine_greedy(model_dir, texts)
     assert [len(t) for t in got] == [NUM_TOKENS] * len(texts)
-    assert got == expected
+    assert got == hf_greedy_choices(hf, tokenizer, texts, got)
 
 
 @pytest.mark.slow
@@ -50,7 +58,6 @@ def test_greedy_matches_transformers_on_awq_weights(awq_demo_model):
     hf = load_dequantized(awq_demo_model, torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(awq_demo_model)
     texts = prompts(tokenizer)
-    expected = hf_greedy(hf, tokenizer, texts)
     got = engine_greedy(str(awq_demo_model), texts)
     assert [len(t) for t in got] == [NUM_TOKENS] * len(texts)
-    assert got == expected
+    assert got == hf_greedy_choices(hf, tokenizer, texts, got)

@@ -60,9 +60,10 @@ def test_gptqmodel_loads_it_back_and_dequantizes_like_us(awq_demo_model):
 def test_perplexity_finite_and_close_to_unquantized(awq_demo_model, demo_model):
     from quant.evaluate import perplexity
 
-    # a shorter slice than design.md's 32,768 tokens keeps this test to about a minute on 2 cores
-    base = perplexity(demo_model, max_tokens=4096)
-    quantized = perplexity(awq_demo_model, max_tokens=4096)
+    # a shorter slice than design.md's 32,768 tokens keeps this test to about 20 s on 2 cores (2,048 tokens: the
+    # AWQ perplexity is about 1.16 times the unquantized one, 1.2 with 4,096)
+    base = perplexity(demo_model, max_tokens=2048)
+    quantized = perplexity(awq_demo_model, max_tokens=2048)
     assert math.isfinite(base) and math.isfinite(quantized)
     assert 1 < base < 100
     assert base < quantized < 1.5 * base

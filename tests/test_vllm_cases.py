@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
 import httpx
@@ -105,6 +106,16 @@ def stream(client: httpx.Client, path: str, body: dict) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
+def post_and_stream(client: httpx.Client, path: str, bodies: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """``(post(body), stream(body))`` for each of ``bodies``, every request sent at once (a thread each), so that
+    they share the engine's steps instead of taking turns; a greedy request's tokens do not depend on its batch on
+    the CPU path (case 7), so what a test compares is unchanged."""
+    with ThreadPoolExecutor(2 * len(bodies)) as pool:
+        posts = [pool.submit(post, client, path, body) for body in bodies]
+        streams = [pool.submit(stream, client, path, body) for body in bodies]
+        return [(p.result(), s.result()) for p, s in zip(posts, streams)]
+
+
 def chat_content(chunks: list[dict]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
@@ -161,12 +172,11 @@ def test_case01_stop_string_spanning_tokens_streaming(live, prose):
     at_end = text[ends[-2] - 3:ends[-2]] + "\u2603"  # the last 3 characters before the last token: held, flushed
     expected = {spanning: (text[:starts[i] + 1], "stop"), never: (text, "length"), at_end: (text, "length")}
 
-    for stop, (final_text, reason) in expected.items():
-        body = {**base, "stop": [stop]}
+    replies = post_and_stream(client, "/v1/completions", [{**base, "stop": [stop]} for stop in expected])
+    for (stop, (final_text, reason)), (full, chunks) in zip(expected.items(), replies):
         stop_reason = stop if reason == "stop" else None  # vLLM's extra field: what matched
-        assert [(c["text"], c["finish_reason"], c["stop_reason"]) for c in post(client, "/v1/completions", body)[
-            "choices"]] == [(final_text, reason, stop_reason)]
-        chunks = stream(client, "/v1/completions", body)
+        assert [(c["text"], c["finish_reason"], c["stop_reason"]) for c in full["choices"]] == \
+            [(final_text, reason, stop_reason)]
         seen, num_tokens = "", 0
         for c in chunks:  # every chunk: exactly what may be shown after the tokens it brings
             choice = c["choices"][0]
@@ -197,11 +207,11 @@ def test_case02_empty_stop_list_still_stops_at_eos(live):
     answer, used = plain["choices"][0]["message"]["content"], plain["usage"]["completion_tokens"]
     assert plain["choices"][0]["finish_reason"] == "stop" and used < 48  # ended by the EOS, not the length
     assert "Paris" in answer and "<|im_end|>" not in answer and "<|" not in answer
-    for extra in ({"stop": []}, {"stop": [], "skip_special_tokens": False}, {"stop": None}):
-        r = post(client, "/v1/chat/completions", {**base, **extra})
+    extras = ({"stop": []}, {"stop": [], "skip_special_tokens": False}, {"stop": None})
+    replies = post_and_stream(client, "/v1/chat/completions", [{**base, **extra} for extra in extras])
+    for extra, (r, chunks) in zip(extras, replies):
         assert (r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"],
                 r["choices"][0]["stop_reason"], r["usage"]["completion_tokens"]) == (answer, "stop", None, used), extra
-        chunks = stream(client, "/v1/chat/completions", {**base, **extra})
         assert chat_content(chunks) == answer
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["stop"]
     raw_prompt = tok.apply_chat_template(base["messages"], add_generation_prompt=True, tokenize=False)
@@ -219,11 +229,10 @@ def test_case03_multibyte_characters_never_split_in_stream(live, question):
     client, model, _, _, _ = live
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 24,
             "temperature": 0}
-    full = post(client, "/v1/chat/completions", body)
+    [(full, chunks)] = post_and_stream(client, "/v1/chat/completions", [body])
     text = full["choices"][0]["message"]["content"]
     assert not text.isascii() and "\ufffd" not in text and full["choices"][0]["finish_reason"] == "length"
     assert full["usage"]["completion_tokens"] == 24 > len(text)  # no EOS, so some characters span tokens
-    chunks = stream(client, "/v1/chat/completions", body)
     deltas = [c["choices"][0]["delta"].get("content") or "" for c in chunks]
     assert [d for d in deltas if "\ufffd" in d] == []
     assert "".join(deltas) == text
@@ -314,12 +323,14 @@ def test_case06_bad_requests_are_400_naming_the_field(live, path, good):
 @contextmanager
 def running_batch(live, bodies: list[dict]) -> Iterator[list[str]]:
     """Streams ``bodies`` (completions) and yields their request ids once all of them run; the clients leave
-    (disconnect, so the engine aborts them) on exit."""
+    (disconnect, so the engine aborts them) on exit. Every request is sent before any first chunk is read, so
+    the engine can take them in together rather than one step each."""
     client, _, engine, _, _ = live
     with ExitStack() as stack:
         ids, readers = [], []  # readers stay referenced: a line iterator closed early closes its connection
-        for body in bodies:
-            r = stack.enter_context(client.stream("POST", "/v1/completions", json={**body, "stream": True}))
+        responses = [stack.enter_context(client.stream("POST", "/v1/completions", json={**body, "stream": True}))
+                     for body in bodies]
+        for r in responses:
             assert r.status_code == 200
             readers.append(r.iter_lines())
             first = next(line for line in readers[-1] if line.startswith("data: "))  # skip keep-alive pings
