@@ -408,12 +408,18 @@ def sdpa_decode(q4, k4, v4):
     return F.scaled_dot_product_attention(q4, k4, v4, scale=HEAD_DIM ** -0.5, enable_gqa=True)
 
 
+def sdpa_backend(backend: str):
+    """The context the SDPA baseline runs in: FlashAttention only when it was available ("flash"), else torch's
+    default choice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if backend == "flash" else contextlib.nullcontext()
+
+
 def decode_fp8_row(batch: int, ctx: int, pool_k, pool_v, sets, copies: int, base: float, backend: str,
                    copy_bw: float, log: dict) -> Row:
     """The decode kernel on the same K/V in an fp8 e4m3 cache (shipped settings), against the bf16 SDPA time; its
     output checked against SDPA on the fp8-rounded K/V. The fp8 pool is repeated so that a graph replay still
     reads ROTATE_BYTES (the copies of the bf16 pool hold half as many fp8 bytes)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     kv8_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM
     reps = cdiv(rotation(kv8_bytes, cap=64), copies)
     k8, v8 = pool_k.to(torch.float8_e4m3fn).repeat(reps, 1, 1, 1), pool_v.to(torch.float8_e4m3fn).repeat(reps, 1, 1, 1)
@@ -423,7 +429,7 @@ def decode_fp8_row(batch: int, ctx: int, pool_k, pool_v, sets, copies: int, base
     q, tables, lens, (q4, k4, v4) = sets[0]
     out = pa.paged_attention_decode(q, k8, v8, tables, lens, scale)
     rounded = (q4, k4.to(torch.float8_e4m3fn).to(torch.bfloat16), v4.to(torch.float8_e4m3fn).to(torch.bfloat16))
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if backend == "flash" else contextlib.nullcontext():
+    with sdpa_backend(backend):
         ref = sdpa_decode(*rounded)[:, :, 0]
     err = (out.float() - ref.float()).abs().max().item()
     check(f"decode fp8 B={batch} ctx={ctx} vs SDPA on fp8-rounded K/V max err {err:.1e}", err < 2e-2)
@@ -479,10 +485,7 @@ def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
         err = (out.float() - base_out[:, :, 0].float()).abs().max().item()
         check(f"decode B={batch} ctx={ctx} vs SDPA max err {err:.1e}", err < 2e-2)
         us = time_calls([lambda i=i: ours(i, **best_cfg) for i in schedule(copies)])
-        if backend == "flash":
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                base = time_calls([lambda i=i: sdpa_decode(*sets[i][3]) for i in schedule(copies)])
-        else:
+        with sdpa_backend(backend):
             base = time_calls([lambda i=i: sdpa_decode(*sets[i][3]) for i in schedule(copies)])
         frac = kv_bytes / (us * 1e-6) / copy_bw
         note = f"{frac:.0%} of copy BW" + (" (target ≥ 70%)" if batch == 64 else "")
