@@ -22,7 +22,7 @@ import torch
 from bench.random_model import write_random_awq_model
 from engine import LLM, SamplingParams
 from kernels import w4a16
-from kernels._triton import pdl, without_pdl
+from kernels._triton import pdl, without_early_trigger, without_pdl
 
 
 def _free() -> None:
@@ -146,8 +146,9 @@ def cuda_core_gemv():
 def decode_rows(ctx: dict, make_row) -> list:
     """Batch-1 decode of the 7B-shaped model: graphs on vs the bandwidth bound, graphs on vs eager, async
     scheduling (the default) vs reading every step back before scheduling the next, and programmatic dependent
-    launch (the default on Hopper) vs not (``APPLIANCE_PDL=0`` while the engine is built and captured), and the
-    tensor-core GEMV vs the CUDA-core one (:func:`cuda_core_gemv` while the engine is built and captured); and a
+    launch (the default on Hopper) vs not (``APPLIANCE_PDL=0`` while the engine is built and captured), its early
+    trigger vs not (``APPLIANCE_PDL_TRIGGER=0``), and the tensor-core GEMV vs the CUDA-core one
+    (:func:`cuda_core_gemv` while the engine is built and captured); and a
     decode step of 8 sequences (the M = 8 products) against its bandwidth bound (no target)."""
     model_dir = ctx.setdefault("model_7b", str(write_random_awq_model("/tmp/rand_7b")))
     tok_s, notes = {}, {}
@@ -170,6 +171,11 @@ def decode_rows(ctx: dict, make_row) -> list:
         with without_pdl():
             llm = _decode_engine(model_dir)
             tok_s["nopdl"] = _decode_tok_s(llm, 32, 256)
+        del llm
+        _free()
+        with without_early_trigger():  # PDL, but each kernel's next one launches as its programs exit
+            llm = _decode_engine(model_dir)
+            tok_s["late"] = _decode_tok_s(llm, 32, 256)
         del llm
         _free()
     with cuda_core_gemv():
@@ -196,6 +202,9 @@ def decode_rows(ctx: dict, make_row) -> list:
         rows.append(make_row("7B AWQ decode bs1, PDL vs not", "same, graphs on", 1e6 / tok_s[False],
                              "kernels launched without PDL", 1e6 / tok_s["nopdl"], 1.0,
                              f"{tok_s['nopdl']:.0f} tok/s without"))
+        rows.append(make_row("7B AWQ decode bs1, PDL early trigger vs not", "same, graphs on", 1e6 / tok_s[False],
+                             "PDL, next kernel launched as programs exit", 1e6 / tok_s["late"], 1.0,
+                             f"{tok_s['late']:.0f} tok/s without"))
     rows.append(make_row("7B AWQ decode bs1, tensor-core GEMV vs CUDA-core", "same, graphs on", 1e6 / tok_s[False],
                          "M=1 q/k/v, gate/up, down on the CUDA-core GEMV", 1e6 / tok_s["cuda_core"], 1.0,
                          f"{tok_s['cuda_core']:.0f} tok/s with the CUDA-core GEMV"))

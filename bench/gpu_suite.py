@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from kernels import paged_attention as pa  # noqa: E402
 from kernels import quant_formats as qf  # noqa: E402
 from kernels import w4a16  # noqa: E402
-from kernels._triton import cdiv, num_sms, pdl, without_pdl  # noqa: E402
+from kernels._triton import cdiv, num_sms, pdl, without_early_trigger, without_pdl  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # inputs touched per graph replay: > 4x the H200's 60 MB L2
 MIN_CALLS = 24  # calls per captured graph, at least
@@ -142,6 +142,12 @@ def time_without_pdl(calls: list[Callable[[], object]]) -> float:
         return time_calls(calls)
 
 
+def time_without_trigger(calls: list[Callable[[], object]]) -> float:
+    """:func:`time_calls` with PDL but no early trigger (each kernel's next launches as its programs exit)."""
+    with without_early_trigger():
+        return time_calls(calls)
+
+
 def rotation(bytes_per_call: int, cap: int = 64) -> int:
     """How many input copies one graph cycles through so that it reads ROTATE_BYTES."""
     return max(1, min(cap, cdiv(ROTATE_BYTES, max(bytes_per_call, 1))))
@@ -224,8 +230,10 @@ def w4a16_rows(log: dict, tuned: dict | None = None) -> list[Row]:
             note = (f"{plan_str(plan, k)}{' (swept)' if (k, n, m) in tuned else ''}; "
                     f"{bytes_w4 / ours / 1e6:.2f} TB/s")
             if pdl(x):  # each call may start while the previous one ends: time without too
-                alone = time_without_pdl([lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies4)])
-                note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
+                calls = [lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies4)]
+                alone, late = time_without_pdl(calls), time_without_trigger(calls)
+                note += (f"; without PDL {alone:.1f} µs ({base / alone:.2f}×), without the early trigger "
+                         f"{late:.1f} µs ({base / late:.2f}×)")
             rows.append(Row("W4A16 vs bf16 F.linear", shape, ours, "F.linear bf16", base, W4_TARGETS.get(m), note))
             log.setdefault("w4a16", []).append(dict(k=k, n=n, m=m, plan=plan.__dict__, ours_us=ours, bf16_us=base))
             if int4 is not None and m == 1:

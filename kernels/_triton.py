@@ -18,11 +18,17 @@ CUDA graph). Such a kernel must, in every program, call :func:`pdl_wait` (PTX ``
 previous kernel has finished and its writes are visible) before it reads anything a previous kernel wrote or writes
 anything one reads. Before that it may only read what the kernel just before it cannot be writing: weights, the
 rotary table, and the rotary kernel's positions (a step input written before the forward pass's first kernel,
-which is torch's and launched without PDL, so all work before it is complete). No kernel triggers its
-dependents early (``griddepcontrol.launch_dependents``): the next kernel launches as this one's programs exit, so
-what overlaps is its launch and its prologue (the GEMV's first weight tile). On an H200 that measured 2-6% faster
-per kernel in a chain and 2% per 7B decode step; triggering at the start of each program measured up to 1.6x
-slower (the waiting programs of the next kernel crowd the running one), bench/RESULTS.md.
+which is torch's and launched without PDL, so all work before it is complete). Every such kernel also calls
+:func:`pdl_trigger` (a ``TRIG`` constexpr, :func:`early_trigger`) once, at top level, after its main loop or its
+last loads (PTX ``griddepcontrol.launch_dependents``): when every program of the grid has passed it, the next
+kernel launches and runs its prologue (the GEMV's first weight tile) while this one stores and, for a split-K
+GEMV, adds its partial sums. Correctness does not depend on where the trigger sits: the next kernel's
+``pdl_wait`` still waits for this whole grid. On an H200 (bench/RESULTS.md): PDL alone measured 2-6% faster per
+kernel in a chain and 2% per 7B decode step; the trigger after the main loop a further 5-8% per bs1 7B step
+(2,285 -> 2,083-2,118 us) and 4% per step of 8 sequences, where each GEMV is followed by a small kernel (norm,
+rotary, SiLU). A GEMV followed by another GEMV (the benchmark's chains of one shape) can be up to 12% slower with
+it: the next grid's programs take multiprocessors while this one's last programs finish. Triggering at the start
+of each program measured up to 1.6x slower.
 """
 from __future__ import annotations
 
@@ -35,9 +41,9 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the references still work, the kernels raise on launch
-    triton = tl = gdc_wait = None
+    triton = tl = gdc_wait = gdc_launch_dependents = None
 
 HAS_TRITON = triton is not None
 
@@ -120,19 +126,37 @@ def pdl(t: torch.Tensor) -> bool:
     return _cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
+def early_trigger(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t`` that launch with PDL also let the next kernel launch after their main loop
+    (:func:`pdl_trigger`, see the module doc): :func:`pdl` and ``APPLIANCE_PDL_TRIGGER`` is not "0". Read at every
+    launch, like :func:`pdl`."""
+    return pdl(t) and os.environ.get("APPLIANCE_PDL_TRIGGER", "1") != "0"
+
+
 @contextlib.contextmanager
-def without_pdl():
-    """While it lasts, kernels launch without programmatic dependent launch (``APPLIANCE_PDL=0``); the previous
-    value of the variable comes back after (the benchmark's baseline)."""
-    before = os.environ.get("APPLIANCE_PDL")
-    os.environ["APPLIANCE_PDL"] = "0"
+def _env_zero(name: str):
+    """While it lasts, the environment variable ``name`` is "0"; its previous value (or absence) comes back after."""
+    before = os.environ.get(name)
+    os.environ[name] = "0"
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("APPLIANCE_PDL", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["APPLIANCE_PDL"] = before
+            os.environ[name] = before
+
+
+def without_pdl():
+    """While it lasts, kernels launch without programmatic dependent launch (``APPLIANCE_PDL=0``); the previous
+    value of the variable comes back after (the benchmark's baseline)."""
+    return _env_zero("APPLIANCE_PDL")
+
+
+def without_early_trigger():
+    """While it lasts, kernels launched with PDL do not trigger their dependents early
+    (``APPLIANCE_PDL_TRIGGER=0``; the benchmark's baseline for the trigger)."""
+    return _env_zero("APPLIANCE_PDL_TRIGGER")
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,3 +193,13 @@ def _pdl_wait(PDL: tl.constexpr):
 
 
 pdl_wait = device_fn(_pdl_wait) if triton is not None else _pdl_wait
+
+
+def _pdl_trigger(TRIG: tl.constexpr):
+    """In a kernel launched with PDL and a true ``TRIG`` constexpr (:func:`early_trigger`): let the next kernel on
+    the stream launch once every program of this one has passed here (see the module doc). Nothing when false."""
+    if TRIG:
+        gdc_launch_dependents()
+
+
+pdl_trigger = device_fn(_pdl_trigger) if triton is not None else _pdl_trigger

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, jit, next_pow2, pdl, pdl_wait, tl
+from ._triton import cdiv, early_trigger, jit, next_pow2, pdl, pdl_trigger, pdl_wait, tl
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -15,7 +15,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                         TRIG: tl.constexpr):
     """Grid (T, cdiv(I, BLOCK)): one row chunk of gate and up. Rounds like the reference (silu, then the product)."""
     pdl_wait(PDL)
     row = tl.program_id(0)
@@ -23,6 +24,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_trigger(TRIG)
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -36,5 +38,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(next_pow2(inter), 1024)
     if tokens:
         _silu_and_mul_kernel[(tokens, cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
-                                                          PDL=pdl(x), num_warps=4, enable_fp_fusion=False)
+                                                          PDL=pdl(x), TRIG=early_trigger(x), num_warps=4,
+                                                          enable_fp_fusion=False)
     return out

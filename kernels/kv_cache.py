@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import device_fn, jit, next_pow2, pdl, pdl_wait, tl
+from ._triton import device_fn, early_trigger, jit, next_pow2, pdl, pdl_trigger, pdl_wait, tl
 
 
 def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -49,7 +49,8 @@ def to_cache(x, dtype: tl.constexpr):
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, dim,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+                     TRIG: tl.constexpr):
     """Grid (T,): copy token t's K and V heads to its slot (block, offset); nothing for slot -1."""
     pdl_wait(PDL)
     t = tl.program_id(0)
@@ -60,6 +61,7 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, dim,
     mask = (h < tl.where(slot >= 0, heads, 0)) & (d < dim)  # no heads at all for slot -1
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    pdl_trigger(TRIG)
     kc = kc_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d
     vc = vc_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d
     tl.store(kc, to_cache(k, kc_ptr.dtype.element_ty), mask=mask)
@@ -82,4 +84,4 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         _write_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, heads, dim, k.stride(0), k.stride(1),
                                     v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
                                     BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(heads), BLOCK_D=next_pow2(dim),
-                                    PDL=pdl(k), num_warps=4)
+                                    PDL=pdl(k), TRIG=early_trigger(k), num_warps=4)

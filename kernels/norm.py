@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import jit, next_pow2, pdl, pdl_wait, tl
+from ._triton import early_trigger, jit, next_pow2, pdl, pdl_trigger, pdl_wait, tl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -24,7 +24,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, hidden, eps, stride_x, stride_r, stride_o, stride_s,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (T,): one row. Rounds like the reference: the sum to x's dtype, the normalised row to x's dtype, then
     the product with the weight to the output dtype."""
     row = tl.program_id(0)
@@ -38,6 +38,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, hidden, eps, strid
         x = (x + r).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
         x = x.to(tl.float32)
+    pdl_trigger(TRIG)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
     h = (x * inv).to(sum_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
@@ -62,5 +63,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res = residual if residual is not None else x
         _rms_norm_kernel[(tokens,)](x, res, weight, out, summed, hidden, eps, x.stride(0), res.stride(0), out.stride(0),
                                     summed.stride(0), HAS_RES=residual is not None, BLOCK=block, PDL=pdl(x),
+                                    TRIG=early_trigger(x),
                                     num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
     return out, summed

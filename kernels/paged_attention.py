@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, device_fn, dot_f32, jit, next_pow2, num_sms, pdl, pdl_wait, tl
+from ._triton import cdiv, device_fn, dot_f32, early_trigger, jit, next_pow2, num_sms, pdl, pdl_trigger, pdl_wait, tl
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -133,7 +133,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
                    stride_bt, stride_ob, stride_oh, num_splits,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-                   KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, PDL: tl.constexpr):
+                   KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [split*chunk, +chunk) of one
     sequence; every KV tile is loaded once for the whole group. Without SPLIT the result goes to ``out``; with it,
     the normalised partial output to ``po`` [B, Hq, splits, D] fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]
@@ -168,6 +168,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
         v = _kv_tile(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :],
                      kvmask, q.dtype, KV_BYTES)
         m_i, l_i, acc = _online_softmax_step(q, k, v, tmask[None, :], m_i, l_i, acc, scale_log2)
+    pdl_trigger(TRIG)
     acc = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SPLIT:
         live = g < tl.where(start < ctx, GROUP, 0)  # no head at all for a split past the context
@@ -181,7 +182,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
 
 @jit
 def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, chunk, num_splits, stride_ob, stride_oh,
-                  DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                  DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+                  TRIG: tl.constexpr):
     """Grid (B, Hq): combine the valid splits (those that start inside the context) by their log2-sum-exp."""
     pdl_wait(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
@@ -192,6 +194,7 @@ def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, chunk, num_splits, stride_
     row = (b * tl.num_programs(1) + h) * num_splits + sp
     lse = tl.load(plse_ptr + row, mask=smask, other=float("-inf"))
     o = tl.load(po_ptr + row[:, None] * DIM + d[None, :], mask=smask[:, None] & (d < DIM)[None, :], other=0.0)
+    pdl_trigger(TRIG)
     w = tl.exp2(lse - tl.max(lse, axis=0))
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < DIM)
@@ -290,11 +293,11 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), splits, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
-        DOT_F32=dot_f32(q), PDL=pdl(q), num_warps=num_warps, num_stages=num_stages, **kv_meta)
+        DOT_F32=dot_f32(q), PDL=pdl(q), TRIG=early_trigger(q), num_warps=num_warps, num_stages=num_stages, **kv_meta)
     if splits > 1:
         _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, chunk, splits, out.stride(0), out.stride(1),
                                         DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), PDL=pdl(q),
-                                        num_warps=4)
+                                        TRIG=early_trigger(q), num_warps=4)
     return out
 
 
@@ -304,7 +307,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                     stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, PDL: tl.constexpr):
+                    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, PDL: tl.constexpr,
+                    TRIG: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M) + S, Hq): one tile of BLOCK_M new tokens of one sequence, one query head.
 
     Sequence s owns tiles from ``cu[s] // BLOCK_M + s`` on (an upper bound of the tiles before it), found by binary
@@ -355,6 +359,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                      kvmask, q.dtype, KV_BYTES)
         causal = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
         m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2)
+    pdl_trigger(TRIG)
     acc = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask)
@@ -385,6 +390,6 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q_heads // k_cache.shape[2], DIM=dim, BLOCK_D=max(16, next_pow2(dim)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if interp else 64,
-        SEARCH_STEPS=max(PREFILL_SEARCH_STEPS, num_seqs.bit_length()), DOT_F32=interp, PDL=pdl(q), num_warps=4,
-        num_stages=2, **kv_meta)
+        SEARCH_STEPS=max(PREFILL_SEARCH_STEPS, num_seqs.bit_length()), DOT_F32=interp, PDL=pdl(q),
+        TRIG=early_trigger(q), num_warps=4, num_stages=2, **kv_meta)
     return out

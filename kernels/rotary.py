@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import device_fn, jit, next_pow2, pdl, pdl_wait, tl
+from ._triton import device_fn, early_trigger, jit, next_pow2, pdl, pdl_trigger, pdl_wait, tl
 from .kv_cache import to_cache, write_kv_cache_ref
 
 
@@ -52,7 +52,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
                    v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_KV: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (T,): all q and k heads of one token share one cos/sin row. Outputs are contiguous [T, H, D].
 
     Rounds like the reference in x's dtype: cos and sin, each product, then the sum. WRITE_KV: the rotated k and
@@ -86,6 +86,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
         vbase = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
         v1 = tl.load(vbase, mask=kv_mask)
         v2 = tl.load(vbase + half, mask=kv_mask)
+    pdl_trigger(TRIG)
     out = qo_ptr + t * q_heads * 2 * half + h[:, None] * 2 * half + d[None, :]
     _rotate_store(q1, q2, cos, sin, out, half, qm, dt, qo_ptr.dtype.element_ty)
     if WRITE_KV:
@@ -124,7 +125,7 @@ def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_m
                                   cache.stride(1), cache.stride(2) if write_kv else 0,
                                   BLOCK_H=block_h, BLOCK_HALF=block_half,
                                   WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, PDL=pdl(q),
-                                  num_warps=warps,
+                                  TRIG=early_trigger(q), num_warps=warps,
                                   enable_fp_fusion=False)  # no FMA: round each product like torch
     return qo, ko
 

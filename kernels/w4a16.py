@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import activation, w4a16_mma
-from ._triton import cdiv, device_fn, dot_f32, jit, num_sms, pdl, pdl_wait, tl
+from ._triton import cdiv, device_fn, dot_f32, early_trigger, jit, num_sms, pdl, pdl_trigger, pdl_wait, tl
 from .quant_formats import QuantizedWeight
 
 @device_fn
@@ -140,7 +140,8 @@ def _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS: tl.con
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, N, K, k_per_split,
                  splits, exp_byte, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
-                 EVEN_K: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
+                 TRIG: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), splits): y[n] for one block of outputs over one K range (a multiple of BLOCK_K;
     BLOCK_K divides GROUP, or GROUP >= K (per channel), so a tile has one scale and one zero per column). The next
     tile is loaded before this one is multiplied (a second tile in flight; a third measured no faster on an H200).
@@ -168,6 +169,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
         acc += _gemv_tile(x_ptr, perm_ptr, q, scale, zero, k0, w, K, exp_byte, BITS, HAS_PERM, EVEN_K, ASM,
                           GATED)
         q, scale, zero = q_next, scale_next, zero_next
+    pdl_trigger(TRIG)
     y = tl.sum(acc, axis=0)
     if SPLIT:
         tl.store(part_ptr + tl.program_id(1) * N + n, y, mask=nmask)
@@ -258,7 +260,7 @@ def _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP: tl.constexpr, SPLIT: t
 def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 SWAP: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                 SWAP: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits): one [BLOCK_M, BLOCK_N] output tile over one K range.
 
     Default: the weight tile [BLOCK_K, BLOCK_N] is dequantized in registers to x's dtype ((q - z) * s, exact in
@@ -310,6 +312,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
             zf = zero.to(tl.float32) + 8388608.0
             b = ((code.to(tl.float32, bitcast=True) - zf[None, :]) * scale[None, :]).to(x_ptr.dtype.element_ty)
             acc = _dot_acc(a, b, acc, SWAP, DOT_F32)
+    pdl_trigger(TRIG)
     _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP, SPLIT, HAS_BIAS)
 
 
@@ -349,7 +352,7 @@ def _tc_pair(qs, zz, zero, scale, ss, MODE: tl.constexpr, IS_BF16: tl.constexpr,
 def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
-                    SWAP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                    SWAP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits), 4-bit weights, no act-order (the caller permutes x):
     one [BLOCK_M, BLOCK_N] output tile over one K range. x's tile [BLOCK_M, BLOCK_K] is read contiguously (16-byte
     loads the compiler pipelines into shared memory). The weight tile is built transposed, [BLOCK_N, BLOCK_K]: the
@@ -411,12 +414,13 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
             acc += tl.dot(a, tl.trans(bt)) * scale[None, :]
         else:
             acc = tl.dot(a, tl.trans(bt), acc)
+    pdl_trigger(TRIG)
     _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP, SPLIT, HAS_BIAS)
 
 
 @jit
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (cdiv(M*N, BLOCK),): out = sum over splits of part[split] (+ bias), in a fixed order."""
     pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -424,6 +428,7 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: 
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(splits):
         acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    pdl_trigger(TRIG)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -431,7 +436,8 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: 
 
 @jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, BITS: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, PDL: tl.constexpr,
+                    TRIG: tl.constexpr):
     """Grid (cdiv(K/pf, BLOCK_W), cdiv(N, BLOCK_N)): BLOCK_W packed rows (words) become pf rows each of W [K, N]
     in input-channel order (kernel row k goes to row perm[k]); (q - z) * s exact in fp32, rounded once to out's
     dtype. Each word is read once; any group size."""
@@ -454,6 +460,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, BITS: tl.cons
         if HAS_PERM:
             dst = tl.load(perm_ptr + k, mask=k < K, other=0)
         tl.store(out_ptr + dst[:, None] * N + n[None, :], val.to(out_ptr.dtype.element_ty), mask=mask)
+    pdl_trigger(TRIG)
 
 
 def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -465,7 +472,8 @@ def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) 
     words = k // qw.pack_factor
     _dequant_kernel[(cdiv(words, 8), cdiv(n, 128))](qw.qweight, qw.scales, qw.qzeros, perm, out, n, k, BITS=qw.bits,
                                                     GROUP=qw.group_size, BLOCK_W=8, BLOCK_N=128,
-                                                    HAS_PERM=qw.perm is not None, PDL=pdl(out), num_warps=4)
+                                                    HAS_PERM=qw.perm is not None, PDL=pdl(out), TRIG=early_trigger(out),
+                                                    num_warps=4)
     return out
 
 
@@ -529,10 +537,13 @@ TUNED = {
     (8, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits
     (8, 22016, 4096): Plan("mma", 8, 128, 128, 1536, num_warps=4, num_stages=1, k_warps=2),  # 3 splits
     (8, 4096, 11008): Plan("mma", 8, 128, 128, 1536, num_warps=4, num_stages=1, k_warps=2),  # 8 splits
-    (16, 12288, 4096): Plan("mma", 16, 64, 128, 1024, num_warps=1, num_stages=1),  # 4 splits (tc: 20.6 us)
-    (16, 22016, 4096): Plan("mma", 16, 128, 128, 1408, num_warps=2, num_stages=1),  # 3 splits (tc: 37.1 us)
+    # M = 16 (eighth session, x one tile ahead in the mma GEMV; probe/m16_probe.py, µs against the plans before):
+    # 18.9 against 19.9 (4 splits), 26.3 against 31.7 (3 splits, 2 warps), 19.4 against the tc plan's 20.3;
+    # on 4096 -> 4096 the tc plan stays (11.0 against 12.5 for the best mma plan)
+    (16, 12288, 4096): Plan("mma", 16, 64, 128, 768, num_warps=1, num_stages=1),  # 6 splits
+    (16, 22016, 4096): Plan("mma", 16, 64, 128, 1024, num_warps=1, num_stages=1),  # 4 splits
     (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
-    (16, 4096, 11008): Plan("tc", 16, 64, 128, 1280, swap=True, mode=3),
+    (16, 4096, 11008): Plan("mma", 16, 64, 64, 1408, num_warps=2, num_stages=1, k_warps=2),  # 8 splits
     (64, 4096, 4096): Plan("tc", 64, 64, 128, 896, swap=True, mode=3),
     (64, 12288, 4096): Plan("tc", 64, 64, 128, 2048, swap=True, mode=3),
     (64, 22016, 4096): Plan("tc", 64, 64, 128, 4096, swap=True, mode=3),
@@ -679,7 +690,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             HAS_BIAS=bias is not None, SPLIT=splits > 1, SERIAL=serial, IS_BF16=x.dtype == torch.bfloat16,
             ASM=not dot_f32(x), WARPS=plan.num_warps,
             EVEN=k % (plan.block_k * plan.k_warps) == 0 and n % plan.block_n == 0,
-            SETS=1 if m <= 8 else 2, PDL=pdl(x), KW=plan.k_warps, num_warps=plan.num_warps,
+            SETS=1 if m <= 8 else 2, PDL=pdl(x), TRIG=early_trigger(x), KW=plan.k_warps, num_warps=plan.num_warps,
             num_stages=plan.num_stages)
         if serial or splits == 1:
             return out
@@ -692,7 +703,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             xk, qw.qweight, qw.scales, qw.qzeros, bias_arg, target, m, n, k, xk.stride(0), plan.k_per_split,
             GROUP=qw.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
             HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % plan.block_k == 0, MODE=mode, SWAP=plan.swap,
-            DOT_F32=dot_f32(x), PDL=pdl(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
+            DOT_F32=dot_f32(x), PDL=pdl(x), TRIG=early_trigger(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
     elif plan.path == "gemv":
         if m != 1:
             raise ValueError(f"the gemv path takes one row, got {m}")
@@ -702,17 +713,18 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
                                                       target, locks, n, k, plan.k_per_split, splits, 0x3F000000,
                                                       SERIAL=serial,
                                                       EVEN_K=k % plan.block_k == 0, ASM=not dot_f32(x),
-                                                      GATED=silu_gated, PDL=pdl(x),
+                                                      GATED=silu_gated, PDL=pdl(x), TRIG=early_trigger(x),
                                                       **common)
         if serial or splits == 1:
             return out
     else:
         _gemm_kernel[(cdiv(m, plan.block_m), cdiv(n, plan.block_n), splits)](
             x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, target, m, n, k, x.stride(0), plan.k_per_split,
-            BLOCK_M=plan.block_m, SWAP=plan.swap, FAST=fast, DOT_F32=dot_f32(x), PDL=pdl(x), **common)
+            BLOCK_M=plan.block_m, SWAP=plan.swap, FAST=fast, DOT_F32=dot_f32(x), PDL=pdl(x),
+            TRIG=early_trigger(x), **common)
     if splits > 1:
         block = 1024
         _splitk_reduce_kernel[(cdiv(m * n, block),)](target, bias_arg, out, m * n, n, splits,
                                                      HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl(x),
-                                                     num_warps=4)
+                                                     TRIG=early_trigger(x), num_warps=4)
     return out

@@ -20,7 +20,7 @@ One warp owns 64 output columns. Per step (32 rows of K) lane (gr, tg) loads 16 
 columns 4 gr .. 4 gr + 3 (A rows gr of tiles 0 .. 3), and 16 bytes at columns 32 + 4 gr .. + 3 (rows gr + 8): a
 warp reads four rows of 256 contiguous bytes. Tile i's A row gr is column 4 gr + i and row gr + 8 is column
 32 + 4 gr + i. C column gr is x's row gr (batch row), so up to 8 rows of x ride along for free; a second set of
-8 rows costs a second mma per A fragment (``SETS`` = 2). The next K tile's words are loaded while this one is
+8 rows costs a second mma per A fragment (``SETS`` = 2). The next K tile's words (and x's) are loaded while this one is
 multiplied (a register prefetch; Triton's cp.async pipelining measured 1.3-2.2x slower on an H200).
 
 Every tensor here is [T] (T = 32 x warps, element t on thread t; loads of four words are [T, 4] with the four in
@@ -29,7 +29,7 @@ one thread) and the mma is inline PTX, so the layout matters: ``ASM`` is only fo
 """
 from __future__ import annotations
 
-from ._triton import device_fn, jit, pdl_wait, tl
+from ._triton import device_fn, jit, pdl_trigger, pdl_wait, tl
 
 
 @device_fn
@@ -332,7 +332,7 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
                      k_per_split, splits, magic, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SPLIT: tl.constexpr, SERIAL: tl.constexpr, IS_BF16: tl.constexpr,
                      ASM: tl.constexpr, WARPS: tl.constexpr, SETS: tl.constexpr, EVEN: tl.constexpr,
-                     PDL: tl.constexpr, KW: tl.constexpr = 1):
+                     PDL: tl.constexpr, TRIG: tl.constexpr, KW: tl.constexpr = 1):
     """Grid (cdiv(N, 64 CW), splits), ``WARPS`` = CW KW warps per program (num_warps must equal it): warp v of
     program p computes y[:M, 64 (CW p + v % CW) ..][:64] (M <= 8 SETS; SETS 1 or 2) over the K tiles v // CW,
     v // CW + KW, ... of rows k_per_split p1 .. (a multiple of BLOCK_K KW, the caller checks); the KW warps of a
@@ -361,24 +361,21 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     acc = ()
     for b in tl.static_range(SETS):
         acc = acc + ((zero4, zero4, zero4, zero4),)
-    if SETS == 1:  # x one tile ahead too (with two sets that takes too many registers)
-        x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_me, SETS, STEPS, EVEN)
+    x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_me, SETS, STEPS, EVEN)  # x one tile ahead too, also with
+    # two sets (up to 4 registers spilled at BLOCK_K 128 and one warp, yet 4096 -> 22016 M = 16 runs in 26.3 us
+    # against 28.4 with x loaded at its tile; bench/RESULTS.md, eighth session)
     k_last = tl.maximum(k_lo, k_hi - BLOCK_K * KW)  # EVEN: the last tiles; the prefetch past them reads them again
     for k0 in range(k_lo, k_hi, BLOCK_K * KW):
-        k_cur = k0 - k_lo + k_me
         k_next = k0 + BLOCK_K * KW
         if EVEN:
             k_next = tl.minimum(k_next, k_last)
         k_next = k_next - k_lo + k_me
         w_nxt = _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k_next, GROUP, STEPS, EVEN)
-        if SETS == 1:
-            x_nxt = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_next, SETS, STEPS, EVEN)
-        else:
-            x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_cur, SETS, STEPS, EVEN)
+        x_nxt = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_next, SETS, STEPS, EVEN)
         acc = _tile_k(w_cur, x_cur, acc, magic, col_lo, col_hi, STEPS, IS_BF16, ASM, WARPS)
         w_cur = w_nxt
-        if SETS == 1:
-            x_cur = x_nxt
+        x_cur = x_nxt
+    pdl_trigger(TRIG)
     if KW > 1:  # add the KW warp groups' sums (through shared memory); lane indices of the reduced tensors
         t = tl.arange(0, CW * 32)
         gr = (t % 32) // 4

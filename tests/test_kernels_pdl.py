@@ -1,6 +1,7 @@
 """Programmatic dependent launch (kernels/_triton.py): when kernels launch with it, and that every kernel that can
-be launched with it waits for the previous kernel before it writes anything or enters its loop. On a GPU the
-kernel tests and the engine's graphs = eager = torch reference rows run with PDL on (bench/gpu_suite.py)."""
+be launched with it waits for the previous kernel before it writes anything or enters its loop, and lets the next
+one launch once, after its loop. On a GPU the kernel tests and the engine's graphs = eager = torch reference rows
+run with PDL on (bench/gpu_suite.py)."""
 import ast
 import inspect
 import textwrap
@@ -32,6 +33,21 @@ def test_pdl_needs_hopper_a_cuda_tensor_and_no_opt_out(monkeypatch):
     monkeypatch.delenv("APPLIANCE_PDL")
     monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (8, 9))  # Ada: no griddepcontrol
     assert _triton.pdl(on_gpu) is False
+
+
+def test_early_trigger_needs_pdl_and_no_opt_out(monkeypatch):
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.delenv("APPLIANCE_PDL", raising=False)
+    monkeypatch.delenv("APPLIANCE_PDL_TRIGGER", raising=False)
+    monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (9, 0))
+    assert _triton.early_trigger(on_gpu) is True
+    with _triton.without_early_trigger():
+        assert _triton.early_trigger(on_gpu) is False
+        assert _triton.pdl(on_gpu) is True  # the wait stays
+    assert _triton.early_trigger(on_gpu) is True
+    with _triton.without_pdl():
+        assert _triton.early_trigger(on_gpu) is False
+    assert _triton.early_trigger(torch.zeros(1)) is False
 
 
 @pytest.mark.parametrize("before", [None, "1"])
@@ -94,8 +110,32 @@ def test_each_kernel_waits_at_top_level_before_any_write_branch_or_loop(module, 
             f"{module}.{name}: x (a previous kernel's output) read before the wait (line {stmt.lineno})"
 
 
+def _is_trigger(stmt) -> bool:
+    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+            and getattr(stmt.value.func, "id", None) == "pdl_trigger"
+            and [getattr(a, "id", None) for a in stmt.value.args] == ["TRIG"])
+
+
+@pytest.mark.parametrize("module,name,kernel", _kernels(), ids=[f"{m}.{n}" for m, n, _ in _kernels()])
+def test_each_kernel_triggers_its_dependents_once_at_top_level_after_its_loop(module, name, kernel):
+    fn = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0]
+    triggers = [i for i, stmt in enumerate(fn.body) if _is_trigger(stmt)]
+    assert "TRIG" in [a.arg for a in fn.args.args], f"{module}.{name} has no TRIG constexpr"
+    assert len(triggers) == 1, f"{module}.{name}: pdl_trigger(TRIG) must be one statement of the kernel's body"
+    nested = [n for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, ast.Call)
+              and getattr(n.func, "id", None) == "pdl_trigger"]
+    assert len(nested) == 1, f"{module}.{name}: pdl_trigger inside a branch or loop"
+    waits = [i for i, stmt in enumerate(fn.body) if _is_wait(stmt)]
+    assert triggers[0] > waits[0], f"{module}.{name}: the trigger comes before the wait"
+    loops = [i for i, stmt in enumerate(fn.body) if isinstance(stmt, (ast.For, ast.While))]
+    if loops:  # the main loop is done: triggering at the start of each program measured up to 1.6x slower
+        assert triggers[0] > loops[0], f"{module}.{name}: the trigger comes before the main loop"
+
+
 def test_the_kernel_list_is_complete_and_every_launch_passes_pdl():
     assert len(_kernels()) == 13
     for module in MODULES:
         src = inspect.getsource(module)
         assert src.count("_kernel[") == src.count("PDL=pdl("), f"{module.__name__}: a launch without PDL=pdl(...)"
+        assert src.count("_kernel[") == src.count("TRIG=early_trigger("), \
+            f"{module.__name__}: a launch without TRIG=early_trigger(...)"
