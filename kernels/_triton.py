@@ -19,16 +19,21 @@ previous kernel has finished and its writes are visible) before it reads anythin
 anything one reads. Before that it may only read what the kernel just before it cannot be writing: weights, the
 rotary table, and the rotary kernel's positions (a step input written before the forward pass's first kernel,
 which is torch's and launched without PDL, so all work before it is complete). Every such kernel also calls
-:func:`pdl_trigger` (a ``TRIG`` constexpr, :func:`early_trigger`) once, at top level, after its main loop or its
-last loads (PTX ``griddepcontrol.launch_dependents``): when every program of the grid has passed it, the next
-kernel launches and runs its prologue (the GEMV's first weight tile) while this one stores and, for a split-K
-GEMV, adds its partial sums. Correctness does not depend on where the trigger sits: the next kernel's
-``pdl_wait`` still waits for this whole grid. On an H200 (bench/RESULTS.md): PDL alone measured 2-6% faster per
-kernel in a chain and 2% per 7B decode step; the trigger after the main loop a further 5-8% per bs1 7B step
-(2,285 -> 2,083-2,118 us) and 4% per step of 8 sequences, where each GEMV is followed by a small kernel (norm,
-rotary, SiLU). A GEMV followed by another GEMV (the benchmark's chains of one shape) can be up to 12% slower with
-it: the next grid's programs take multiprocessors while this one's last programs finish. Triggering at the start
-of each program measured up to 1.6x slower.
+:func:`pdl_trigger` (a ``TRIG`` constexpr, :func:`early_trigger`) once, at top level, right after its main loop or
+its last loads (PTX ``griddepcontrol.launch_dependents``; a program counts as triggered when its first thread gets
+there): once every program has, the next kernel launches and runs its prologue (the GEMV's first weight tile) while
+this one stores and, for a split-K GEMV, adds its partial sums. Correctness does not depend on where the trigger
+sits, as long as it comes after the wait: the next kernel's ``pdl_wait`` still waits for this whole grid, and as
+this kernel triggers only after its own wait, the next one starts only once the kernel before this one has
+finished, so "the kernel just before" in the rule above stays the only one that can still be running.
+
+On an H200 (bench/RESULTS.md): PDL alone measured 2-6% faster per kernel in a chain and 0-2% per 7B decode step;
+with the trigger a 7B batch-1 step took 2,100 us against 2,277 (1.08x, same call; builds of one engine vary by up to
+5%) and a step of 8 sequences 4% less. There each GEMV is followed by a small kernel (rotary, norm, SiLU). Where a
+GEMV is followed by another (the benchmark's chains of one shape; in a model, the gate/up GEMV before a down GEMV
+that fuses SiLU, which the CUDA-core GEMV does at M = 1 on shapes without a measured plan) the trigger measured up
+to 16% slower: the next grid's programs take multiprocessors while this one's last programs finish. Triggering at
+the start of each program measured up to 1.6x slower.
 """
 from __future__ import annotations
 

@@ -361,9 +361,9 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     acc = ()
     for b in tl.static_range(SETS):
         acc = acc + ((zero4, zero4, zero4, zero4),)
-    x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_me, SETS, STEPS, EVEN)  # x one tile ahead too, also with
-    # two sets (up to 4 registers spilled at BLOCK_K 128 and one warp, yet 4096 -> 22016 M = 16 runs in 26.3 us
-    # against 28.4 with x loaded at its tile; bench/RESULTS.md, eighth session)
+    # x one tile ahead too, also with two sets (up to 4 registers spilled at BLOCK_K 128 and one warp, yet
+    # 4096 -> 22016 M = 16 runs in 26.3 us against 28.4 with x loaded at its tile; bench/RESULTS.md, eighth session)
+    x_cur = _fetch_xs(x_ptr, K, x_row, gr, tg, M, k_me, SETS, STEPS, EVEN)
     k_last = tl.maximum(k_lo, k_hi - BLOCK_K * KW)  # EVEN: the last tiles; the prefetch past them reads them again
     for k0 in range(k_lo, k_hi, BLOCK_K * KW):
         k_next = k0 + BLOCK_K * KW

@@ -157,6 +157,11 @@ MMA_PLANS = {  # num_stages=1 as in the shipped plans (the kernel prefetches the
     ("gptq", 64, True, 3, 320, 96, torch.bfloat16, torch.bfloat16, "mma_k_warps_split"),  # short last split
     ("awq", 32, False, 4, 288, 128, torch.bfloat16, torch.bfloat16, "mma_k_warps_split"),  # last split: one tile
     ("ct_asym", 32, False, 2, 416, 64, torch.float16, torch.float16, "mma_k_warps_two_launches"),
+    # two sets of 8 rows with x one tile ahead, ragged K or N, k_warps (the M = 16 plans of the eighth session)
+    ("ct_sym", -1, False, 12, 200, 104, torch.float16, torch.float16, "mma_k_warps"),
+    ("gptq", 64, True, 16, 320, 96, torch.bfloat16, torch.bfloat16, "mma_k_warps_split"),
+    ("ct_asym", 32, False, 13, 416, 64, torch.float16, torch.float16, "mma_k_warps_two_launches"),
+    ("ct_sym", -1, False, 16, 232, 104, torch.bfloat16, torch.float16, "mma"),
 ])
 def test_mma_path(fmt, group, act_order, m, k, n, dtype, scale_dtype, plan):
     """The tensor-core GEMV (interpreted: its mma computed from the same per-lane fragments, kernels/w4a16_mma.py)
