@@ -143,6 +143,16 @@ def cuda_core_gemv():
         w4a16.choose_plan.cache_clear()
 
 
+def _bs1_tok_s_under(model_dir: str, context) -> float:
+    """Batch-1 tok/s of a graphs-on engine built, captured and timed inside ``context``; the engine is freed."""
+    with context:
+        llm = _decode_engine(model_dir)
+        tok_s = _decode_tok_s(llm, 32, 256)
+    del llm
+    _free()
+    return tok_s
+
+
 def decode_rows(ctx: dict, make_row) -> list:
     """Batch-1 decode of the 7B-shaped model: graphs on vs the bandwidth bound, graphs on vs eager, async
     scheduling (the default) vs reading every step back before scheduling the next, and programmatic dependent
@@ -167,22 +177,11 @@ def decode_rows(ctx: dict, make_row) -> list:
         del llm
         _free()
     with_pdl = pdl(torch.empty(0, device="cuda"))
-    if with_pdl:  # Hopper: the same graphs, captured with every kernel launched without PDL
-        with without_pdl():
-            llm = _decode_engine(model_dir)
-            tok_s["nopdl"] = _decode_tok_s(llm, 32, 256)
-        del llm
-        _free()
-        with without_early_trigger():  # PDL, but each kernel's next one launches as its programs exit
-            llm = _decode_engine(model_dir)
-            tok_s["late"] = _decode_tok_s(llm, 32, 256)
-        del llm
-        _free()
-    with cuda_core_gemv():
-        llm = _decode_engine(model_dir)
-        tok_s["cuda_core"] = _decode_tok_s(llm, 32, 256)
-    del llm
-    _free()
+    if with_pdl:  # Hopper: the same graphs, captured with every kernel launched without PDL; with PDL but each
+        # kernel's next one launched as its programs exit
+        tok_s["nopdl"] = _bs1_tok_s_under(model_dir, without_pdl())
+        tok_s["late"] = _bs1_tok_s_under(model_dir, without_early_trigger())
+    tok_s["cuda_core"] = _bs1_tok_s_under(model_dir, cuda_core_gemv())
     llm = _decode_engine(model_dir, batch=8)
     tok_s["batch8"] = _batch_decode_tok_s(llm, 8, 32, 256)
     bytes8 = _bytes_per_step(llm, batch=8)

@@ -136,15 +136,11 @@ def time_calls(calls: list[Callable[[], object]], replays: int = 15) -> float:
     return statistics.median(times) * 1000 / len(calls)
 
 
-def time_without_pdl(calls: list[Callable[[], object]]) -> float:
-    """:func:`time_calls` with every kernel launched (and captured) without programmatic dependent launch."""
-    with without_pdl():
-        return time_calls(calls)
-
-
-def time_without_trigger(calls: list[Callable[[], object]]) -> float:
-    """:func:`time_calls` with PDL but no early trigger (each kernel's next launches as its programs exit)."""
-    with without_early_trigger():
+def time_calls_under(context, calls: list[Callable[[], object]]) -> float:
+    """:func:`time_calls` with every kernel launched (and captured) inside ``context``: ``without_pdl()`` (no
+    programmatic dependent launch) or ``without_early_trigger()`` (PDL, each kernel's next one launched as its
+    programs exit)."""
+    with context:
         return time_calls(calls)
 
 
@@ -231,7 +227,8 @@ def w4a16_rows(log: dict, tuned: dict | None = None) -> list[Row]:
                     f"{bytes_w4 / ours / 1e6:.2f} TB/s")
             if pdl(x):  # each call may start while the previous one ends: time without too
                 calls = [lambda i=i: w4a16.run_plan(x, qws[i], None, plan) for i in schedule(copies4)]
-                alone, late = time_without_pdl(calls), time_without_trigger(calls)
+                alone = time_calls_under(without_pdl(), calls)
+                late = time_calls_under(without_early_trigger(), calls)
                 note += (f"; without PDL {alone:.1f} µs ({base / alone:.2f}×), without the early trigger "
                          f"{late:.1f} µs ({base / late:.2f}×)")
             rows.append(Row("W4A16 vs bf16 F.linear", shape, ours, "F.linear bf16", base, W4_TARGETS.get(m), note))
@@ -498,7 +495,7 @@ def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
         frac = kv_bytes / (us * 1e-6) / copy_bw
         note = f"{frac:.0%} of copy BW" + (" (target ≥ 70%)" if batch == 64 else "")
         if pdl(sets[0][0]):
-            alone = time_without_pdl([lambda i=i: ours(i, **best_cfg) for i in schedule(copies)])
+            alone = time_calls_under(without_pdl(), [lambda i=i: ours(i, **best_cfg) for i in schedule(copies)])
             note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
         if best_cfg:
             note += f"; swept {best_cfg}"
