@@ -127,21 +127,33 @@ def _to_f16(q):
     return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
+@device_fn
+def _split_tokens(ctx, num_splits, TILE: tl.constexpr):
+    """Tokens per split of a sequence with ``ctx`` tokens: its context spread evenly over the ``num_splits`` splits
+    in whole tiles of TILE tokens (at least one). The split count is fixed by shapes (a CUDA graph keeps it), the
+    spread by the context: a short context in a wide block table (a graph's are ``max_model_len`` wide) runs on
+    min(splits, cdiv(ctx, TILE)) splits, not all in the first one. H200, 7B bs1 engine at about 160 tokens in
+    1,024-token tables: 1,984-2,004 µs per step against 2,075-2,096 with each split's token range fixed by the table
+    (bench/RESULTS.md, ninth session). At least ``cdiv(ctx, num_splits)``, so ``cdiv(ctx, chunk) <= num_splits``."""
+    return ((ctx - 1) // (num_splits * TILE) + 1) * TILE  # cdiv(cdiv(ctx, num_splits), TILE) tiles, ctx >= 1
+
+
 @jit
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, scale_log2, chunk,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, scale_log2,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_bt, stride_ob, stride_oh, num_splits,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
                    KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [split*chunk, +chunk) of one
-    sequence; every KV tile is loaded once for the whole group. Without SPLIT the result goes to ``out``; with it,
-    the normalised partial output to ``po`` [B, Hq, splits, D] fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]
-    (nothing is written for a split past the context: the merge skips those). KV_FP8 / KV_BYTES: see
-    :func:`_cache_args`."""
+    sequence, chunk = :func:`_split_tokens` of its context; every KV tile is loaded once for the whole group.
+    Without SPLIT the result goes to ``out``; with it, the normalised partial output to ``po`` [B, Hq, splits, D]
+    fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits] (nothing is written for a split past the context: the
+    merge skips those). KV_FP8 / KV_BYTES: see :func:`_cache_args`."""
     pdl_wait(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
+    chunk = _split_tokens(ctx, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(ctx, start + chunk)
     g = tl.arange(0, BLOCK_G)
@@ -181,13 +193,15 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
 
 
 @jit
-def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, chunk, num_splits, stride_ob, stride_oh,
-                  DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-                  TRIG: tl.constexpr):
-    """Grid (B, Hq): combine the valid splits (those that start inside the context) by their log2-sum-exp."""
+def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+                  DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr,
+                  PDL: tl.constexpr, TRIG: tl.constexpr):
+    """Grid (B, Hq): combine the valid splits (those that start inside the context; TILE is the decode kernel's
+    BLOCK_N) by their log2-sum-exp."""
     pdl_wait(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
+    chunk = _split_tokens(ctx, num_splits, TILE)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     smask = sp < tl.minimum((ctx + chunk - 1) // chunk, num_splits)
@@ -201,10 +215,11 @@ def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, chunk, num_splits, stride_
 
 
 def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> int:
-    """Tokens per split of the decode kernel (a multiple of 64), or ``max_tokens`` rounded up (no split) when
-    ``batch * kv_heads`` programs already fill the GPU. ``max_tokens`` is the block table's width in tokens: size
-    block tables to the batch's longest sequence (a CUDA graph's tables are ``max_model_len`` wide: splits past a
-    sequence's context exit at once, and the merge skips them). Depends only on shapes, so a graph keeps it."""
+    """Tokens per split of the decode kernel for a context as long as the block table (a multiple of 64), or
+    ``max_tokens`` rounded up (no split) when ``batch * kv_heads`` programs already fill the GPU. ``max_tokens`` is
+    the block table's width in tokens; ``cdiv(max_tokens, chunk)`` is the number of splits. A shorter context is
+    spread over the same splits (``_split_tokens``, in the kernel), so a CUDA graph's tables can be
+    ``max_model_len`` wide. Depends only on shapes, so a graph keeps it."""
     programs = batch * kv_heads
     whole = cdiv(max(max_tokens, 1), 64) * 64
     if programs >= 2 * sms:
@@ -235,8 +250,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     q: [B, Hq, D] (last dim contiguous); caches [num_blocks, block_size, Hkv, D], any float dtype (converted to
     q's on load; an fp8 e4m3 cache computes in fp16 on the GPU, see ``_to_f16``); block_tables int32 [B,
-    max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits the context in chunks
-    (:func:`decode_split_chunk`) when B * Hkv is too small to fill the GPU, then merges them in a second launch.
+    max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits each context evenly
+    (:func:`decode_split_chunk` sets the number of splits from the shapes, ``_split_tokens`` spreads a sequence's
+    context over them) when B * Hkv is too small to fill the GPU, then merges them in a second launch.
     """
     config = DECODE_CONFIG
     if k_cache.dtype == torch.float8_e4m3fn:
@@ -258,15 +274,17 @@ DECODE_CONFIG_FP8_MHA = dict(block_n=64, num_warps=2, num_stages=2)
 
 def decode_tile(block_n: int, chunk: int) -> int:
     """The decode kernel's KV tile in tokens: ``block_n``, narrowed to the largest power of two <= ``chunk`` (at
-    least 16, ``tl.dot``'s minimum) when the splits are shorter, so no tile is mostly masked."""
+    least 16, ``tl.dot``'s minimum) when the splits are shorter. Splits are whole tiles (``_split_tokens``), so a
+    narrower tile lets a short context run on more splits."""
     return min(block_n, max(16, 1 << (chunk.bit_length() - 1)))
 
 
 def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, chunk: int | None = None,
                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """:func:`paged_attention_decode` with explicit settings (the benchmark sweeps them): ``chunk`` tokens per
-    split (None = :func:`decode_split_chunk`), KV tile ``block_n`` tokens (narrowed to a power of two <= the
-    chunk)."""
+    split at a full block table, which sets ``cdiv(table width, chunk)`` splits (None = :func:`decode_split_chunk`;
+    a shorter context is spread over them in whole tiles), KV tile ``block_n`` tokens (narrowed to a power of two
+    <= the chunk)."""
     batch, q_heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
@@ -289,15 +307,15 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
         raise ValueError(f"paged attention: an fp8 tile of {block_n} x {block_d} is too small for {num_warps} warps; "
                          "use a larger block_n or fewer warps")
     _decode_kernel[(batch, kv_heads, splits)](
-        q, kc, vc, block_tables, context_lens, out, po, plse, scale * LOG2E, chunk,
+        q, kc, vc, block_tables, context_lens, out, po, plse, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), splits, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
         DOT_F32=dot_f32(q), PDL=pdl(q), TRIG=early_trigger(q), num_warps=num_warps, num_stages=num_stages, **kv_meta)
     if splits > 1:
-        _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, chunk, splits, out.stride(0), out.stride(1),
-                                        DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), PDL=pdl(q),
-                                        TRIG=early_trigger(q), num_warps=4)
+        _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, splits, out.stride(0), out.stride(1),
+                                        DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), TILE=block_n,
+                                        PDL=pdl(q), TRIG=early_trigger(q), num_warps=4)
     return out
 
 

@@ -97,7 +97,8 @@ def test_fp8_cache_goes_to_compiled_kernels_as_bytes():
 
 def test_decode_tile_narrows_to_the_chunk():
     """A KV tile wider than the chunk (the fp8 settings' 128 tokens against 64-token splits) is narrowed to a power
-    of two that fits: a 48-token chunk runs 32-token tiles, and the merge of the splits gives the reference."""
+    of two that fits: a 48-token chunk over 128-token tables gives 3 splits of 32-token tiles (100 tokens then run
+    64 + 36, 47 run 32 + 15), and the merge of the splits gives the reference."""
     assert [pa.decode_tile(128, c) for c in (64, 48, 128, 640, 8)] == [64, 32, 128, 128, 16]
     assert pa.decode_tile(64, 4096) == 64
     lengths = [100, 47]
@@ -106,6 +107,43 @@ def test_decode_tile_narrows_to_the_chunk():
     ctx = torch.tensor(lengths, dtype=torch.int32)
     out = pa.decode_with(q, k_cache, v_cache, tables, ctx, 32 ** -0.5, chunk=48, block_n=128)
     check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 32 ** -0.5)
+
+
+@pytest.mark.parametrize("lengths", [[1, 17, 130, 300], [64, 63, 65, 2]])
+def test_decode_short_contexts_spread_over_a_wide_table(lengths, monkeypatch):
+    """A CUDA graph's block tables are max_model_len wide: here 64 blocks (1,024 tokens) in 256-token chunks, 4
+    splits. Each context is spread over the splits in whole 16-token tiles, cdiv(cdiv(ctx, 4), 16) tiles per split
+    (130 tokens: 48 + 48 + 34 and an empty fourth; 17: 16 + 1; 300: 80 + 80 + 80 + 60): each live split's partial
+    output is attention over exactly its tokens, and the merge of the live splits gives the reference, the same
+    bits each call."""
+    partials = {}
+    merge = pa._merge_kernel
+
+    class Spy:  # keeps the partial outputs the merge kernel is given
+        def __getitem__(self, grid):
+            def launch(po, *args, **meta):
+                partials["po"] = po.clone()
+                return merge[grid](po, *args, **meta)
+            return launch
+
+    monkeypatch.setattr(pa, "_merge_kernel", Spy())
+    k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
+    wide = torch.full((len(lengths), 64), -1, dtype=torch.int32)
+    wide[:, :tables.shape[1]] = tables
+    q = torch.randn(len(lengths), 4, 32, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    out = pa.decode_with(q, k_cache, v_cache, wide, ctx, 32 ** -0.5, chunk=256, block_n=16)
+    check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 32 ** -0.5)
+    assert torch.equal(out, pa.decode_with(q, k_cache, v_cache, wide, ctx, 32 ** -0.5, chunk=256, block_n=16))
+    for b, n in enumerate(lengths):
+        chunk = -(-(-(-n // 4)) // 16) * 16
+        k = pa.gather_kv(k_cache, tables[b], n).float().repeat_interleave(2, dim=1).transpose(0, 1)
+        v = pa.gather_kv(v_cache, tables[b], n).float().repeat_interleave(2, dim=1).transpose(0, 1)
+        for split in range(-(-n // chunk)):
+            lo, hi = split * chunk, min(n, (split + 1) * chunk)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[b].float()[:, None], k[:, lo:hi], v[:, lo:hi], scale=32 ** -0.5)[:, 0]
+            torch.testing.assert_close(partials["po"][b, :, split], want, rtol=2e-2, atol=2e-2)
 
 
 def test_decode_split_chunks_are_shape_only():
