@@ -7,6 +7,7 @@ import torch
 from kernels_testenv import FP8, on_device  # noqa: F401 (autouse fixture)
 
 from kernels import paged_attention as pa
+from kernels._triton import cdiv
 
 
 def make_cache(lengths, kv_heads, dim, block_size, dtype, spare_blocks=3):
@@ -136,10 +137,10 @@ def test_decode_short_contexts_spread_over_a_wide_table(lengths, monkeypatch):
     check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 32 ** -0.5)
     assert torch.equal(out, pa.decode_with(q, k_cache, v_cache, wide, ctx, 32 ** -0.5, chunk=256, block_n=16))
     for b, n in enumerate(lengths):
-        chunk = -(-(-(-n // 4)) // 16) * 16
+        chunk = cdiv(cdiv(n, 4), 16) * 16
         k = pa.gather_kv(k_cache, tables[b], n).float().repeat_interleave(2, dim=1).transpose(0, 1)
         v = pa.gather_kv(v_cache, tables[b], n).float().repeat_interleave(2, dim=1).transpose(0, 1)
-        for split in range(-(-n // chunk)):
+        for split in range(cdiv(n, chunk)):
             lo, hi = split * chunk, min(n, (split + 1) * chunk)
             want = torch.nn.functional.scaled_dot_product_attention(
                 q[b].float()[:, None], k[:, lo:hi], v[:, lo:hi], scale=32 ** -0.5)[:, 0]
