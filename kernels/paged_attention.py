@@ -204,7 +204,7 @@ def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, num_splits, stride_ob, str
     chunk = _split_tokens(ctx, num_splits, TILE)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = sp < tl.minimum((ctx + chunk - 1) // chunk, num_splits)
+    smask = sp < (ctx + chunk - 1) // chunk  # the live splits, at most num_splits (see _split_tokens)
     row = (b * tl.num_programs(1) + h) * num_splits + sp
     lse = tl.load(plse_ptr + row, mask=smask, other=float("-inf"))
     o = tl.load(po_ptr + row[:, None] * DIM + d[None, :], mask=smask[:, None] & (d < DIM)[None, :], other=0.0)
