@@ -420,14 +420,20 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
 
 @jit
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr, TRIG: tl.constexpr):
-    """Grid (cdiv(M*N, BLOCK),): out = sum over splits of part[split] (+ bias), in a fixed order."""
+                          PDL: tl.constexpr, TRIG: tl.constexpr, AHEAD: tl.constexpr = 4):
+    """Grid (cdiv(M*N, BLOCK),): out = sum over splits of part[split] (+ bias), added in split order. The loads of
+    AHEAD splits are issued together (one at a time, each would wait a full L2 round trip)."""
     pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(splits):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    for s0 in range(0, splits, AHEAD):
+        got = ()
+        for u in tl.static_range(AHEAD):
+            got = got + (tl.load(part_ptr + (s0 + u) * MN + offs, mask=mask & (offs * 0 + s0 + u < splits),
+                                 other=0.0),)
+        for u in tl.static_range(AHEAD):
+            acc += got[u]
     pdl_trigger(TRIG)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)

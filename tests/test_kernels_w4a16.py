@@ -223,6 +223,22 @@ def test_gemv_split_k_reduction_in_one_launch_is_deterministic():
         w4a16._locks(x.device, w4a16._MAX_LOCKS + 1)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 4, 5, 9])
+def test_splitk_reduce_adds_in_split_order(splits):
+    """The second kernel of split-K adds the fp32 partial sums in split order, four splits' loads at a time (a
+    ragged last round: 3, 5, 9 splits), then the bias: the same bits as that sum in torch (an fp32 output: the
+    interpreter truncates to bf16)."""
+    part = torch.randn(splits, 3, 70)
+    bias = torch.randn(70, dtype=torch.bfloat16)
+    out = torch.empty(3, 70)
+    w4a16._splitk_reduce_kernel[(4,)](part, bias, out, 210, 70, splits, HAS_BIAS=True, BLOCK=64, PDL=False,
+                                      TRIG=False, num_warps=4)
+    ref = torch.zeros(3, 70)
+    for s in range(splits):
+        ref = ref + part[s]
+    assert torch.equal(out, ref + bias.float())
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="streams: GPU only")
 def test_gemv_on_two_streams_at_once():
     """Two streams running split-K GEMVs concurrently (each held back behind a sleep so they overlap) get the
