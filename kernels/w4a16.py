@@ -550,11 +550,11 @@ TUNED = {
     (16, 22016, 4096): Plan("mma", 16, 64, 128, 1024, num_warps=1, num_stages=1),  # 4 splits
     (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
     (16, 4096, 11008): Plan("mma", 16, 64, 64, 1408, num_warps=2, num_stages=1, k_warps=2),  # 8 splits
-    # M = 64 and 256: splits retuned in the tenth session (probe/reduce_ahead.py, same process, µs against the
-    # splits before): 4096 -> 4096 4 splits 13.0-13.1 against 5 splits 13.6; 11008 -> 4096 6 splits 25.8-26.0
-    # against 5 splits 27.7-27.8; M = 256 11008 -> 4096 3 splits 64-67 against 2 splits 72
+    # the splits of M = 64 4096 -> 4096, M = 64 11008 -> 4096 and M = 256 11008 -> 4096 retuned in the tenth
+    # session (probe/reduce_ahead.py, same process, µs against the splits before): 4 splits 13.0-13.1 against
+    # 5 splits 13.6; 6 splits 25.8-26.0 against 5 splits 27.7-27.8; 3 splits 64-67 against 2 splits 72
     (64, 4096, 4096): Plan("tc", 64, 64, 128, 1024, swap=True, mode=3),  # 4 splits
-    (64, 12288, 4096): Plan("tc", 64, 64, 128, 2048, swap=True, mode=3),  # 2 splits
+    (64, 12288, 4096): Plan("tc", 64, 64, 128, 2048, swap=True, mode=3),
     (64, 22016, 4096): Plan("tc", 64, 64, 128, 4096, swap=True, mode=3),
     (64, 4096, 11008): Plan("tc", 64, 64, 128, 1920, swap=True, mode=3),  # 6 splits
     (256, 12288, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),

@@ -223,11 +223,11 @@ def test_gemv_split_k_reduction_in_one_launch_is_deterministic():
         w4a16._locks(x.device, w4a16._MAX_LOCKS + 1)
 
 
-@pytest.mark.parametrize("splits", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("splits", [2, 3, 4, 5, 6, 8, 9])
 def test_splitk_reduce_adds_in_split_order(splits):
-    """The second kernel of split-K adds the fp32 partial sums in split order, four splits' loads at a time (a
-    ragged last round: 3, 5, 9 splits), then the bias: the same bits as that sum in torch (an fp32 output: the
-    interpreter truncates to bf16)."""
+    """The second kernel of split-K adds the fp32 partial sums in split order, four splits' loads at a time (whole
+    rounds: 4, 8 splits; a short last round: 2, 3, 5, 6, 9), then the bias: the same bits as that sum in torch (an
+    fp32 output: the interpreter truncates to bf16)."""
     part = torch.randn(splits, 3, 70)
     bias = torch.randn(70, dtype=torch.bfloat16)
     out = torch.empty(3, 70)
