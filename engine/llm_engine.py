@@ -245,13 +245,13 @@ class LLMEngine:
     def _fail_batch(self, batch) -> list[str]:
         """Drop the requests of a batch whose forward pass raised, and those swapped out in it (their swap copy may
         not have run): their blocks are unregistered from the prefix cache (their K/V may be half written) and
-        released, KV and swap alike, and they leave the engine. Returns their ids."""
+        released, KV and swap alike, and they leave the engine. Returns their ids, less those of requests that had
+        already finished (with async scheduling a row found finished on read-back may be in the next batch; its
+        finished output stands, held for the next step when the read-back that found it raised later)."""
         copied = {dst for _, dst in batch.blocks_to_swap_out}  # swapped out this step: the copy may not have run
         failed = list(dict.fromkeys([seq.request_id for seq in batch.seqs] + [
             s.request_id for s in self.scheduler.swapped if copied & set(s.swap_table)]))
-        for request_id in failed:
-            self._remove(request_id, forget=True)
-        return failed
+        return [request_id for request_id in failed if self._remove(request_id, forget=True) is not None]
 
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
         """vLLM's stop rules, in its order, after ``token`` was appended to ``seq`` (counting the tokens read back,

@@ -98,6 +98,45 @@ def test_a_request_that_cannot_sample_fails_alone(demo_model):
     assert outs[-1].request_id == "good" and outs[-1].outputs[0].token_ids == alone
 
 
+
+def test_a_late_read_back_failure_names_only_unfinished_requests(demo_model):
+    """Async scheduling: step 3 launches while step 2 is unread, then reads both back. Step 2 finishes "short" (its
+    second token is a stop token: the scheduler cannot know that ahead, so its row is in step 3's batch too); step
+    3's read-back raises (a device error that surfaced late). StepFailed names only "long": "short" is not failed,
+    its finished output comes with the next step."""
+    from engine.model_runner import LaunchedStep
+
+    class Failing(LaunchedStep):
+        def tokens(self):
+            raise RuntimeError("device error at read-back")
+
+    llm = LLM(str(demo_model), device="cpu", max_num_seqs=8, max_model_len=128, async_scheduling=True)
+    engine, launch, launches = llm.engine, llm.engine.runner.launch, []
+
+    def flaky(*args):
+        launches.append(launch(*args))
+        if len(launches) == 3:  # not deferrable: read back at once, right after step 2
+            return Failing(launches[-1].host, launches[-1].event, deferrable=False)
+        return launches[-1]
+
+    first_two = llm.generate([list(range(1000, 1010))], SamplingParams(temperature=0, max_tokens=2,
+                                                                    ignore_eos=True))[0].outputs[0].token_ids
+    assert first_two[0] != first_two[1]
+    engine.runner.launch = flaky
+    stop = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[first_two[1]])
+    engine.add_request("short", list(range(1000, 1010)), stop)
+    engine.add_request("long", list(range(200, 210)), GREEDY)
+    assert engine.step() == [] and engine.step()  # the prefill, then step 2 (reads the prefill back)
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert failed.value.request_ids == ["long"] and isinstance(failed.value.cause, RuntimeError)
+    held = [(o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished]
+    assert held == [("short", first_two)]
+    assert not engine.has_unfinished_requests()
+    engine.block_manager.check()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 class FlakyEngine(FakeEngine):
     """Fails the steps numbered in ``fail_steps`` (0-based) the way LLMEngine does: drops ``victim`` and raises."""
 
