@@ -8,20 +8,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-#: Row multiple the CPU reference pads to. MKL's sgemm picks its micro-kernel (and thread split) by the number of
-#: rows M, so the same row can round differently in batches of different sizes; padding M to a multiple of 8
-#: makes every row's result independent of its batch (checked by tests/test_engine_batching.py).
-ROW_MULTIPLE = 8
+#: Rows per GEMM of the CPU reference. MKL's sgemm picks its micro-kernel and its thread split (over rows, or over
+#: K, which changes the order of the sums) by the shape, M included, so the same row can round differently in
+#: batches of different sizes. Which M give which choice depends on the CPU and the thread count: on an AVX-512 /
+#: AMX Xeon with 2 threads, M = 8 rounds unlike M = 16, and 1536 -> 576 splits K for M = 64 .. 192 only. Running
+#: every GEMM on exactly ROW_BLOCK rows (zero-padded) makes every row's result independent of its batch (checked by
+#: tests/test_engine_batching.py and tests/test_kernels_elementwise.py).
+ROW_BLOCK = 16
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, batch-invariant on CPU.
 
-    x: [M, K]; weight: [N, K]; bias: [N] or None; all the same float dtype. Returns [M, N] in x's dtype.
-    Rows are padded with zeros to a multiple of ``ROW_MULTIPLE`` before the GEMM (CPU only) and cut after.
+    x: [M, K]; weight: [N, K]; bias: [N] or None; all the same float dtype. Returns [M, N] in x's dtype. On CPU
+    the rows are zero-padded to a multiple of ``ROW_BLOCK`` and multiplied ``ROW_BLOCK`` rows per GEMM; elsewhere
+    one ``F.linear``.
     """
     m = x.shape[0]
-    if x.device.type == "cpu" and m % ROW_MULTIPLE:
-        pad = ROW_MULTIPLE - m % ROW_MULTIPLE
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    return F.linear(x, weight, bias)[:m]
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    if m % ROW_BLOCK:
+        x = torch.cat([x, x.new_zeros(ROW_BLOCK - m % ROW_BLOCK, x.shape[1])])
+    if x.shape[0] == ROW_BLOCK:
+        return F.linear(x, weight, bias)[:m]
+    return torch.cat([F.linear(x[i:i + ROW_BLOCK], weight, bias) for i in range(0, x.shape[0], ROW_BLOCK)])[:m]
