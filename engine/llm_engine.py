@@ -145,7 +145,9 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one batch; return an output for every request that advanced, finished or was
-        aborted. Raises StepFailed for the requests that could not go on (the others' outputs come with it).
+        aborted. Raises StepFailed for the requests that could not go on: when they could not sample, the others'
+        outputs come with it; when a launch or a read-back raised, the outputs already made are held for the next
+        call.
 
         Async scheduling (``EngineConfig.async_scheduling``, on by default on CUDA): the batch launched here is
         read back in the *next* call, after that call has launched its own batch, so the host's work (reading
@@ -245,13 +247,19 @@ class LLMEngine:
     def _fail_batch(self, batch) -> list[str]:
         """Drop the requests of a batch whose forward pass raised, and those swapped out in it (their swap copy may
         not have run): their blocks are unregistered from the prefix cache (their K/V may be half written) and
-        released, KV and swap alike, and they leave the engine. Returns their ids, less those of requests that had
-        already finished (with async scheduling a row found finished on read-back may be in the next batch; its
-        finished output stands, held for the next step when the read-back that found it raised later)."""
+        released, KV and swap alike, and they leave the engine. Returns their ids (maybe none).
+
+        A row whose request is no longer in the engine is skipped: the request finished or was aborted while the
+        batch ran (with async scheduling a row found finished on read-back may be in the next batch already; its
+        finished output stands), or its id came free and a new request took it, which was not in the batch."""
         copied = {dst for _, dst in batch.blocks_to_swap_out}  # swapped out this step: the copy may not have run
-        failed = list(dict.fromkeys([seq.request_id for seq in batch.seqs] + [
+        live = [seq.request_id for seq in batch.seqs
+                if (req := self.requests.get(seq.request_id)) is not None and req.seqs[seq.index] is seq]
+        failed = list(dict.fromkeys(live + [
             s.request_id for s in self.scheduler.swapped if copied & set(s.swap_table)]))
-        return [request_id for request_id in failed if self._remove(request_id, forget=True) is not None]
+        for request_id in failed:
+            self._remove(request_id, forget=True)
+        return failed
 
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
         """vLLM's stop rules, in its order, after ``token`` was appended to ``seq`` (counting the tokens read back,

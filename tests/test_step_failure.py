@@ -10,6 +10,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.async_engine import MAX_FAILED_STEPS, AsyncLLMEngine, EngineDeadError
 from engine.errors import StepFailed
+from engine.model_runner import LaunchedStep
 from test_server_fakes import FakeEngine, fake_completion, wait_for
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -98,41 +99,53 @@ def test_a_request_that_cannot_sample_fails_alone(demo_model):
     assert outs[-1].request_id == "good" and outs[-1].outputs[0].token_ids == alone
 
 
-
-def test_a_late_read_back_failure_names_only_unfinished_requests(demo_model):
-    """Async scheduling: step 3 launches while step 2 is unread, then reads both back. Step 2 finishes "short" (its
-    second token is a stop token: the scheduler cannot know that ahead, so its row is in step 3's batch too); step
-    3's read-back raises (a device error that surfaced late). StepFailed names only "long": "short" is not failed,
-    its finished output comes with the next step."""
-    from engine.model_runner import LaunchedStep
-
+@pytest.mark.parametrize("deferrable", [False, True])
+def test_a_late_read_back_failure_names_only_unfinished_requests(demo_model, deferrable):
+    """Async scheduling: step 2 finishes "short" (its second token is a stop token: the scheduler cannot know that
+    ahead, so its row is in step 3's batch too), then step 3's read-back raises (a device error that surfaced late).
+    StepFailed names only "long"; "short" keeps its finished output. Not deferrable, step 3 is read back in the
+    call that reads step 2: the outputs of step 2 are held for the next call. Deferrable, they come with the call
+    that launches step 3, and step 3 is read back (and raises) in the next one, by which time a new request took
+    the id "short": it is not failed, and gets the tokens it gets alone."""
     class Failing(LaunchedStep):
         def tokens(self):
             raise RuntimeError("device error at read-back")
 
     llm = LLM(str(demo_model), device="cpu", max_num_seqs=8, max_model_len=128, async_scheduling=True)
     engine, launch, launches = llm.engine, llm.engine.runner.launch, []
+    prompt = list(range(1000, 1010))
+    first_two = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    first_two = first_two.outputs[0].token_ids
+    assert first_two[0] != first_two[1]
+    again = llm.generate([list(range(500, 510))], GREEDY)[0].outputs[0].token_ids
 
     def flaky(*args):
         launches.append(launch(*args))
-        if len(launches) == 3:  # not deferrable: read back at once, right after step 2
-            return Failing(launches[-1].host, launches[-1].event, deferrable=False)
+        if len(launches) == 3:
+            return Failing(launches[-1].host, launches[-1].event, deferrable=deferrable)
         return launches[-1]
 
-    first_two = llm.generate([list(range(1000, 1010))], SamplingParams(temperature=0, max_tokens=2,
-                                                                    ignore_eos=True))[0].outputs[0].token_ids
-    assert first_two[0] != first_two[1]
     engine.runner.launch = flaky
-    stop = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[first_two[1]])
-    engine.add_request("short", list(range(1000, 1010)), stop)
+    engine.add_request("short", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                       stop_token_ids=[first_two[1]]))
     engine.add_request("long", list(range(200, 210)), GREEDY)
-    assert engine.step() == [] and engine.step()  # the prefill, then step 2 (reads the prefill back)
+    assert engine.step() == [] and len(engine.step()) == 2  # the prefill, then step 2 (reads the prefill back)
+    if deferrable:
+        step2 = engine.step()  # launches step 3, reads step 2 back
+        engine.add_request("short", list(range(500, 510)), GREEDY)  # the id is free: a new request takes it
     with pytest.raises(StepFailed) as failed:
         engine.step()
     assert failed.value.request_ids == ["long"] and isinstance(failed.value.cause, RuntimeError)
-    held = [(o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished]
-    assert held == [("short", first_two)]
-    assert not engine.has_unfinished_requests()
+    if not deferrable:
+        step2 = engine.step()  # delivers the held outputs
+    assert [(o.request_id, o.finished, o.outputs[0].token_ids[:2]) for o in step2] == [
+        ("short", True, first_two), ("long", False, step2[1].outputs[0].token_ids[:2])]
+    assert len(step2[1].outputs[0].token_ids) == 2
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    done = [(o.request_id, o.outputs[0].token_ids) for o in outs if o.finished]
+    assert done == ([("short", again)] if deferrable else [])
     engine.block_manager.check()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
