@@ -13,7 +13,7 @@ import torch.nn.functional as F
 #: batches of different sizes. Which M give which choice depends on the CPU and the thread count: on an AVX-512 /
 #: AMX Xeon with 2 threads, M = 8 rounds unlike M = 16, and 1536 -> 576 splits K for M = 64 .. 192 only. Running
 #: every GEMM on exactly ROW_BLOCK rows (zero-padded) makes every row's result independent of its batch (checked by
-#: tests/test_engine_batching.py and tests/test_kernels_elementwise.py).
+#: tests/test_linear_ref.py, and through the engine by tests/test_engine_batching.py).
 ROW_BLOCK = 16
 
 
@@ -29,6 +29,4 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return F.linear(x, weight, bias)
     if m % ROW_BLOCK:
         x = torch.cat([x, x.new_zeros(ROW_BLOCK - m % ROW_BLOCK, x.shape[1])])
-    if x.shape[0] == ROW_BLOCK:
-        return F.linear(x, weight, bias)[:m]
     return torch.cat([F.linear(x[i:i + ROW_BLOCK], weight, bias) for i in range(0, x.shape[0], ROW_BLOCK)])[:m]
