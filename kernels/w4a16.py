@@ -177,14 +177,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
             tl.debug_barrier()  # every thread's partial sums are written before the counter moves
             arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == splits - 1:
-                y = tl.zeros([BLOCK_N], tl.float32)
-                for s0 in range(0, splits, 4):  # four splits' loads in flight, added in split order
-                    got = ()
-                    for u in tl.static_range(4):
-                        got = got + (tl.load(part_ptr + (s0 + u) * N + n, mask=nmask & (n * 0 + s0 + u < splits),
-                                             other=0.0, cache_modifier=".cg"),)
-                    for u in tl.static_range(4):
-                        y += got[u]
+                y = _sum_splits(part_ptr + n, N, nmask, splits)
                 if HAS_BIAS:
                     y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
                 tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
@@ -418,22 +411,32 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
     _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP, SPLIT, HAS_BIAS)
 
 
+@device_fn
+def _sum_splits(ptrs, stride, mask, splits):
+    """The fp32 split-K partial sums at ``ptrs + s * stride`` for s < splits (where ``mask``), added in split
+    order from 0. The loads of four splits are issued together (one at a time, each would wait a full L2 round
+    trip), through L2 (``.cg``: other programs of the same launch may have written them)."""
+    acc = tl.zeros(ptrs.shape, tl.float32)
+    zero = tl.zeros(ptrs.shape, tl.int32)  # the split index as a tensor: a scalar mask term is refused
+    for s0 in range(0, splits, 4):
+        got = ()
+        for u in tl.static_range(4):
+            live = mask & (zero + s0 + u < splits)
+            got = got + (tl.load(ptrs + (s0 + u) * stride, mask=live, other=0.0, cache_modifier=".cg"),)
+        for u in tl.static_range(4):
+            acc += got[u]
+    return acc
+
+
 @jit
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr, TRIG: tl.constexpr, AHEAD: tl.constexpr = 4):
-    """Grid (cdiv(M*N, BLOCK),): out = sum over splits of part[split] (+ bias), added in split order. The loads of
-    AHEAD splits are issued together (one at a time, each would wait a full L2 round trip)."""
+                          PDL: tl.constexpr, TRIG: tl.constexpr):
+    """Grid (cdiv(M*N, BLOCK),): out = sum over splits of part[split] (+ bias), added in split order
+    (:func:`_sum_splits`)."""
     pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s0 in range(0, splits, AHEAD):
-        got = ()
-        for u in tl.static_range(AHEAD):
-            got = got + (tl.load(part_ptr + (s0 + u) * MN + offs, mask=mask & (offs * 0 + s0 + u < splits),
-                                 other=0.0),)
-        for u in tl.static_range(AHEAD):
-            acc += got[u]
+    acc = _sum_splits(part_ptr + offs, MN, mask, splits)
     pdl_trigger(TRIG)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
