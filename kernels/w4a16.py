@@ -276,6 +276,11 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
     pdl_wait(PDL)
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    # every split holds at least one K tile (run_plan launches cdiv(K, k_per_split) splits). Said, the loop has no
+    # zero-trip path: on that path the zeroed accumulator met the loop's last wgmma wait, and ptxas serialized
+    # every wgmma of the kernel (C7515, "non wgmma instructions defining accumulator registers"); 4-9% at M = 64
+    # on an H200 (bench/RESULTS.md, eleventh session)
+    tl.assume(k_hi > k_lo)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -366,6 +371,11 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
     pdl_wait(PDL)
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    # every split holds at least one K tile (run_plan launches cdiv(K, k_per_split) splits). Said, the loop has no
+    # zero-trip path: on that path the zeroed accumulator met the loop's last wgmma wait, and ptxas serialized
+    # every wgmma of the kernel (C7515, "non wgmma instructions defining accumulator registers"); 4-9% at M = 64
+    # on an H200 (bench/RESULTS.md, eleventh session)
+    tl.assume(k_hi > k_lo)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -560,9 +570,11 @@ TUNED = {
     (64, 12288, 4096): Plan("tc", 64, 64, 128, 2048, swap=True, mode=3),
     (64, 22016, 4096): Plan("tc", 64, 64, 128, 4096, swap=True, mode=3),
     (64, 4096, 11008): Plan("tc", 64, 64, 128, 1920, swap=True, mode=3),  # 6 splits
+    # M = 256 swept again in the eleventh session, once ptxas no longer serialized the tc kernel's wgmmas
+    # (probe/assume_ab.py, µs): 123.6 against 131.7 for 128x64x64; 57.7 (4 splits) against 66.4 (3 splits, 128x64x64)
     (256, 12288, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
-    (256, 22016, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
-    (256, 4096, 11008): Plan("tc", 128, 64, 64, 3712, swap=True, mode=3),  # 3 splits
+    (256, 22016, 4096): Plan("tc", 128, 64, 128, 4096, swap=True, mode=3),
+    (256, 4096, 11008): Plan("tc", 256, 128, 64, 2752, num_warps=8, swap=True, mode=3),  # 4 splits
 }
 
 

@@ -316,6 +316,18 @@ def test_fast_path_fp16_and_act_order(dtype):
     check_product(w4a16.run_plan(x, qw, None, PLANS["gemm_fast"]), x, w)
 
 
+@pytest.mark.parametrize("key", [(256, 22016, 4096), (256, 4096, 11008)])
+def test_tc_tuned_m256_tiles(key):
+    """The tiles of the M = 256 TUNED tc plans (128 x 64 x 128; 256 x 128 x 64 on 8 warps) on a small shape: 70 rows
+    (part of one row tile), N = 200 (not a multiple of 64 or 128), K = 320 in splits of 128 (the last one 64 rows,
+    one tile), so every split's K loop runs at least once as the kernel assumes."""
+    tuned = w4a16.TUNED[key]
+    qw, w = make_weight("awq", 320, 200, 128, False, scale_dtype=torch.bfloat16)
+    x = torch.randn(70, 320, dtype=torch.bfloat16)
+    plan = dataclasses.replace(tuned, k_per_split=128)
+    check_product(w4a16.run_plan(x, qw, None, plan), x, w)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("swap", [False, True])
 def test_tc_path_ragged_k_act_order_every_mode(dtype, swap):
