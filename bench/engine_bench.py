@@ -226,11 +226,14 @@ def _hf_generate_tok_s(model_dir: str, batch: int, prompt_len: int, new_tokens: 
     ids = torch.randint(3, cfg["vocab_size"], (batch, prompt_len), device="cuda")
     kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     model.generate(ids[:, :16], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    torch.cuda.synchronize()
-    tok_s = batch * new_tokens / (time.perf_counter() - start)
+    seconds = []
+    for _ in range(2):  # best of two, as our engine's rows (one run varied by up to 11% between suite runs)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    tok_s = batch * new_tokens / min(seconds)
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model
     _free()
@@ -325,7 +328,7 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
     del llm
     _free()
     shape = f"{prompt_len} prompt / {output_len} output"
-    baseline = f"HF bf16 generate bs128 ({hf_new_tokens} new tokens)"
+    baseline = f"HF bf16 generate bs128 ({hf_new_tokens} new tokens, best of 2)"
     return [make_row(f"{requests} concurrent requests, output tok/s", shape, 1e6 / ours, baseline, 1e6 / hf, 15.0,
                      f"{ours:.0f} vs {hf:.0f} tok/s; {preempted} preemptions; peak {peak:.1f} GiB (HF {hf_peak:.1f})"),
             make_row(f"{requests} requests sampled (T 0.8, top-p 0.95), output tok/s", shape, 1e6 / sampled,
