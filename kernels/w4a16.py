@@ -536,7 +536,8 @@ def _split(k: int, block_k: int, tiles: int, target: int) -> int:
 
 #: M above which dequantize-then-cuBLAS is always used. Between 65 and this, TUNED shapes run their "tc" plan (the
 #: fused kernel beat dequantize-then-cuBLAS at M=256 on three of the four Llama shapes, H200, bench/RESULTS.md
-#: 2026-11-30 run 9) and other shapes dequantize.
+#: 2026-11-30 run 9; on the fourth, 4096 -> 4096, too once ptxas stopped serializing it, eleventh session) and
+#: other shapes dequantize.
 DEQUANT_ABOVE_M = 256
 
 #: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 8 | 16 | 64 | 256, N, K), group size
@@ -574,6 +575,7 @@ TUNED = {
     (64, 4096, 11008): Plan("tc", 64, 64, 128, 1920, swap=True, mode=3),  # 6 splits
     # M = 256 swept again in the eleventh session, once ptxas no longer serialized the tc kernel's wgmmas
     # (probe/assume_ab.py, µs): 123.6 against 131.7 for 128x64x64; 57.7 (4 splits) against 66.4 (3 splits, 128x64x64)
+    (256, 4096, 4096): Plan("tc", 128, 64, 128, 4096, swap=True, mode=3),  # 27.7 against dequantize 29.8-29.9
     (256, 12288, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
     (256, 22016, 4096): Plan("tc", 128, 64, 128, 4096, swap=True, mode=3),
     (256, 4096, 11008): Plan("tc", 256, 128, 64, 2752, num_warps=8, swap=True, mode=3),  # 4 splits

@@ -295,7 +295,8 @@ def test_plans_follow_shape():
     assert w4a16.choose_plan(40, 1536, 576, 4, 64, 132).path == "tc"
     assert w4a16.choose_plan(40, 1536, 576, 8, 64, 132).path == "gemm"  # 8-bit: the older GEMM
     assert w4a16.choose_plan(200, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(256, 12288, 4096)]
-    assert w4a16.choose_plan(256, 4096, 4096, 4, 128, 132).path == "dequant"  # measured: cuBLAS wins there
+    assert w4a16.choose_plan(256, 4096, 4096, 4, 128, 132) == w4a16.TUNED[(256, 4096, 4096)]
+    assert w4a16.choose_plan(256, 4096, 4096, 4, 32, 132).path == "dequant"  # the tuned tile does not fit
     assert w4a16.choose_plan(100, 1536, 576, 4, 64, 132).path == "dequant"  # not measured
     assert w4a16.choose_plan(4096, 4096, 4096, 4, 128, 132).path == "dequant"
     assert w4a16.choose_plan(16, 4096, 4096, 4, 8, 132).path == "dequant"  # no 16-row K tile inside a group
