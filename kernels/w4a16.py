@@ -276,11 +276,6 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
     pdl_wait(PDL)
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    # every split holds at least one K tile (run_plan launches cdiv(K, k_per_split) splits). Said, the loop has no
-    # zero-trip path: on that path the zeroed accumulator met the loop's last wgmma wait, and ptxas serialized
-    # every wgmma of the kernel (C7515, "non wgmma instructions defining accumulator registers"); 4-9% at M = 64
-    # on an H200 (bench/RESULTS.md, eleventh session)
-    tl.assume(k_hi > k_lo)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
