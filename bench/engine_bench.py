@@ -217,9 +217,9 @@ def decode_rows(ctx: dict, make_row) -> list:
 
 def _hf_generate_tok_s(model_dir: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float, float]:
     """transformers bf16 ``generate`` (greedy, ``new_tokens`` each) at ``batch``: (best of two timed runs, the
-    first timed run, peak GiB), output tok/s. The first full-length run measured 3.1x slower than the second on an
-    H200 (1,632 against 5,073 tok/s, bench/RESULTS.md run 44): the short warm-up does not grow the allocator's
-    pools to the full KV cache."""
+    first timed run, peak GiB), output tok/s. The first full-length run measured 2.8x slower than the second on an
+    H200 (1,468 against 4,149 tok/s at batch 128, 128 + 512 tokens, bench/RESULTS.md run 47): the short warm-up does
+    not grow the caching allocator's pools to the full KV cache."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())

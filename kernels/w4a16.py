@@ -366,10 +366,10 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
     pdl_wait(PDL)
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    # every split holds at least one K tile (run_plan launches cdiv(K, k_per_split) splits). Said, the loop has no
-    # zero-trip path: on that path the zeroed accumulator met the loop's last wgmma wait, and ptxas serialized
-    # every wgmma of the kernel (C7515, "non wgmma instructions defining accumulator registers"); 4-9% at M = 64
-    # on an H200 (bench/RESULTS.md, eleventh session)
+    # every split holds at least one K tile (run_plan launches cdiv(K, k_per_split) splits). Told this, the
+    # compiler drops the loop's zero-trip path, where the zeroed accumulator met the loop's last wgmma wait and made
+    # ptxas serialize every wgmma of the kernel (C7515, "non wgmma instructions defining accumulator registers"):
+    # 5-8% faster at M = 64 on an H200 (bench/RESULTS.md, eleventh session)
     tl.assume(k_hi > k_lo)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -531,11 +531,11 @@ def _split(k: int, block_k: int, tiles: int, target: int) -> int:
 
 #: M above which dequantize-then-cuBLAS is always used. Between 65 and this, TUNED shapes run their "tc" plan (the
 #: fused kernel beat dequantize-then-cuBLAS at M=256 on three of the four Llama shapes, H200, bench/RESULTS.md
-#: 2026-11-30 run 9; on the fourth, 4096 -> 4096, too once ptxas stopped serializing it, eleventh session) and
-#: other shapes dequantize.
+#: 2026-11-30 run 9; on the fourth, 4096 -> 4096, from 129 rows once ptxas stopped serializing it, eleventh
+#: session) and other shapes dequantize.
 DEQUANT_ABOVE_M = 256
 
-#: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 8 | 16 | 64 | 256, N, K), group size
+#: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 8 | 16 | 64 | 128 | 256, N, K), group size
 #: 128 (bench/gpu_suite.py --sweep, 2026-11-30; the M = 1 splits retuned in the fourth session's probes so the grid
 #: fills whole waves; the "mma" plans from the fifth session's probes, against the best other plan in the same run;
 #: ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
@@ -561,16 +561,23 @@ TUNED = {
     # 11008 -> 4096 on the tc kernel once ptxas no longer serialized it (eleventh session, probe/m16_tc.py):
     # 19.2 us against 21.4 for the mma plan (16x64x64, 8 splits, 2 warps, k_warps 2)
     (16, 4096, 11008): Plan("tc", 16, 64, 128, 1408, swap=True, mode=3),  # 8 splits
-    # the splits of M = 64 4096 -> 4096, M = 64 11008 -> 4096 and M = 256 11008 -> 4096 retuned in the tenth
-    # session (probe/reduce_ahead.py, same process, µs against the splits before): 4 splits 13.0-13.1 against
-    # 5 splits 13.6; 6 splits 25.8-26.0 against 5 splits 27.7-27.8; 3 splits 64-67 against 2 splits 72
+    # the splits of M = 64 4096 -> 4096 and 11008 -> 4096 retuned in the tenth session (probe/reduce_ahead.py, same
+    # process, µs against the splits before): 4 splits 13.0-13.1 against 5 splits 13.6; 6 splits 25.8-26.0 against
+    # 5 splits 27.7-27.8
     (64, 4096, 4096): Plan("tc", 64, 64, 128, 1024, swap=True, mode=3),  # 4 splits
     (64, 12288, 4096): Plan("tc", 64, 64, 128, 2048, swap=True, mode=3),
     (64, 22016, 4096): Plan("tc", 64, 64, 128, 4096, swap=True, mode=3),
     (64, 4096, 11008): Plan("tc", 64, 64, 128, 1920, swap=True, mode=3),  # 6 splits
-    # M = 256 swept again in the eleventh session, once ptxas no longer serialized the tc kernel's wgmmas
-    # (probe/assume_ab.py, µs): 123.6 against 131.7 for 128x64x64; 57.7 (4 splits) against 66.4 (3 splits, 128x64x64)
-    (256, 4096, 4096): Plan("tc", 128, 64, 128, 4096, swap=True, mode=3),  # 27.7 against dequantize 29.8-29.9
+    # M = 65-128 and 129-256, eleventh session (probe/mbucket.py, µs at M = 96 / 128 / 192 / 256, same process).
+    # 4096 -> 4096: dequantize 28.1 / 28.6 / 36.0 / 29.8 against tc 128x64x128 28.5 / 27.6 / 29.5 / 27.9 (and
+    # 28.0-28.1 against 30.2 alternating at 256, probe/m256_sq.py): tc from 129 rows, dequantize up to 128.
+    # 4096 -> 22016: 128x64x64 67.2 / 65.9 / 132.7 / 132.6 against 128x64x128 83.5 / 77.4 / 125.0 / 125.3.
+    # 11008 -> 4096: 128x64x128 in 3 splits 45.3 / 42.6 / 83.1 / 74.9, 128x64x64 in 3 splits 49.6 / 50.7 / 65.5 /
+    # 66.6, 256x128x64 on 8 warps in 4 splits 54.7 / 55.7 / 56.1 / 57.5.
+    (128, 12288, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
+    (128, 22016, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
+    (128, 4096, 11008): Plan("tc", 128, 64, 128, 3712, swap=True, mode=3),  # 3 splits
+    (256, 4096, 4096): Plan("tc", 128, 64, 128, 4096, swap=True, mode=3),
     (256, 12288, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
     (256, 22016, 4096): Plan("tc", 128, 64, 128, 4096, swap=True, mode=3),
     (256, 4096, 11008): Plan("tc", 256, 128, 64, 2752, num_warps=8, swap=True, mode=3),  # 4 splits
@@ -586,7 +593,8 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int, mma: bo
     pf = 32 // bits
     if group % pf or m > DEQUANT_ABOVE_M:
         return Plan("dequant")
-    tuned = TUNED.get((1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 64 if m <= 64 else 256, n, k))
+    tuned = TUNED.get((1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 64 if m <= 64 else 128 if m <= 128 else 256,
+                       n, k))
     fits = tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k)
     if fits and (mma or tuned.path != "mma"):
         return tuned
@@ -720,6 +728,8 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
     elif plan.path == "tc":
         if qw.bits != 4:
             raise ValueError(f"the tc path takes 4-bit weights, got {qw.bits}")
+        if plan.k_per_split % plan.block_k and plan.k_per_split < k:
+            raise ValueError(f"the tc path takes k_per_split a multiple of block_k (got {plan.k_per_split})")
         xk = x if qw.perm is None else x[:, qw.perm.long()]  # act-order: kernel row k reads x[:, perm[k]]
         mode = plan.mode if x.dtype == torch.bfloat16 and not dot_f32(x) else 0
         _gemm_tc_kernel[(cdiv(m, plan.block_m), cdiv(n, plan.block_n), splits)](

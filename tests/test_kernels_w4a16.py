@@ -295,6 +295,9 @@ def test_plans_follow_shape():
     assert w4a16.choose_plan(40, 1536, 576, 4, 64, 132).path == "tc"
     assert w4a16.choose_plan(40, 1536, 576, 8, 64, 132).path == "gemm"  # 8-bit: the older GEMM
     assert w4a16.choose_plan(200, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(256, 12288, 4096)]
+    assert w4a16.choose_plan(100, 4096, 11008, 4, 128, 132) == w4a16.TUNED[(128, 4096, 11008)]  # 65-128 rows
+    assert w4a16.choose_plan(129, 4096, 11008, 4, 128, 132) == w4a16.TUNED[(256, 4096, 11008)]
+    assert w4a16.choose_plan(128, 4096, 4096, 4, 128, 132).path == "dequant"  # measured: cuBLAS ties up to 128
     assert w4a16.choose_plan(256, 4096, 4096, 4, 128, 132) == w4a16.TUNED[(256, 4096, 4096)]
     assert w4a16.choose_plan(256, 4096, 4096, 4, 32, 132).path == "dequant"  # the tuned tile does not fit
     assert w4a16.choose_plan(100, 1536, 576, 4, 64, 132).path == "dequant"  # not measured
@@ -317,9 +320,9 @@ def test_fast_path_fp16_and_act_order(dtype):
     check_product(w4a16.run_plan(x, qw, None, PLANS["gemm_fast"]), x, w)
 
 
-@pytest.mark.parametrize("key", [(256, 22016, 4096), (256, 4096, 11008)])
+@pytest.mark.parametrize("key", [(256, 22016, 4096), (256, 4096, 11008), (128, 4096, 11008)])
 def test_tc_tuned_m256_tiles(key):
-    """The tiles of the M = 256 TUNED tc plans (128 x 64 x 128; 256 x 128 x 64 on 8 warps) on a small shape: 70 rows
+    """The tiles of the M > 64 TUNED tc plans (128 x 64 x 128; 256 x 128 x 64 on 8 warps) on a small shape: 70 rows
     (part of one row tile), N = 200 (not a multiple of 64 or 128), K = 320 in splits of 128 (the last one 64 rows,
     one tile), so every split's K loop runs at least once as the kernel assumes."""
     tuned = w4a16.TUNED[key]
@@ -343,3 +346,5 @@ def test_tc_path_ragged_k_act_order_every_mode(dtype, swap):
     with pytest.raises(ValueError, match="4-bit"):
         qw8, _ = make_weight("gptq_v2", 128, 64, 64, False, bits=8)
         w4a16.run_plan(x[:, :128], qw8, None, w4a16.Plan("tc", block_m=16, block_n=64, block_k=64))
+    with pytest.raises(ValueError, match="k_per_split a multiple of block_k"):  # splits would overlap
+        w4a16.run_plan(x, qw, None, w4a16.Plan("tc", block_m=16, block_n=64, block_k=64, k_per_split=96))
