@@ -535,7 +535,11 @@ def _split(k: int, block_k: int, tiles: int, target: int) -> int:
 #: session) and other shapes dequantize.
 DEQUANT_ABOVE_M = 256
 
-#: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket 1 | 8 | 16 | 64 | 128 | 256, N, K), group size
+#: The M buckets of :data:`TUNED`: a product of M rows takes the plan of the first bucket >= M (1, 2-8, 9-16, 17-64,
+#: 65-128, 129-256).
+M_BUCKETS = (1, 8, 16, 64, 128, 256)
+
+#: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket, N, K) (:data:`M_BUCKETS`), group size
 #: 128 (bench/gpu_suite.py --sweep, 2026-11-30; the M = 1 splits retuned in the fourth session's probes so the grid
 #: fills whole waves; the "mma" plans from the fifth session's probes, against the best other plan in the same run;
 #: ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
@@ -593,8 +597,7 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int, mma: bo
     pf = 32 // bits
     if group % pf or m > DEQUANT_ABOVE_M:
         return Plan("dequant")
-    tuned = TUNED.get((1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 64 if m <= 64 else 128 if m <= 128 else 256,
-                       n, k))
+    tuned = TUNED.get((next(b for b in M_BUCKETS if m <= b), n, k))
     fits = tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k)
     if fits and (mma or tuned.path != "mma"):
         return tuned
