@@ -358,7 +358,7 @@ def sweep_w4a16(log: dict) -> dict:
             base = time_calls([lambda i=i: F.linear(x, w16[i]) for i in schedule(len(w16), 8)], replays=5)
             results.sort(key=lambda r: r[0])
             best[(k, n, m)] = results[0][1]
-            if m in (1, 8, 16, 64, 256):  # the engine rows of this run use the winners too (choose_plan reads TUNED)
+            if m in w4a16.M_BUCKETS:  # the engine rows of this run use the winners too (choose_plan reads TUNED)
                 w4a16.TUNED[(m, n, k)] = results[0][1]
                 w4a16.choose_plan.cache_clear()
             print(f"sweep {k}->{n} M={m}: bf16 {base:.1f} us; {len(results)} plans; default "
