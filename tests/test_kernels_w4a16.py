@@ -321,7 +321,7 @@ def test_fast_path_fp16_and_act_order(dtype):
 
 
 @pytest.mark.parametrize("key", [(256, 22016, 4096), (256, 4096, 11008), (128, 4096, 11008)])
-def test_tc_tuned_m256_tiles(key):
+def test_tc_tuned_large_m_tiles(key):
     """The tiles of the M > 64 TUNED tc plans (128 x 64 x 128; 256 x 128 x 64 on 8 warps) on a small shape: 70 rows
     (part of one row tile), N = 200 (not a multiple of 64 or 128), K = 320 in splits of 128 (the last one 64 rows,
     one tile), so every split's K loop runs at least once as the kernel assumes."""
