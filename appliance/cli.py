@@ -58,7 +58,7 @@ MethodOpt = typer.Option("auto", "--method", help="awq, gptq, auto (= awq unless
 GpuUtilOpt = typer.Option(None, "--gpu-memory-utilization", help="fraction of GPU memory to use (default: tuned)")
 SeqsOpt = typer.Option(None, "--max-num-seqs", help="most sequences in one batch (default: tuned)")
 LenOpt = typer.Option(None, "--max-model-len", help="prompt + completion tokens per request (default: tuned)")
-KvOpt = typer.Option(None, "--kv-cache-dtype", help="auto or fp8 (Ada/Hopper GPUs; int8 is not implemented yet) (default: auto)")
+KvOpt = typer.Option(None, "--kv-cache-dtype", help="auto, fp8 (Ada/Hopper GPUs) or int8 (no fp8 hardware needed) (default: auto)")
 
 
 @app.command()

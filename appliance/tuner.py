@@ -2,8 +2,8 @@
 hardware, each value with the reason it was chosen. Flags given by the user win over the plan.
 
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size: for "auto" the engine's compute
-dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact reference path), 1 for fp8
-(int8 is refused: not implemented).
+dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact reference path), 1 for fp8, and
+for int8 1 per value plus a 4-byte scale per token and KV head (head dim + 4 bytes per head).
 On a GPU the KV pool is what is left of ``gpu_memory_utilization`` x total memory after the weights and a fixed
 reserve for activations and the CUDA context; on a CPU it is a slice of free RAM.
 """
@@ -74,6 +74,8 @@ class ModelInfo:
             raise TuneError(f"{cfg_file} is not a usable model config ({exc})", "check the model folder") from None
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", device: str = "cuda") -> int:
+        if kv_cache_dtype == "int8":  # int8 codes and one fp32 scale per token and KV head
+            return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)
         element = 1 if kv_cache_dtype == "fp8" else 2 if device == "cuda" else 4
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
@@ -110,14 +112,12 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
         kv_cache_dtype = "auto"
         reasons["kv_cache_dtype"] = ("the engine's compute dtype (bfloat16 on a GPU, float32 on the CPU) keeps the "
                                      "KV cache exact")
-    elif kv_cache_dtype == "int8":
-        raise TuneError("--kv-cache-dtype int8 is not implemented yet", "use fp8 (Ada or Hopper GPUs) or auto")
-    elif kv_cache_dtype not in ("auto", "fp8"):
-        raise TuneError(f"--kv-cache-dtype must be auto or fp8, got {kv_cache_dtype!r}", "pick one of those")
+    elif kv_cache_dtype not in ("auto", "fp8", "int8"):
+        raise TuneError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}", "pick one of those")
     elif kv_cache_dtype == "fp8" and hw.kind == "cuda" and hw.gpu is not None and \
             tuple(int(v) for v in hw.gpu.compute_capability.split(".")) < (8, 9):
         raise TuneError(f"--kv-cache-dtype fp8 needs compute capability 8.9+ (Ada or Hopper); {hw.gpu.name} has "
-                        f"{hw.gpu.compute_capability}", "use --kv-cache-dtype auto")
+                        f"{hw.gpu.compute_capability}", "use --kv-cache-dtype int8 (any GPU) or auto")
     else:
         reasons["kv_cache_dtype"] = "set by --kv-cache-dtype"
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
@@ -127,8 +127,9 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
         raise TuneError(f"--max-num-seqs must be at least 1, got {max_num_seqs}", "use a positive number")
     bpt = model.kv_bytes_per_token(kv_cache_dtype, hw.kind)
     block_bytes = bpt * BLOCK_SIZE
+    dims = f"({model.head_dim} dims + a 4-byte scale)" if kv_cache_dtype == "int8" else f"{model.head_dim} dims"
     reasons["num_kv_blocks"] = (f"{BLOCK_SIZE} tokens of {bpt:,} bytes per block ({model.num_layers} layers x "
-                                f"{model.num_kv_heads} KV heads x {model.head_dim} dims x K,V)")
+                                f"{model.num_kv_heads} KV heads x {dims} x K,V)")
 
     if hw.kind == "cuda" and hw.gpu is not None:
         gpu = hw.gpu

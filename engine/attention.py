@@ -34,21 +34,24 @@ class PagedAttention(nn.Module):
     """Rotates q and k (RoPE), writes this step's K/V into the layer's cache through the slot mapping, then
     attends over the cache. The rotation and the write are one kernel (``ops.rotary_write_kv``).
 
-    ``k_cache``/``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim] are assigned by the model runner.
+    ``k_cache``/``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim] are assigned by the model runner, and
+    for an int8 cache ``k_scales``/``v_scales`` [num_blocks, num_kv_heads, block_size] fp32 (else None).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scales = self.v_scales = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] before rotation, positions int64 [T], cos_sin the rotary table
         (``kernels.rotary.rope_cos_sin``) → [T, Hq, D]."""
-        q = ops.rotary_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
+        scales = (self.k_scales, self.v_scales)
+        q = ops.rotary_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping, *scales)
         if meta.is_prefill:
             return ops.paged_attention_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                               meta.context_lens, self.scale)
+                                               meta.context_lens, self.scale, *scales)
         return ops.paged_attention_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                          self.scale)
+                                          self.scale, *scales)

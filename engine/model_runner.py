@@ -33,15 +33,28 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's element type: ``dtype`` for "auto", float8 e4m3 for "fp8" (raises ValueError on a GPU older
-    than compute capability 8.9, which has no fp8 conversions)."""
+    """The KV cache's element type: ``dtype`` for "auto", int8 for "int8", float8 e4m3 for "fp8" (raises ValueError
+    on a GPU older than compute capability 8.9, which has no fp8 conversions)."""
     if name == "auto":
         return dtype
+    if name == "int8":
+        return torch.int8
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(f"kv_cache_dtype: fp8 needs compute capability 8.9+ (Ada or Hopper); this GPU has "
                          f"{major}.{minor}: use auto")
     return torch.float8_e4m3fn
+
+
+def int8_views(blocks: torch.Tensor, block_size: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 cache and its scales inside ``blocks``, uint8 [num_blocks, block_size * heads * (head_dim + 4)]
+    (last dim contiguous): codes int8 [num_blocks, block_size, heads, head_dim] from each block's first bytes, then
+    scales fp32 [num_blocks, heads, block_size] (4-byte aligned: the codes take a multiple of 4 bytes). Views,
+    not copies."""
+    codes = block_size * heads * head_dim
+    num_blocks = blocks.shape[0]
+    return (blocks[:, :codes].view(torch.int8).view(num_blocks, block_size, heads, head_dim),
+            blocks[:, codes:].view(torch.float32).view(num_blocks, heads, block_size))
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -72,8 +85,11 @@ class ModelRunner:
 
     KV cache: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer in ``kv_dtype`` (the model
     dtype, or float8 e4m3 with ``kv_cache_dtype="fp8"``), K at [0] and V at [1] (the attention layer's ``k_cache``
-    / ``v_cache`` views; the kernels convert on write and on read). Swap space: the same shape with
-    ``num_swap_blocks`` blocks (``swap_space`` GiB) on the CPU, pinned when the cache is on CUDA.
+    / ``v_cache`` views; the kernels convert on write and on read). With ``kv_cache_dtype="int8"`` one uint8
+    [2, num_blocks, block_bytes] tensor per layer: each block holds its int8 codes [block_size, num_kv_heads,
+    head_dim], then their fp32 scales [num_kv_heads, block_size] (:func:`int8_views`), so a block's scales move
+    with it wherever blocks are copied. Swap space: the same shape with ``num_swap_blocks`` blocks
+    (``swap_space`` GiB) on the CPU, pinned when the cache is on CUDA.
     """
 
     def __init__(self, config: EngineConfig, max_model_len: int):
@@ -121,7 +137,8 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         layer = self.model.layers[0]
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
+        scale = 4 if self.kv_dtype == torch.int8 else 0  # an int8 cache's fp32 scale per token and head
+        per_token = 2 * layer.num_kv_heads * (layer.head_dim * self.kv_dtype.itemsize + scale)
         return per_token * self.block_size * len(self.model.layers)
 
     def _blocks_that_fit(self, max_model_len: int) -> int:
@@ -139,14 +156,22 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         layer = self.model.layers[0]
         shape = (2, self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        dtype = self.kv_dtype
+        if dtype == torch.int8:  # codes and scales in one byte tensor per layer (class docstring)
+            block_bytes = self.block_size * layer.num_kv_heads * (layer.head_dim + 4)
+            shape, dtype = (2, self.num_blocks, block_bytes), torch.uint8
         swap_shape = (2, self.num_swap_blocks) + shape[2:]
         pin = self.device.type == "cuda"
         self.kv_caches, self.swap_caches = [], []
         for attn in self.model.attention_layers():
-            kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.k_cache, attn.v_cache = kv[0], kv[1]
+            kv = torch.zeros(shape, dtype=dtype, device=self.device)
+            if self.kv_dtype == torch.int8:
+                (attn.k_cache, attn.k_scales), (attn.v_cache, attn.v_scales) = (
+                    int8_views(kv[i], self.block_size, layer.num_kv_heads, layer.head_dim) for i in (0, 1))
+            else:
+                attn.k_cache, attn.v_cache = kv[0], kv[1]
             self.kv_caches.append(kv)
-            self.swap_caches.append(torch.zeros(swap_shape, dtype=self.kv_dtype, pin_memory=pin))
+            self.swap_caches.append(torch.zeros(swap_shape, dtype=dtype, pin_memory=pin))
 
     @torch.inference_mode()
     def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:

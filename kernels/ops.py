@@ -1,16 +1,17 @@
 """The kernels the engine calls: Triton on CUDA tensors, the torch reference on CPU (same signatures, same results
-up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA too (debugging).
+up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA too (debugging). ``k_scales`` /
+``v_scales``: an int8 KV cache's per-token, per-head scales (``kv_cache.py``), None for a float cache.
 
 | op | Triton | reference |
 |---|---|---|
 | ``linear(x, weight, bias)`` | (cuBLAS, ``F.linear``) | ``linear.linear_ref`` |
 | ``w4a16_linear(x, qw, bias, silu_gated)`` | ``w4a16.w4a16_linear`` | ``reference_linear`` (of ``silu_and_mul_ref(x)`` when gated) |
-| ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping)`` | ``kv_cache.write_kv_cache`` | ``write_kv_cache_ref`` |
-| ``paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)`` | ``paged_attention`` | ``_ref`` |
-| ``paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)`` | idem | idem |
+| ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)`` | ``kv_cache.write_kv_cache`` | ``write_kv_cache_ref`` |
+| ``paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales)`` | ``paged_attention`` | ``_ref`` |
+| ``paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales, v_scales)`` | idem | idem |
 | ``rms_norm(x, weight, eps, residual=None)`` | ``norm.rms_norm`` | ``norm.rms_norm_ref`` |
 | ``rotary(positions, q, k, cos_sin)`` | ``rotary.rotary`` | ``rotary.rotary_ref`` |
-| ``rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping)`` | ``rotary.rotary_write_kv`` | ``rotary_write_kv_ref`` |
+| ``rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales, v_scales)`` | ``rotary.rotary_write_kv`` | ``rotary_write_kv_ref`` |
 | ``silu_and_mul(x)`` | ``activation.silu_and_mul`` | ``activation.silu_and_mul_ref`` |
 """
 from __future__ import annotations
@@ -42,20 +43,21 @@ def w4a16_linear(x: torch.Tensor, qw: quant_formats.QuantizedWeight, bias: torch
     return quant_formats.reference_linear(activation.silu_and_mul_ref(x) if silu_gated else x, qw, bias)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None) -> None:
     fn = kv_cache.write_kv_cache if use_triton(k) else kv_cache.write_kv_cache_ref
-    fn(k, v, k_cache, v_cache, slot_mapping)
+    fn(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, k_scales=None,
+                           v_scales=None) -> torch.Tensor:
     fn = paged_attention.paged_attention_decode if use_triton(q) else paged_attention.paged_attention_decode_ref
-    return fn(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return fn(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales)
 
 
-def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                            scale: float) -> torch.Tensor:
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float,
+                            k_scales=None, v_scales=None) -> torch.Tensor:
     fn = paged_attention.paged_attention_prefill if use_triton(q) else paged_attention.paged_attention_prefill_ref
-    return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales, v_scales)
 
 
 def rms_norm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +70,11 @@ def rotary(positions, q, k, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
     return fn(positions, q, k, cos_sin)
 
 
-def rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales=None,
+                    v_scales=None) -> torch.Tensor:
     """Rotate q and k, write the rotated k and v to the caches through the slot mapping; returns the rotated q."""
     fn = rotary_mod.rotary_write_kv if use_triton(q) else rotary_mod.rotary_write_kv_ref
-    return fn(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping)
+    return fn(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
 
 def silu_and_mul(x) -> torch.Tensor:

@@ -2,7 +2,9 @@
 their Triton kernels (online softmax as in FlashAttention-2, Dao 2023; split-KV with a log-sum-exp merge as in
 Flash-Decoding, Dao et al. 2023).
 
-Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (see ``kv_cache.py``). Grouped-query
+Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (see ``kv_cache.py``; an int8 cache
+comes with fp32 scales [num_blocks, num_kv_heads, block_size], applied to the scores and to the softmax weights
+in the kernels, so that K and V tiles convert from int8 exactly). Grouped-query
 attention: query head h reads KV head ``h // (num_q_heads // num_kv_heads)``. Sequences are computed one at a
 time with exact lengths (no padding), so a sequence's result does not depend on the rest of the batch; the
 references also compute every query row on its own, so a row's result does not depend on how many rows of its
@@ -13,17 +15,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kv_cache import check_int8_scales, dequantize_int8_ref, scale_args
 from ._triton import cdiv, device_fn, dot_f32, early_trigger, jit, next_pow2, num_sms, pdl, pdl_trigger, pdl_wait, tl
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence's K or V: [length, num_kv_heads, head_dim].
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence's K or V: [length, num_kv_heads, head_dim], in the cache's dtype,
+    or dequantized to fp32 for an int8 cache (``scales`` [num_blocks, H, block_size] fp32, ValueError without).
 
     cache: [num_blocks, block_size, H, D]; block_table: int [>= ceil(length / block_size)].
     """
     block_size = cache.shape[1]
     nblocks = (length + block_size - 1) // block_size
-    return cache[block_table[:nblocks].long()].flatten(0, 1)[:length]
+    blocks = block_table[:nblocks].long()
+    if cache.dtype == torch.int8:
+        check_int8_scales(cache, scales)
+        return dequantize_int8_ref(cache[blocks].flatten(0, 1)[:length],
+                                   scales[blocks].transpose(1, 2).flatten(0, 1)[:length])
+    return cache[blocks].flatten(0, 1)[:length]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -51,28 +61,33 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               k_scales: torch.Tensor | None = None,
+                               v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One new query token per sequence attends to its whole context (its own K/V already written).
 
-    q: [B, Hq, D]; block_tables: int32 [B, max_blocks]; context_lens: int32 [B] (tokens in cache, >= 1).
+    q: [B, Hq, D]; block_tables: int32 [B, max_blocks]; context_lens: int32 [B] (tokens in cache, >= 1); an int8
+    cache's scales [num_blocks, Hkv, block_size] fp32 (its values are dequantized, then cast to q's dtype).
     Returns [B, Hq, D] in q's dtype.
     """
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         n = int(context_lens[b])
-        k = gather_kv(k_cache, block_tables[b], n).to(q.dtype)
-        v = gather_kv(v_cache, block_tables[b], n).to(q.dtype)
+        k = gather_kv(k_cache, block_tables[b], n, k_scales).to(q.dtype)
+        v = gather_kv(v_cache, block_tables[b], n, v_scales).to(q.dtype)
         out[b] = _attend(q[b:b + 1], k, v, scale)[0]
     return out
 
 
 def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, k_scales: torch.Tensor | None = None,
+                                v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix plus themselves (K/V already written).
 
     q: [T, Hq, D], the new tokens of S sequences packed back to back; cu_seqlens_q: int32 [S + 1] offsets into q;
-    context_lens: int32 [S] = cached prefix + new tokens; block_tables: int32 [S, max_blocks].
+    context_lens: int32 [S] = cached prefix + new tokens; block_tables: int32 [S, max_blocks]; scales as
+    :func:`paged_attention_decode_ref`.
     Returns [T, Hq, D] in q's dtype. Each row equals bit for bit what :func:`paged_attention_decode_ref` returns for
     that position (see :func:`_attend`), so prefill, chunked prefill, prefix-cache hits and recompute after
     preemption all give the tokens plain decoding gives.
@@ -81,8 +96,8 @@ def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     for s in range(cu_seqlens_q.shape[0] - 1):
         lo, hi = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
         n = int(context_lens[s])
-        k = gather_kv(k_cache, block_tables[s], n).to(q.dtype)
-        v = gather_kv(v_cache, block_tables[s], n).to(q.dtype)
+        k = gather_kv(k_cache, block_tables[s], n, k_scales).to(q.dtype)
+        v = gather_kv(v_cache, block_tables[s], n, v_scales).to(q.dtype)
         out[lo:hi] = _attend(q[lo:hi], k, v, scale)
     return out
 
@@ -91,38 +106,74 @@ def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # Triton kernels. Scores live in the log2 domain: s = q.k * scale * log2(e), so exp2 replaces exp.
 
 LOG2E = 1.4426950408889634
+#: An int8 cache's softmax weights times V scales are multiplied by this (a power of two: exact) before they are
+#: rounded to fp16 for P.V, and the output divided by it (:func:`_online_softmax_step`).
+INT8_V_BOOST = tl.constexpr(1024.0) if tl is not None else 1024.0
 
 
 @device_fn
-def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, scale_log2):
+def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8: tl.constexpr):
     """One KV tile of FlashAttention-2's online softmax: q [M, D], k/v [N, D], mask [M, N] (False = not seen);
-    running row max m_i and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32. Returns the new three."""
-    s = tl.where(mask, tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+    running row max m_i and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32. Returns the new three.
+    KV_INT8: k and v hold int8 codes (converted exactly), ``ks`` / ``vs`` [N] fp32 their tokens' scales: the scores
+    are q.k times ks, the weights of V times vs (one multiply per token, not per value) and times
+    :data:`INT8_V_BOOST` (the kernels take it off at the end): P.V's fp16 operand p vs alone would sink into fp16's
+    subnormals for a token whose max|v| is below about 8e-3; boosted it stays normal down to 8e-6 and finite up to
+    8,128 (a tile-wise normalisation, exact at any size, measured 6-10% slower on an H200)."""
+    s = tl.dot(q, tl.trans(k))
+    if KV_INT8:
+        s = s * ks[None, :]
+    s = tl.where(mask, s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (padding rows)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    if KV_INT8:
+        p = p * (vs * INT8_V_BOOST)[None, :]
+    return m_new, l_new, acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
 
 
 @device_fn
-def _kv_tile(ptrs, mask, dtype, BYTES: tl.constexpr):
-    """A K or V tile [BLOCK_N, BLOCK_D] in the products' ``dtype``, 0 where ``mask`` is False. BYTES: an fp8 e4m3
-    cache read as uint8 and converted to fp16 by inline PTX (``cvt.rn.f16x2.e4m3x2``, four bytes per call, exact).
-    Triton's own ``.to`` moves an fp8 tile's conversion behind shared memory, read back by scalar loads (about four
-    times the ``LDS`` of a bf16 tile); this one is opaque to that. H200 probe, same settings (bench/RESULTS.md,
-    seventh session): 216 vs 250 us at B = 64, 4k context, 8 KV heads; 428 vs 563 at B = 256, 608, 32 KV heads."""
-    if BYTES:
-        return tl.inline_asm_elementwise(
+def _kv_scales(ks_ptr, vs_ptr, page, row, kvh, stride_sb, stride_sh, tmask, KV_INT8: tl.constexpr):
+    """The scales [N] (fp32, 0 where ``tmask`` is False) of a tile's tokens (block ``page`` [N], offset ``row`` [N])
+    in an int8 cache's ks / vs [num_blocks, Hkv, block_size]; two zeros without KV_INT8 (unused)."""
+    if KV_INT8:
+        off = page * stride_sb + kvh * stride_sh + row
+        ks, vs = tl.load(ks_ptr + off, mask=tmask, other=0.0), tl.load(vs_ptr + off, mask=tmask, other=0.0)
+    else:
+        ks, vs = 0.0, 0.0
+    return ks, vs
+
+
+@device_fn
+def _kv_tile(ptrs, mask, dtype, BYTES: tl.constexpr, INT8: tl.constexpr):
+    """A K or V tile [BLOCK_N, BLOCK_D] in the products' ``dtype``, 0 where ``mask`` is False. BYTES: the cache's
+    bytes converted to fp16 by inline PTX, four per call, exactly: fp8 e4m3 by ``cvt.rn.f16x2.e4m3x2``; int8 (INT8)
+    by putting each byte, its sign bit flipped (c + 128), under fp16's exponent for 1024 (``prmt``), and taking
+    1152 off (``sub.f16x2``; the magic-number conversion of Kim et al., 2022). Triton's own ``.to`` moves an fp8
+    tile's conversion behind shared memory, read back by scalar loads (about four times the ``LDS`` of a bf16
+    tile); this one is opaque to that. H200 probe, same settings (bench/RESULTS.md, seventh session): 216 vs 250 us
+    at B = 64, 4k context, 8 KV heads; 428 vs 563 at B = 256, 608, 32 KV heads."""
+    if BYTES and INT8:
+        x = tl.inline_asm_elementwise(
+            "{ .reg .b32 u, m, c, lo, hi; xor.b32 u, $2, 0x80808080; mov.b32 m, 0x64646464; mov.b32 c, 0x64806480; "
+            "prmt.b32 lo, u, m, 0x5140; prmt.b32 hi, u, m, 0x7362; sub.f16x2 $0, lo, c; sub.f16x2 $1, hi, c; }",
+            "=r,=r,r", [tl.load(ptrs, mask=mask, other=0)], dtype=tl.float16, is_pure=True, pack=4)
+    elif BYTES:
+        x = tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [tl.load(ptrs, mask=mask, other=0)], dtype=tl.float16, is_pure=True, pack=4)
-    return tl.load(ptrs, mask=mask, other=0.0).to(dtype)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(dtype)
+    return x
 
 
 @device_fn
 def _to_f16(q):
-    """q for an fp8 cache: the products run in fp16, into which e4m3 K and V convert exactly, two values per
-    instruction (to bf16 takes a scalar conversion per value: 10-14% slower decode on an H200, bench/RESULTS.md).
+    """q for an fp8 or int8 cache: the products run in fp16, into which e4m3 values and int8 codes convert exactly
+    (fp8: two values per instruction; to bf16 takes a scalar conversion per value: 10-14% slower decode on an H200,
+    bench/RESULTS.md).
     q is clamped to fp16's range (+-65504); p is rounded to fp16, finer than bf16."""
     return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
@@ -141,15 +192,16 @@ def _split_tokens(ctx, num_splits, TILE: tl.constexpr):
 @jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, scale_log2,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   stride_bt, stride_ob, stride_oh, num_splits,
+                   stride_bt, stride_ob, stride_oh, num_splits, ks_ptr, vs_ptr, stride_sb, stride_sh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-                   KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
+                   KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, KV_INT8: tl.constexpr, PDL: tl.constexpr,
+                   TRIG: tl.constexpr):
     """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [split*chunk, +chunk) of one
     sequence, chunk = :func:`_split_tokens` of its context; every KV tile is loaded once for the whole group.
     Without SPLIT the result goes to ``out``; with it, the normalised partial output to ``po`` [B, Hq, splits, D]
     fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits] (nothing is written for a split past the context: the
-    merge skips those). KV_FP8 / KV_BYTES: see :func:`_cache_args`."""
+    merge skips those). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`."""
     pdl_wait(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
@@ -163,7 +215,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    elif KV_FP8:
+    elif KV_FP8 or KV_BYTES:
         q = _to_f16(q)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -176,11 +228,14 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
         row = (tok % BLOCK_SIZE)[:, None]
         kvmask = tmask[:, None] & (d < DIM)[None, :]
         k = _kv_tile(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :],
-                     kvmask, q.dtype, KV_BYTES)
+                     kvmask, q.dtype, KV_BYTES, KV_INT8)
         v = _kv_tile(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :],
-                     kvmask, q.dtype, KV_BYTES)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, tmask[None, :], m_i, l_i, acc, scale_log2)
+                     kvmask, q.dtype, KV_BYTES, KV_INT8)
+        ks, vs = _kv_scales(ks_ptr, vs_ptr, page, tok % BLOCK_SIZE, kvh, stride_sb, stride_sh, tmask, KV_INT8)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, tmask[None, :], m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
     pdl_trigger(TRIG)
+    if KV_INT8:
+        acc = acc * (1.0 / INT8_V_BOOST)
     acc = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SPLIT:
         live = g < tl.where(start < ctx, GROUP, 0)  # no head at all for a split past the context
@@ -232,24 +287,32 @@ def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> 
     return min(chunk, whole)
 
 
-def _cache_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
-    """The caches as the kernels take them, and their KV_FP8 / KV_BYTES constexprs: KV_FP8 for an fp8 e4m3 cache
-    (products in fp16, see :func:`_to_f16`); compiled, such a cache goes in as uint8 views with KV_BYTES
-    (converted by :func:`_kv_tile`); interpreted, as it is (the interpreter has no inline PTX)."""
+def _cache_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
+                v_scales: torch.Tensor | None):
+    """The caches as the kernels take them, their scale arguments (``kv_cache.scale_args``: ks, vs, stride_sb,
+    stride_sh) and their KV_FP8 / KV_BYTES / KV_INT8 constexprs: KV_FP8 for an fp8 e4m3 cache, KV_INT8 for an int8
+    one (its scales applied per token: :func:`_online_softmax_step`). Compiled, either goes in as uint8 views with
+    KV_BYTES, converted exactly to fp16 by :func:`_kv_tile`, the products in fp16 (:func:`_to_f16`); interpreted,
+    as it is, converted by ``.to`` (the interpreter has no inline PTX)."""
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"paged attention: K and V caches differ in dtype ({k_cache.dtype}, {v_cache.dtype})")
+    scales = scale_args(k_cache, k_scales, v_cache, v_scales)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if fp8 and not dot_f32(q):
-        return k_cache.view(torch.uint8), v_cache.view(torch.uint8), dict(KV_FP8=True, KV_BYTES=True)
-    return k_cache, v_cache, dict(KV_FP8=fp8, KV_BYTES=False)
+    int8 = k_cache.dtype == torch.int8
+    if (fp8 or int8) and not dot_f32(q):
+        return k_cache.view(torch.uint8), v_cache.view(torch.uint8), scales, dict(KV_FP8=fp8, KV_BYTES=True,
+                                                                                    KV_INT8=int8)
+    return k_cache, v_cache, scales, dict(KV_FP8=fp8, KV_BYTES=False, KV_INT8=int8)
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Triton :func:`paged_attention_decode_ref` (same arguments and result), without host syncs (graph-safe).
 
     q: [B, Hq, D] (last dim contiguous); caches [num_blocks, block_size, Hkv, D], any float dtype (converted to
-    q's on load; an fp8 e4m3 cache computes in fp16 on the GPU, see ``_to_f16``); block_tables int32 [B,
+    q's on load; an fp8 e4m3 cache computes in fp16 on the GPU, see ``_to_f16``; an int8 cache needs its fp32
+    scales [num_blocks, Hkv, block_size], K's and V's of equal strides: ValueError otherwise); block_tables int32 [B,
     max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits each context evenly
     (:func:`decode_split_chunk` sets the number of splits from the shapes, ``_split_tokens`` spreads a sequence's
     context over them) when B * Hkv is too small to fill the GPU, then merges them in a second launch.
@@ -257,7 +320,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     config = DECODE_CONFIG
     if k_cache.dtype == torch.float8_e4m3fn:
         config = DECODE_CONFIG_FP8 if q.shape[1] > k_cache.shape[2] else DECODE_CONFIG_FP8_MHA
-    return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, **config)
+    elif k_cache.dtype == torch.int8:
+        config = DECODE_CONFIG_INT8
+    return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales=k_scales, v_scales=v_scales,
+                       **config)
 
 
 #: Tile and launch settings of the decode kernel (measured on an H200: bench/gpu_suite.py --sweep).
@@ -270,6 +336,10 @@ DECODE_CONFIG_FP8 = dict(block_n=128, num_warps=2, num_stages=2)
 #: fp8 without grouping (one query head per KV head, as Llama-2-7B): 64 tokens (B = 256, 32 KV heads, 608 tokens:
 #: 409 us against 460 with 128 and 601 for the bf16 cache; 140 against 199 at 200 tokens).
 DECODE_CONFIG_FP8_MHA = dict(block_n=64, num_warps=2, num_stages=2)
+#: An int8 cache (H200 sweep of block_n 32/64/128, 2/4/8 warps, 2/3 stages, bench/RESULTS.md, twelfth session):
+#: 8 KV heads, B = 64, 4k context 207.5 us (bf16 cache 250.5, fp8 190.0, the bf16 settings 321.5), 16k 800.6
+#: (975.8, 741.3); 32 KV heads, B = 256, 608 tokens, 519 (bf16 599, fp8 408; 64 tokens best there too).
+DECODE_CONFIG_INT8 = dict(block_n=64, num_warps=2, num_stages=3)
 
 
 def decode_tile(block_n: int, chunk: int) -> int:
@@ -280,7 +350,8 @@ def decode_tile(block_n: int, chunk: int) -> int:
 
 
 def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, chunk: int | None = None,
-                block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                block_n: int = 64, num_warps: int = 4, num_stages: int = 3, k_scales: torch.Tensor | None = None,
+                v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`paged_attention_decode` with explicit settings (the benchmark sweeps them): ``chunk`` tokens per
     split at a full block table, which sets ``cdiv(table width, chunk)`` splits (None = :func:`decode_split_chunk`;
     a shorter context is spread over them in whole tiles), KV tile ``block_n`` tokens (narrowed to a power of two
@@ -301,15 +372,15 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
         plse = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     else:
         po = plse = out
-    kc, vc, kv_meta = _cache_args(q, k_cache, v_cache)
+    kc, vc, scale_meta, kv_meta = _cache_args(q, k_cache, v_cache, k_scales, v_scales)
     block_d = max(16, next_pow2(dim))
     if kv_meta["KV_BYTES"] and block_n * block_d < 4 * 32 * num_warps:  # the conversion takes 4 bytes per thread
-        raise ValueError(f"paged attention: an fp8 tile of {block_n} x {block_d} is too small for {num_warps} warps; "
+        raise ValueError(f"paged attention: a byte tile of {block_n} x {block_d} is too small for {num_warps} warps; "
                          "use a larger block_n or fewer warps")
     _decode_kernel[(batch, kv_heads, splits)](
         q, kc, vc, block_tables, context_lens, out, po, plse, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), splits, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
+        out.stride(0), out.stride(1), splits, *scale_meta, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
         DOT_F32=dot_f32(q), PDL=pdl(q), TRIG=early_trigger(q), num_warps=num_warps, num_stages=num_stages, **kv_meta)
     if splits > 1:
@@ -322,17 +393,17 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
 @jit(do_not_specialize=("num_seqs", "stride_bt"))  # both change from step to step
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, scale_log2, num_seqs,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                    stride_bt, stride_ot, stride_oh,
+                    stride_bt, stride_ot, stride_oh, ks_ptr, vs_ptr, stride_sb, stride_sh,
                     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, PDL: tl.constexpr,
-                    TRIG: tl.constexpr):
+                    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, KV_INT8: tl.constexpr,
+                    PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M) + S, Hq): one tile of BLOCK_M new tokens of one sequence, one query head.
 
     Sequence s owns tiles from ``cu[s] // BLOCK_M + s`` on (an upper bound of the tiles before it), found by binary
     search; tiles past a sequence's new tokens do nothing. Query i of a sequence with context c and n new tokens
-    sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal). KV_FP8 / KV_BYTES: see
-    :func:`_cache_args`.
+    sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal). KV_FP8 / KV_BYTES /
+    KV_INT8: see :func:`_cache_args`.
     """
     pdl_wait(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
@@ -358,7 +429,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                 mask=rmask[:, None] & dmask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    elif KV_FP8:
+    elif KV_FP8 or KV_BYTES:
         q = _to_f16(q)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -372,12 +443,15 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
         row = (tok % BLOCK_SIZE)[:, None]
         kvmask = tmask[:, None] & dmask
         k = _kv_tile(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :],
-                     kvmask, q.dtype, KV_BYTES)
+                     kvmask, q.dtype, KV_BYTES, KV_INT8)
         v = _kv_tile(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :],
-                     kvmask, q.dtype, KV_BYTES)
+                     kvmask, q.dtype, KV_BYTES, KV_INT8)
         causal = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2)
+        ks, vs = _kv_scales(ks_ptr, vs_ptr, page, tok % BLOCK_SIZE, kvh, stride_sb, stride_sh, tmask, KV_INT8)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
     pdl_trigger(TRIG)
+    if KV_INT8:
+        acc = acc * (1.0 / INT8_V_BOOST)
     acc = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask)
@@ -391,10 +465,11 @@ PREFILL_SEARCH_STEPS = 9
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, k_scales: torch.Tensor | None = None,
+                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Triton :func:`paged_attention_prefill_ref` (same arguments and result): all sequences in one launch, no host
     sync. q: [T, Hq, D] (last dim contiguous); cu_seqlens_q int32 [S + 1]; context_lens int32 [S] (cached prefix +
-    new tokens); block_tables int32 [S, max_blocks]."""
+    new tokens); block_tables int32 [S, max_blocks]; caches and scales as :func:`paged_attention_decode`."""
     tokens, q_heads, dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty_like(q)
@@ -402,12 +477,12 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     interp = dot_f32(q)
     block_m = 16 if interp else 64
-    kc, vc, kv_meta = _cache_args(q, k_cache, v_cache)
+    kc, vc, scale_meta, kv_meta = _cache_args(q, k_cache, v_cache, k_scales, v_scales)
     _prefill_kernel[(cdiv(tokens, block_m) + num_seqs, q_heads)](
         q, kc, vc, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=q_heads // k_cache.shape[2], DIM=dim, BLOCK_D=max(16, next_pow2(dim)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if interp else 64,
+        out.stride(0), out.stride(1), *scale_meta, GROUP=q_heads // k_cache.shape[2], DIM=dim,
+        BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if interp else 64,
         SEARCH_STEPS=max(PREFILL_SEARCH_STEPS, num_seqs.bit_length()), DOT_F32=interp, PDL=pdl(q),
         TRIG=early_trigger(q), num_warps=4, num_stages=2, **kv_meta)
     return out

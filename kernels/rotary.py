@@ -1,11 +1,12 @@
 """Rotary position embedding (RoFormer, Su et al. 2021), GPT-NeoX "rotate half" form: the torch reference
-and the Triton kernel, alone or with the KV-cache write of the rotated k and of v fused in."""
+and the Triton kernel, alone or with the KV-cache write of the rotated k and of v fused in (any cache dtype of
+``kv_cache.py``, int8 with its scales included)."""
 from __future__ import annotations
 
 import torch
 
 from ._triton import device_fn, early_trigger, jit, next_pow2, pdl, pdl_trigger, pdl_wait, tl
-from .kv_cache import to_cache, write_kv_cache_ref
+from .kv_cache import int8_codes, int8_row_stats, int8_scale, scale_args, to_cache, write_kv_cache_ref
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, base: float, device=None) -> torch.Tensor:
@@ -38,26 +39,43 @@ def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 @device_fn
-def _rotate_store(x1, x2, cos, sin, out, half, mask, dt: tl.constexpr, out_ty: tl.constexpr):
-    """Store the rotated halves of x (fp32 [H, half] each) at out and out + half, rounded like the reference in x's
-    dtype ``dt`` (cos and sin, each product, then the sum), then converted to ``out_ty`` (a cache's dtype)."""
+def _rotate_halves(x1, x2, cos, sin, dt: tl.constexpr):
+    """The rotated halves of x (fp32 [H, half] each), rounded like the reference in x's dtype ``dt`` (cos and sin,
+    each product, then the sum), returned as fp32."""
     o1 = (x1 * cos).to(dt).to(tl.float32) + (-x2 * sin).to(dt).to(tl.float32)
     o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
-    tl.store(out, to_cache(o1.to(dt), out_ty), mask=mask)
-    tl.store(out + half, to_cache(o2.to(dt), out_ty), mask=mask)
+    return o1.to(dt).to(tl.float32), o2.to(dt).to(tl.float32)
+
+
+@device_fn
+def _store_halves(out, x1, x2, half, mask, s_ptrs, s_mask, INT8: tl.constexpr):
+    """Store the halves x1, x2 (fp32 [H, half], 0 where ``mask`` is False) at out and out + half in out's dtype
+    (``kv_cache.store_cache``); into an int8 cache as codes of one scale per head, stored at ``s_ptrs`` [H]."""
+    if INT8:
+        amax1, bad1 = int8_row_stats(x1)
+        amax2, bad2 = int8_row_stats(x2)
+        scale = int8_scale(tl.maximum(amax1, amax2), bad1 + bad2)
+        tl.store(out, int8_codes(x1, scale), mask=mask)
+        tl.store(out + half, int8_codes(x2, scale), mask=mask)
+        tl.store(s_ptrs, scale, mask=s_mask)
+    else:
+        tl.store(out, to_cache(x1, out.dtype.element_ty), mask=mask)
+        tl.store(out + half, to_cache(x2, out.dtype.element_ty), mask=mask)
 
 
 @jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_heads, half,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
                    v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_KV: tl.constexpr,
+                   ks_ptr, vs_ptr, stride_sb, stride_sh,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_KV: tl.constexpr, INT8: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (T,): all q and k heads of one token share one cos/sin row. Outputs are contiguous [T, H, D].
 
     Rounds like the reference in x's dtype: cos and sin, each product, then the sum. WRITE_KV: the rotated k and
     the token's v go straight to its KV-cache slot (``kv_cache`` layout; slot -1 writes nothing) instead of
-    ``ko`` (the caches share strides).
+    ``ko`` (the caches share strides). INT8: the caches are int8, each head's scale goes to ks / vs
+    [num_blocks, Hkv, BLOCK_SIZE] (strides stride_sb, stride_sh, 1).
     """
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)  # a step input and a table: read before the previous kernel ends
@@ -84,23 +102,27 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
     k2 = tl.load(k_base + half, mask=km, other=0.0).to(tl.float32)
     if WRITE_KV:
         vbase = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
-        v1 = tl.load(vbase, mask=kv_mask)
-        v2 = tl.load(vbase + half, mask=kv_mask)
+        v1 = tl.load(vbase, mask=kv_mask, other=0.0).to(tl.float32)
+        v2 = tl.load(vbase + half, mask=kv_mask, other=0.0).to(tl.float32)
     pdl_trigger(TRIG)
     out = qo_ptr + t * q_heads * 2 * half + h[:, None] * 2 * half + d[None, :]
-    _rotate_store(q1, q2, cos, sin, out, half, qm, dt, qo_ptr.dtype.element_ty)
+    o1, o2 = _rotate_halves(q1, q2, cos, sin, dt)
+    _store_halves(out, o1, o2, half, qm, out, qm, False)
+    o1, o2 = _rotate_halves(k1, k2, cos, sin, dt)
     if WRITE_KV:
+        s_rows = (slot // BLOCK_SIZE) * stride_sb + h * stride_sh + slot % BLOCK_SIZE
+        s_mask = h < tl.where(slot >= 0, k_heads, 0)
         out = kc_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
-        _rotate_store(k1, k2, cos, sin, out, half, kv_mask, dt, kc_ptr.dtype.element_ty)
+        _store_halves(out, o1, o2, half, kv_mask, ks_ptr + s_rows, s_mask, INT8)
         out = vc_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
-        tl.store(out, to_cache(v1, vc_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(out + half, to_cache(v2, vc_ptr.dtype.element_ty), mask=kv_mask)
+        _store_halves(out, v1, v2, half, kv_mask, vs_ptr + s_rows, s_mask, INT8)
     else:
         out = ko_ptr + t * k_heads * 2 * half + h[:, None] * 2 * half + d[None, :]
-        _rotate_store(k1, k2, cos, sin, out, half, km, dt, ko_ptr.dtype.element_ty)
+        _store_halves(out, o1, o2, half, km, out, km, False)
 
 
-def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):
+def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_mapping=None, k_scales=None,
+            v_scales=None):
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -116,15 +138,17 @@ def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_m
         cache = k_cache if write_kv else qo
         extra = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1)) if write_kv else (q, qo, qo, positions,
                                                                                             0, 0)
+        scales = scale_args(k_cache, k_scales, v_cache, v_scales) if write_kv else (qo, qo, 0, 0)
         block_h, block_half = next_pow2(max(q_heads, k.shape[1])), next_pow2(half)
         # q, k and v are all in registers at once: 4 warps up to 32 heads x 64 (measured), more warps beyond (64
         # heads of 128 spilled with 4: 255 registers, offline ptxas for sm_90)
         warps = min(16, max(4, block_h * block_half // 512))
         _rotary_kernel[(tokens,)](positions, q, k, qo, ko, cos_sin, q_heads, k.shape[1], half, q.stride(0), q.stride(1),
                                   k.stride(0), k.stride(1), cos_sin.stride(0), *extra, cache.stride(0),
-                                  cache.stride(1), cache.stride(2) if write_kv else 0,
-                                  BLOCK_H=block_h, BLOCK_HALF=block_half,
-                                  WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, PDL=pdl(q),
+                                  cache.stride(1), cache.stride(2) if write_kv else 0, *scales,
+                                  BLOCK_H=block_h, BLOCK_HALF=block_half, WRITE_KV=write_kv,
+                                  INT8=write_kv and k_cache.dtype == torch.int8,
+                                  BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, PDL=pdl(q),
                                   TRIG=early_trigger(q), num_warps=warps,
                                   enable_fp_fusion=False)  # no FMA: round each product like torch
     return qo, ko
@@ -141,20 +165,24 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def rotary_write_kv_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> torch.Tensor:
+                        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+                        v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`rotary_ref`, then ``kv_cache.write_kv_cache_ref`` of the rotated k and of v [T, Hkv, D]; returns
-    the rotated q. Caches [num_blocks, block_size, Hkv, D]; slot_mapping int64 [T], -1 = skip."""
+    the rotated q. Caches [num_blocks, block_size, Hkv, D]; an int8 cache's scales [num_blocks, Hkv, block_size]
+    fp32 (ValueError without); slot_mapping int64 [T], -1 = skip."""
     qr, kr = rotary_ref(positions, q, k, cos_sin)
-    write_kv_cache_ref(kr, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache_ref(kr, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     return qr
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Triton :func:`rotary_write_kv_ref` in one launch (a decode step's rotary and KV write, fused): the same
-    values in q and in the caches. The two caches must share strides (as the model runner allocates them).
+    values in q and in the caches (an int8 cache's codes and scales included). The two caches must share dtype
+    and strides (as the model runner allocates them), and so must two int8 caches' scales (ValueError).
     ``positions`` and ``cos_sin``: as for :func:`rotary`."""
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("rotary_write_kv: k_cache and v_cache must have the same strides")
-    return _launch(positions, q, k, cos_sin, v, k_cache, v_cache, slot_mapping)[0]
+    if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
+        raise ValueError("rotary_write_kv: k_cache and v_cache must have the same dtype and strides")
+    return _launch(positions, q, k, cos_sin, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)[0]

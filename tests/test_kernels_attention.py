@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernels_testenv import FP8, on_device  # noqa: F401 (autouse fixture)
 
-from kernels import paged_attention as pa
+from kernels import kv_cache, paged_attention as pa
 from kernels._triton import cdiv
 
 
@@ -76,19 +76,25 @@ def test_decode_fp8_shipped_tiles(config):
     check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 0.125 / 30)
 
 
-def test_fp8_cache_goes_to_compiled_kernels_as_bytes():
-    """Compiled (any device but the CPU; ``meta`` here), an fp8 cache is passed as uint8 views of the same memory
-    layout for the inline-PTX conversion; interpreted, as it is. K and V of different dtypes are refused."""
+def test_byte_caches_go_to_compiled_kernels_as_bytes():
+    """Compiled (any device but the CPU; ``meta`` here), an fp8 or int8 cache is passed as uint8 views of the same
+    memory layout for the inline-PTX conversion (int8 with its scales); interpreted, as it is. K and V of different
+    dtypes are refused."""
     k8 = torch.empty(5, 16, 2, 64, dtype=FP8, device="meta")[:, :, :, :32]  # not contiguous
     v8 = torch.empty(5, 16, 2, 32, dtype=FP8, device="meta")
-    k, v, meta = pa._cache_args(torch.empty(1, 4, 32, device="meta"), k8, v8)
-    assert (k.dtype, v.dtype, meta) == (torch.uint8, torch.uint8, dict(KV_FP8=True, KV_BYTES=True))
+    k, v, _, meta = pa._cache_args(torch.empty(1, 4, 32, device="meta"), k8, v8, None, None)
+    assert (k.dtype, v.dtype, meta) == (torch.uint8, torch.uint8, dict(KV_FP8=True, KV_BYTES=True, KV_INT8=False))
     assert (k.stride(), v.stride()) == (k8.stride(), v8.stride())
     k8c = torch.zeros(5, 16, 2, 32, dtype=FP8, device="cpu")
-    k, v, meta = pa._cache_args(torch.zeros(1, 4, 32, device="cpu"), k8c, k8c)
-    assert k is k8c and meta == dict(KV_FP8=True, KV_BYTES=False)
+    k, v, _, meta = pa._cache_args(torch.zeros(1, 4, 32, device="cpu"), k8c, k8c, None, None)
+    assert k is k8c and meta == dict(KV_FP8=True, KV_BYTES=False, KV_INT8=False)
+    i8 = torch.empty(5, 16, 2, 32, dtype=torch.int8, device="meta")
+    s8 = torch.empty(5, 2, 16, device="meta")
+    k, v, scales, meta = pa._cache_args(torch.empty(1, 4, 32, device="meta"), i8, i8, s8, s8)
+    assert (k.dtype, meta) == (torch.uint8, dict(KV_FP8=False, KV_BYTES=True, KV_INT8=True))
+    assert scales[0] is s8 and scales[2:] == (32, 16)
     with pytest.raises(ValueError, match="differ in dtype"):
-        pa._cache_args(torch.zeros(1, 4, 32), k8c, torch.zeros(5, 16, 2, 32, dtype=torch.bfloat16))
+        pa._cache_args(torch.zeros(1, 4, 32), k8c, torch.zeros(5, 16, 2, 32, dtype=torch.bfloat16), None, None)
     # the conversion takes four bytes per thread: 16 tokens x 32 dims cannot feed 8 warps (refused before launch)
     q = torch.empty(1, 4, 32, dtype=torch.bfloat16, device="meta")
     tables, ctx = torch.zeros(1, 2, dtype=torch.int32, device="meta"), torch.ones(1, dtype=torch.int32, device="meta")
@@ -185,3 +191,95 @@ def test_prefill_fp8_cache():
     ctx = torch.tensor(lengths, dtype=torch.int32)
     out = pa.paged_attention_prefill(q, k_cache, v_cache, tables, cu, ctx, 0.2 / 30)
     check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, 0.2 / 30)
+
+
+def int8_cache(k_cache, v_cache):
+    """Float caches quantized as the engine writes them: (k codes, v codes, k scales, v scales), the scales
+    head-major ([num_blocks, H, block_size])."""
+    (kc, ks), (vc, vs) = kv_cache.quantize_int8_ref(k_cache), kv_cache.quantize_int8_ref(v_cache)
+    return kc, vc, ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("lengths", [[15, 16, 17, 33], [300, 129]], ids=["no-split", "split"])
+@pytest.mark.parametrize("q_heads", [4, 2], ids=["gqa", "mha"])
+def test_decode_int8_cache(lengths, q_heads):
+    """An int8 cache (codes converted exactly, per-token scales on the scores and on V's weights): the reference
+    on the same codes and scales, K of scales near 30x V's."""
+    k_cache, v_cache, tables = make_cache(lengths, 2, 64, 16, torch.float32)
+    kc, vc, ks, vs = int8_cache(k_cache.mul(30), v_cache)
+    q = torch.randn(len(lengths), q_heads, 64, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    out = pa.paged_attention_decode(q, kc, vc, tables, ctx, 0.125 / 30, ks, vs)
+    check(out, pa.paged_attention_decode_ref, q, kc, vc, tables, ctx, 0.125 / 30, ks, vs)
+
+
+def test_int8_reference_is_the_reference_on_dequantized_values():
+    """The references dequantize (codes x scales, fp32), then attend as for any cache: the same bits as on a float
+    cache holding the dequantized values; and the dequantized values are within half a step of the originals."""
+    lengths, new = [40, 17], [5, 17]
+    k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.float32)
+    kc, vc, ks, vs = int8_cache(k_cache, v_cache)
+    kd, vd = (kv_cache.dequantize_int8_ref(c, s.transpose(1, 2)) for c, s in ((kc, ks), (vc, vs)))
+    assert ((kd - k_cache).abs() <= ks.transpose(1, 2)[..., None] * 0.5001).all() and ks.min() > 0
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn(len(lengths), 4, 32)
+    assert torch.equal(pa.paged_attention_decode_ref(q, kc, vc, tables, ctx, 0.2, ks, vs),
+                       pa.paged_attention_decode_ref(q, kd, vd, tables, ctx, 0.2))
+    qp = torch.randn(sum(new), 4, 32)
+    cu = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
+    assert torch.equal(pa.paged_attention_prefill_ref(qp, kc, vc, tables, cu, ctx, 0.2, ks, vs),
+                       pa.paged_attention_prefill_ref(qp, kd, vd, tables, cu, ctx, 0.2))
+
+
+def test_prefill_int8_cache():
+    prefixes, new = [0, 5, 40], [17, 3, 21]
+    lengths = [p + n for p, n in zip(prefixes, new)]
+    k_cache, v_cache, tables = make_cache(lengths, 1, 32, 8, torch.float32)
+    kc, vc, ks, vs = int8_cache(k_cache.mul(30), v_cache)
+    q = torch.randn(sum(new), 3, 32, dtype=torch.bfloat16)
+    cu = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    out = pa.paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.2 / 30, ks, vs)
+    check(out, pa.paged_attention_prefill_ref, q, kc, vc, tables, cu, ctx, 0.2 / 30, ks, vs)
+
+
+def test_int8_engine_layout_and_missing_scales():
+    """The engine's int8 layout (codes, then scales, in each block's bytes: strided views, K's and V's scales of
+    equal strides) reads as contiguous codes and scales do; an int8 cache without its scales is refused."""
+    from engine.model_runner import int8_views
+
+    lengths = [33, 70]
+    k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.float32)
+    kc, vc, ks, vs = int8_cache(k_cache, v_cache)
+    store = torch.zeros(2, kc.shape[0], 16 * 2 * (32 + 4), dtype=torch.uint8)
+    (kc2, ks2), (vc2, vs2) = (int8_views(store[i], 16, 2, 32) for i in (0, 1))
+    for dst, src in ((kc2, kc), (ks2, ks), (vc2, vc), (vs2, vs)):
+        dst.copy_(src)
+    assert not kc2.is_contiguous() and ks2.stride() == vs2.stride()
+    q = torch.randn(len(lengths), 4, 32, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    want = pa.paged_attention_decode(q, kc, vc, tables, ctx, 0.2, ks, vs)
+    assert torch.equal(pa.paged_attention_decode(q, kc2, vc2, tables, ctx, 0.2, ks2, vs2), want)
+    for fn in (pa.paged_attention_decode, pa.paged_attention_decode_ref):
+        with pytest.raises(ValueError, match="needs fp32 scales"):
+            fn(q, kc, vc, tables, ctx, 0.2)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for fn in (pa.paged_attention_prefill, pa.paged_attention_prefill_ref):
+        with pytest.raises(ValueError, match="needs fp32 scales"):
+            fn(q, kc, vc, tables, cu, ctx, 0.2, ks)
+
+
+@pytest.mark.parametrize("v_size", [1e-3, 1e-4])
+def test_decode_int8_small_values(v_size):
+    """V of tokens whose largest value is far below 1, its scales spread over three orders of magnitude: the
+    output to 2% of its own size (on the GPU p x scale would sink into fp16's subnormals without
+    ``INT8_V_BOOST``: 9% off at 1e-4)."""
+    lengths = [300, 129]
+    k_cache, v_cache, tables = make_cache(lengths, 2, 64, 16, torch.float32)
+    spread = torch.logspace(0, -3, v_cache.shape[1])[None, :, None, None]
+    kc, vc, ks, vs = int8_cache(k_cache, v_cache * spread * v_size)
+    q = torch.randn(len(lengths), 4, 64, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    out = pa.paged_attention_decode(q, kc, vc, tables, ctx, 0.125, ks, vs).float()
+    ref = pa.paged_attention_decode_ref(q.float(), kc, vc, tables, ctx, 0.125, ks, vs)
+    torch.testing.assert_close(out / v_size, ref / v_size, rtol=2e-2, atol=2e-2)
