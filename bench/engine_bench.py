@@ -320,16 +320,20 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
     ctx["log"]["throughput_host_profile"] = _host_profile(llm, prompts)
     del llm
     _free()
-    # the same with an fp8 KV cache: half the bytes that attention reads per step, twice the blocks
-    llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.9,
-              kv_cache_dtype="fp8")
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    fp8 = max(tok_s(temperature=0), tok_s(temperature=0))  # best of two, as above: a first run of a new engine
-    # may still meet what its warm-up did not (it compiled prefill variants, 3 s with a cold Triton cache, before
-    # the prefill kernel stopped specializing on the batch; bench/RESULTS.md, seventh session)
-    fp8_blocks = llm.engine.runner.num_blocks
-    del llm
-    _free()
+    # the same with an fp8 KV cache (half the bytes that attention reads per step, twice the blocks), then int8
+    # (codes and a 4-byte scale per token and head: 132 bytes per head against bf16's 256)
+    quantized = {}
+    for kv_dtype in ("fp8", "int8"):
+        llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.9,
+                  kv_cache_dtype=kv_dtype)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        # best of two, as above: a first run of a new engine may still meet what its warm-up did not (it compiled
+        # prefill variants, 3 s with a cold Triton cache, before the prefill kernel stopped specializing on the
+        # batch; bench/RESULTS.md, seventh session)
+        quantized[kv_dtype] = (max(tok_s(temperature=0), tok_s(temperature=0)), llm.engine.runner.num_blocks)
+        del llm
+        _free()
+    (fp8, fp8_blocks), (int8, int8_blocks) = quantized["fp8"], quantized["int8"]
     shape = f"{prompt_len} prompt / {output_len} output"
     baseline = "HF bf16 generate bs128, best of 2"
     return [make_row(f"{requests} concurrent requests, output tok/s", shape, 1e6 / ours, baseline, 1e6 / hf, 15.0,
@@ -339,6 +343,8 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
                      baseline + ", greedy", 1e6 / hf, 15.0, f"{sampled:.0f} vs {hf:.0f} tok/s"),
             make_row(f"{requests} requests, fp8 KV cache, output tok/s", shape, 1e6 / fp8, baseline, 1e6 / hf, 15.0,
                      f"{fp8:.0f} vs {hf:.0f} tok/s; {fp8_blocks} KV blocks"),
+            make_row(f"{requests} requests, int8 KV cache, output tok/s", shape, 1e6 / int8, baseline, 1e6 / hf, 15.0,
+                     f"{int8:.0f} vs {hf:.0f} tok/s; {int8_blocks} KV blocks"),
             make_row(f"{requests} requests, async scheduling vs not", shape + ", greedy", 1e6 / ours,
                      "each step read back before the next", 1e6 / sync, 1.0, f"{sync:.0f} tok/s without")]
 
@@ -446,11 +452,13 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
     unoverlapped = _small_model_tokens(small, async_scheduling=False)
     eager = _small_model_tokens(small, enforce_eager=True)
     fp8 = _small_model_tokens(small, kv_cache_dtype="fp8")
+    int8 = _small_model_tokens(small, kv_cache_dtype="int8")
     unsynced = _launches_without_sync(small)
     os.environ["APPLIANCE_KERNELS"] = "torch"
     try:
         ref = _small_model_tokens(small, enforce_eager=True)
         ref_fp8 = _small_model_tokens(small, enforce_eager=True, kv_cache_dtype="fp8")
+        ref_int8 = _small_model_tokens(small, enforce_eager=True, kv_cache_dtype="int8")
     finally:
         del os.environ["APPLIANCE_KERNELS"]
     n = len(ref)
@@ -464,7 +472,10 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                      "launches", unsynced, 1.0, "greedy, top-k/p + min-p, seeded + min_tokens rows"),
             make_row("engine greedy, fp8 KV: Triton = torch reference (counts, not µs)", "same", n,
                      "sequences identical", sum(a == b for a, b in zip(fp8, ref_fp8)), 1.0,
-                     f"{sum(a == b for a, b in zip(fp8, graphs))} of {n} equal to the bf16 cache's")]
+                     f"{sum(a == b for a, b in zip(fp8, graphs))} of {n} equal to the bf16 cache's"),
+            make_row("engine greedy, int8 KV: Triton = torch reference (counts, not µs)", "same", n,
+                     "sequences identical", sum(a == b for a, b in zip(int8, ref_int8)), 1.0,
+                     f"{sum(a == b for a, b in zip(int8, graphs))} of {n} equal to the bf16 cache's")]
 
 
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some.

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from kernels import paged_attention as pa  # noqa: E402
 from kernels import quant_formats as qf  # noqa: E402
 from kernels import w4a16  # noqa: E402
+from kernels.kv_cache import dequantize_int8_ref, quantize_int8_ref  # noqa: E402
 from kernels._triton import cdiv, num_sms, pdl, without_early_trigger, without_pdl  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # inputs touched per graph replay: > 4x the H200's 60 MB L2
@@ -447,6 +448,35 @@ def decode_fp8_row(batch: int, ctx: int, pool_k, pool_v, sets, copies: int, base
                f"SDPA ({backend}), contiguous bf16", base, None, f"{frac:.0%} of copy BW (fp8 bytes)")
 
 
+def decode_int8_row(batch: int, ctx: int, pool_k, pool_v, sets, copies: int, base: float, backend: str,
+                    copy_bw: float, log: dict) -> Row:
+    """The decode kernel on the same K/V in an int8 cache (codes and per-token, per-head scales, shipped settings),
+    against the bf16 SDPA time; its output checked against SDPA on the dequantized K/V. As for fp8, the pool is
+    repeated so that a graph replay still reads ROTATE_BYTES; bytes moved count the scales."""
+    kv_bytes = 2 * batch * ctx * KV_HEADS * (HEAD_DIM + 4)
+    reps = cdiv(rotation(kv_bytes, cap=64), copies)
+    (kc, ks), (vc, vs) = quantize_int8_ref(pool_k), quantize_int8_ref(pool_v)
+    ks, vs = ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous()  # the kernels' head-major scales
+    kc, vc, ks, vs = (t.repeat(reps, *([1] * (t.dim() - 1))) for t in (kc, vc, ks, vs))
+    sets = [(q, tables + r * pool_k.shape[0], lens, sdpa) for r in range(reps) for q, tables, lens, sdpa in sets]
+    copies = len(sets)
+    scale = HEAD_DIM ** -0.5
+    q, tables, lens, (q4, k4, v4) = sets[0]
+    out = pa.paged_attention_decode(q, kc, vc, tables, lens, scale, ks, vs)
+    deq = [dequantize_int8_ref(*quantize_int8_ref(t)).to(torch.bfloat16) for t in (k4, v4)]  # rows: (token, head)
+    with sdpa_backend(backend):
+        ref = sdpa_decode(q4, *deq)[:, :, 0]
+    err = (out.float() - ref.float()).abs().max().item()
+    check(f"decode int8 B={batch} ctx={ctx} vs SDPA on dequantized K/V max err {err:.1e}", err < 2e-2)
+    us = time_calls([lambda i=i: pa.paged_attention_decode(sets[i][0], kc, vc, sets[i][1], sets[i][2], scale, ks, vs)
+                     for i in schedule(copies)])
+    frac = kv_bytes / (us * 1e-6) / copy_bw
+    log.setdefault("decode_int8", []).append(dict(batch=batch, ctx=ctx, ours_us=us, sdpa_us=base, bw_frac=frac))
+    del kc, vc, ks, vs
+    return Row("paged decode, int8 KV cache, vs SDPA (bf16)", f"B={batch}, ctx={ctx}", us,
+               f"SDPA ({backend}), contiguous bf16", base, None, f"{frac:.0%} of copy BW (int8 + scale bytes)")
+
+
 def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
     rows = []
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -504,6 +534,7 @@ def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
         log.setdefault("decode", []).append(dict(batch=batch, ctx=ctx, ours_us=us, sdpa_us=base, bw_frac=frac,
                                                  cfg=best_cfg))
         rows.append(decode_fp8_row(batch, ctx, pool_k, pool_v, sets, copies, base, backend, copy_bw, log))
+        rows.append(decode_int8_row(batch, ctx, pool_k, pool_v, sets, copies, base, backend, copy_bw, log))
         del pool_k, pool_v, sets
         torch.cuda.empty_cache()
     return rows
