@@ -354,14 +354,32 @@ def doctor(config: Optional[Path] = typer.Option(None, "--config")):
         raise typer.Exit(1)
 
 
-# ---------------------------------------------------------------------------------------------------- stubs
+# ---------------------------------------------------------------------------------------------------- watch
 
 
 @app.command()
-def top(url: str = typer.Option("http://127.0.0.1:8000", "--url")):
-    """The live dashboard (not yet)."""
-    console.print("`appliance top` is not there yet; watch `appliance logs -f` or GET /metrics meanwhile")
-    raise typer.Exit(2)
+@friendly
+def top(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the server's base URL"),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="APPLIANCE_API_KEY"),
+        interval: float = typer.Option(1.0, "--interval", help="seconds between readings")):
+    """The live dashboard: KV blocks, queues, throughput and latency of a running server (q quits)."""
+    import httpx
+
+    from tui.app import TopApp
+
+    if interval <= 0:
+        raise ApplianceError(f"--interval must be positive, got {interval}", "e.g. --interval 1")
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        httpx.get(f"{url}/v1/kv", headers=headers, timeout=5).raise_for_status()
+    except httpx.HTTPStatusError as exc:  # 503: the model is still loading; the dashboard says so until it is up
+        if exc.response.status_code != 503:
+            hint = "pass --api-key (or APPLIANCE_API_KEY)" if exc.response.status_code == 401 else "check --url"
+            raise ApplianceError(f"{url}/v1/kv answered {exc.response.status_code}", hint) from None
+    except httpx.HTTPError as exc:
+        raise ApplianceError(f"no server answers at {url} ({exc})", "start it with `appliance install` or pass --url")
+    TopApp(url, api_key, interval=interval).run()
 
 
 @app.command()

@@ -88,11 +88,6 @@ def test_tune_json_uses_flags(tmp_path):
     assert plan["reasons"]["max_num_seqs"] == "set by --max-num-seqs"
 
 
-def test_top_stub_says_not_yet():
-    result = runner.invoke(app, ["top"])
-    assert result.exit_code == 2 and "not there yet" in result.output
-
-
 def test_doctor_reports_missing_config(tmp_path):
     result = runner.invoke(app, ["doctor"])
     assert result.exit_code == 1

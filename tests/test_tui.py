@@ -1,0 +1,151 @@
+"""``appliance top``: the numbers it computes from /metrics and /v1/kv, the Textual app against a live server (the
+fake engine of the server tests), and the CLI's errors."""
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+from rich.console import Console
+from test_appliance_cli import one_line_error, runner
+from test_server_fakes import FakeEngine, ServerThread, wait_for
+
+from appliance.cli import app as cli
+from engine.async_engine import AsyncLLMEngine
+from engine.server.api_server import build_app
+from tui.app import TopApp
+from tui.metrics import Histogram, block_map, parse_metrics, view
+
+
+def test_histogram_quantiles_interpolate_as_prometheus():
+    h = Histogram([(0.1, 2.0), (0.2, 6.0), (float("inf"), 8.0)], count=8.0, total=1.0)
+    assert h.quantile(0.5) == pytest.approx(0.15)  # rank 4: half way through (0.1, 0.2]
+    assert h.quantile(0.25) == pytest.approx(0.1)  # rank 2: the top of the first bucket
+    assert h.quantile(0.1) == pytest.approx(0.04)  # rank 0.8 of 2 in (0, 0.1]
+    assert h.quantile(0.95) == 0.2  # in the +inf bucket: the largest finite bound
+    assert Histogram().quantile(0.5) is None
+    older = Histogram([(0.1, 2.0), (0.2, 2.0), (float("inf"), 2.0)], count=2.0, total=0.1)
+    since = h.minus(older)  # the 6 observations since: 4 in (0.1, 0.2], 2 above
+    assert since.buckets == [(0.1, 0.0), (0.2, 4.0), (float("inf"), 6.0)] and since.count == 6.0
+    assert since.quantile(0.5) == pytest.approx(0.175)
+
+
+def test_block_map_folds_blocks_into_cells():
+    assert block_map("##..#c..####", 4) == "▓▒▒█"  # 3 blocks a cell: 2/3, 1/3, 1/3 and 3/3 used
+    assert block_map("..c.c.", 3) == "·cc"  # a cell with a cached block and none used
+    assert block_map("#" * 7 + "." * 3, 3) == "█▇·"  # 4, 4 (3 used: not full) and 2 blocks a cell
+    assert block_map("#.", 10) == "█·" and block_map("", 10) == ""
+
+
+@pytest.fixture
+def server():
+    fake = FakeEngine()
+    engine = AsyncLLMEngine(lambda: fake, "fake-model")
+    with ServerThread(build_app(engine)) as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        yield url
+    engine.shutdown()
+
+
+def complete(url: str, n: int) -> None:
+    for _ in range(n):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "fake-model", "prompt": "hello there",
+                                                      "max_tokens": 5}, timeout=20)
+        assert r.status_code == 200
+
+
+def test_view_of_two_scrapes_counts_what_happened_between(server):
+    before = parse_metrics(httpx.get(f"{server}/metrics").text, time.monotonic())
+    complete(server, 3)
+    after = parse_metrics(httpx.get(f"{server}/metrics").text, time.monotonic())
+    assert (after.model, after.generation_tokens - before.generation_tokens, after.finished) == \
+        ("fake-model", 15.0, {"length": 3.0})
+    v = view(before, after)
+    assert v.generation_tok_s * v.seconds == pytest.approx(15.0)
+    assert v.requests_per_s * v.seconds == pytest.approx(3.0) and v.finished == 3.0
+    assert after.latencies["time_to_first_token"].count == 3.0 and v.percentiles["time_to_first_token"][0] > 0
+    assert v.percentiles["inter_token_latency"][1] is not None  # 4 gaps per request
+    assert view(after, after).percentiles["e2e_request_latency"] == (None, None)  # nothing new in no time
+    assert view(None, after).generation_tok_s == 0.0  # one reading: totals, no rates
+
+
+def text(renderable) -> str:
+    console = Console(width=200, record=True)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_dashboard_reads_the_server(server):
+    async def scenario():
+        app = TopApp(server, interval=60)  # polled by hand below
+        async with app.run_test(size=(160, 50)) as pilot:
+            await pilot.pause()
+            assert app.kv["num_blocks"] == 512 and len(app.scrapes) == 1
+            complete(server, 2)
+            await app.poll()
+            summary = text(app.query_one("#summary").content)
+            assert "fake-model" in summary and "of 512 blocks of 4 tokens" in summary
+            assert "2 finished" in summary
+            latency = text(app.query_one("#latency").content)
+            assert "TTFT" in latency and "p95" in latency
+            assert text(app.query_one("#blocks").content).startswith("block map, one cell per 2 blocks")
+            await pilot.press("p")
+            assert app.paused
+            await app.poll()  # paused: no new reading
+            assert len(app.scrapes) == 2
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_dashboard_keeps_its_numbers_when_the_server_goes(server):
+    async def scenario():
+        app = TopApp(server, interval=60)
+        async with app.run_test() as pilot:
+            await pilot.pause()
+            app.url = "http://127.0.0.1:9"  # nothing listens there
+            await app.poll()
+            assert app.error.startswith("http://127.0.0.1:9 does not answer: ConnectError")
+            assert len(app.scrapes) == 1 and app.kv["num_blocks"] == 512
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_top_without_a_server_is_a_one_line_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before the CLI connects
+    one_line_error(runner.invoke(cli, ["top", "--url", f"http://127.0.0.1:{port}"]), "no server answers")
+    one_line_error(runner.invoke(cli, ["top", "--interval", "0"]), "--interval must be positive")
+
+
+def test_dashboard_waits_for_a_loading_model(monkeypatch):
+    """While the model loads, /v1/kv answers 503: the CLI starts the dashboard anyway, which shows the server's
+    message and its first numbers once the engine is up."""
+    import threading
+
+    gate = threading.Event()
+    engine = AsyncLLMEngine(lambda: gate.wait(20) and FakeEngine(), "fake-model")
+
+    async def scenario(url):
+        app = TopApp(url, interval=60)
+        async with app.run_test() as pilot:
+            await pilot.pause()
+            assert app.error.startswith(f"{url} answered 503: ") and not app.scrapes
+            gate.set()
+            wait_for(lambda: engine.is_ready, what="engine ready")
+            await app.poll()
+            assert app.error is None and app.kv["num_blocks"] == 512
+
+    with ServerThread(build_app(engine)) as url:
+        started = []
+        monkeypatch.setattr(TopApp, "run", lambda self: started.append((self.url, self.interval)))
+        result = runner.invoke(cli, ["top", "--url", url + "/", "--interval", "0.5"])
+        assert result.exit_code == 0 and started == [(url, 0.5)], result.output
+        monkeypatch.undo()
+        asyncio.run(asyncio.wait_for(scenario(url), 30))
+    engine.shutdown()
+
+
+def test_top_needs_the_servers_api_key():
+    engine = AsyncLLMEngine(lambda: FakeEngine(), "fake-model")
+    with ServerThread(build_app(engine, api_key="sesame")) as url:
+        one_line_error(runner.invoke(cli, ["top", "--url", url]), "answered 401", "--api-key")
+    engine.shutdown()

@@ -1,0 +1,159 @@
+"""``appliance top``: a Textual dashboard of a running server, read over HTTP every second.
+
+It shows the KV cache (usage and the block map of ``GET /v1/kv``), the queues (running, waiting), throughput
+(prompt and generation tokens per second, requests per second, prefix-cache hit rate) and latency (TTFT, ITL,
+end-to-end and queue time, p50 and p95) over the last ``window`` seconds, from ``GET /metrics`` (tui/metrics.py),
+and the running requests with the blocks each holds. Keys: ``q`` quits, ``p`` pauses. When the server does not
+answer, the last numbers stay and the status line says why; polling goes on.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import httpx
+from rich.table import Table
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.widgets import DataTable, Footer, Header, Static
+
+from tui.metrics import LATENCIES, Scrape, block_map, parse_metrics, view
+
+#: Rows and columns of the block map; each cell covers num_blocks / (rows x columns) blocks, rounded up.
+MAP_ROWS, MAP_COLUMNS = 6, 64
+_LABELS = {"time_to_first_token": "TTFT", "inter_token_latency": "ITL", "e2e_request_latency": "end to end",
+           "request_queue_time": "queue"}
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
+def _message(response: httpx.Response) -> str:
+    """The OpenAI-style error message of ``response``, else its text."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
+
+
+def _bar(fraction: float, width: int = 30) -> str:
+    full = round(max(0.0, min(1.0, fraction)) * width)
+    return "█" * full + "░" * (width - full)
+
+
+class TopApp(App):
+    """The dashboard of the server at ``url`` (``api_key``: sent as a bearer token, as /v1/* may need it)."""
+
+    TITLE = "appliance top"
+    BINDINGS = [("q", "quit", "Quit"), ("p", "toggle_pause", "Pause")]
+    CSS = "#summary, #latency, #blocks { height: auto; margin: 0 1; } #status { margin: 0 1; color: $warning; }"
+
+    def __init__(self, url: str, api_key: str | None = None, interval: float = 1.0, window: float = 10.0):
+        super().__init__()
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.interval, self.window = interval, window
+        self.scrapes: deque[Scrape] = deque()
+        self.kv: dict | None = None
+        self.paused = False
+        self.error: str | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=True)
+        yield Static(id="summary")
+        yield Static(id="latency")
+        yield Static(id="blocks")
+        yield DataTable(id="running")
+        yield Static(id="status")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self.sub_title = self.url
+        table = self.query_one("#running", DataTable)
+        table.add_columns("running request", "KV blocks")
+        await self.poll()
+        self.set_interval(self.interval, self.poll)
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self.query_one("#status", Static).update("paused (p resumes)" if self.paused else "")
+
+    async def poll(self) -> None:
+        """Read /metrics and /v1/kv once and redraw; a failure is shown in the status line."""
+        if self.paused:
+            return
+        try:
+            async with httpx.AsyncClient(timeout=2.0, headers=self.headers) as client:
+                metrics = await client.get(f"{self.url}/metrics")
+                kv = await client.get(f"{self.url}/v1/kv")
+            metrics.raise_for_status()
+            kv.raise_for_status()
+            scrape = parse_metrics(metrics.text, time.monotonic())
+            self.kv = kv.json()
+            self.error = None
+        except httpx.HTTPStatusError as exc:  # 503 while the model loads: the server's message says so
+            self.error = f"{self.url} answered {exc.response.status_code}: {_message(exc.response)}"
+            self.query_one("#status", Static).update(self.error)
+            return
+        except (httpx.HTTPError, ValueError) as exc:
+            self.error = f"{self.url} does not answer: {exc.__class__.__name__}: {exc}"
+            self.query_one("#status", Static).update(self.error)
+            return
+        self.scrapes.append(scrape)
+        while len(self.scrapes) > 2 and scrape.time - self.scrapes[1].time >= self.window:
+            self.scrapes.popleft()
+        self.redraw()
+
+    def redraw(self) -> None:
+        new = self.scrapes[-1]
+        old = self.scrapes[0] if len(self.scrapes) > 1 else None
+        v = view(old, new)
+        kv = self.kv or {}
+        self.query_one("#summary", Static).update(self._summary(new, v, kv))
+        self.query_one("#latency", Static).update(self._latency(v))
+        self.query_one("#blocks", Static).update(self._blocks(kv))
+        table = self.query_one("#running", DataTable)
+        table.clear()
+        for r in kv.get("running", []):
+            table.add_row(r["request_id"], str(r["num_blocks"]))
+        self.query_one("#status", Static).update(f"updated {time.strftime('%H:%M:%S')}; rates over the last "
+                                                 f"{v.seconds:.1f} s" if old else "waiting for a second reading")
+
+    @staticmethod
+    def _summary(new: Scrape, v, kv: dict) -> Table:
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold")
+        t.add_column()
+        dtype = new.cache.get("cache_dtype", "")
+        t.add_row("model", f"{new.model}" + (f"   KV cache {dtype}" if dtype else ""))
+        blocks = (f"{kv.get('used', 0):,} used, {kv.get('cached', 0):,} cached, {kv.get('free', 0):,} free of "
+                  f"{kv.get('num_blocks', 0):,} blocks of {kv.get('block_size', 0)} tokens")
+        t.add_row("KV cache", f"{_bar(v.kv_usage)} {v.kv_usage:.0%}   {blocks}")
+        t.add_row("requests", f"{v.running} running, {v.waiting} waiting; {v.finished:,.0f} finished, "
+                              f"{v.preemptions:,.0f} preemptions since start")
+        hit = "-" if v.prefix_hit_rate is None else f"{v.prefix_hit_rate:.0%}"
+        t.add_row("throughput", f"{v.generation_tok_s:,.1f} generated tok/s, {v.prompt_tok_s:,.1f} prompt tok/s, "
+                                f"{v.requests_per_s:.2f} req/s; prefix cache hits {hit}")
+        return t
+
+    @staticmethod
+    def _latency(v) -> Table:
+        t = Table(title="latency (ms)", title_justify="left", expand=False)
+        t.add_column("")
+        for name in LATENCIES:
+            t.add_column(_LABELS[name], justify="right")
+        t.add_row("p50", *(_ms(v.percentiles[n][0]) for n in LATENCIES))
+        t.add_row("p95", *(_ms(v.percentiles[n][1]) for n in LATENCIES))
+        return t
+
+    @staticmethod
+    def _blocks(kv: dict) -> Text:
+        cells = block_map(kv.get("blocks", ""), MAP_ROWS * MAP_COLUMNS)
+        if not cells:
+            return Text("block map: none (the engine is not loaded yet)")
+        per = -(-len(kv["blocks"]) // (MAP_ROWS * MAP_COLUMNS))
+        lines = [cells[i:i + MAP_COLUMNS] for i in range(0, len(cells), MAP_COLUMNS)]
+        plural = "s" if per > 1 else ""
+        legend = f"block map, one cell per {per} block{plural}: █ used, ░ partly, c cached, · free"
+        return Text("\n".join([legend, *lines]))
