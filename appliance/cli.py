@@ -377,7 +377,7 @@ def top(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the serv
         if exc.response.status_code != 503:
             hint = "pass --api-key (or APPLIANCE_API_KEY)" if exc.response.status_code == 401 else "check --url"
             raise ApplianceError(f"{url}/v1/kv answered {exc.response.status_code}", hint) from None
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise ApplianceError(f"no server answers at {url} ({exc})", "start it with `appliance install` or pass --url")
     TopApp(url, api_key, interval=interval).run()
 

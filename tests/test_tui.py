@@ -13,8 +13,8 @@ from test_server_fakes import FakeEngine, ServerThread, wait_for
 from appliance.cli import app as cli
 from engine.async_engine import AsyncLLMEngine
 from engine.server.api_server import build_app
-from tui.app import TopApp
-from tui.metrics import Histogram, block_map, parse_metrics, view
+from tui.app import TopApp, _ms
+from tui.metrics import Histogram, Scrape, block_map, parse_metrics, view
 
 
 def test_histogram_quantiles_interpolate_as_prometheus():
@@ -54,10 +54,21 @@ def complete(url: str, n: int) -> None:
         assert r.status_code == 200
 
 
+def scrape(url: str) -> Scrape:
+    return parse_metrics(httpx.get(f"{url}/metrics").text, time.monotonic())
+
+
+def finished(url: str, n: int) -> None:
+    """Wait until the server's metrics count ``n`` finished requests (a request's last output reaches its client
+    just before the metrics see it)."""
+    wait_for(lambda: sum(scrape(url).finished.values()) == n, what=f"{n} finished requests in /metrics")
+
+
 def test_view_of_two_scrapes_counts_what_happened_between(server):
-    before = parse_metrics(httpx.get(f"{server}/metrics").text, time.monotonic())
+    before = scrape(server)
     complete(server, 3)
-    after = parse_metrics(httpx.get(f"{server}/metrics").text, time.monotonic())
+    finished(server, 3)
+    after = scrape(server)
     assert (after.model, after.generation_tokens - before.generation_tokens, after.finished) == \
         ("fake-model", 15.0, {"length": 3.0})
     v = view(before, after)
@@ -67,6 +78,32 @@ def test_view_of_two_scrapes_counts_what_happened_between(server):
     assert v.percentiles["inter_token_latency"][1] is not None  # 4 gaps per request
     assert view(after, after).percentiles["e2e_request_latency"] == (None, None)  # nothing new in no time
     assert view(None, after).generation_tok_s == 0.0  # one reading: totals, no rates
+    assert not after.restarted_since(before) and before.restarted_since(after)  # counters only go up
+
+
+def test_parse_metrics_reads_the_cache_config_and_skips_what_it_does_not_know():
+    text = """# HELP vllm:cache_config_info Information of the KV cache.
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="int8",model_name="m",num_gpu_blocks="100"} 1.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} NaN
+# TYPE something_else counter
+something_else_total 5.0
+"""
+    s = parse_metrics(text, 1.0)
+    assert (s.model, s.running, s.waiting) == ("m", 3, 0)
+    assert s.cache == {"block_size": "16", "cache_dtype": "int8", "num_gpu_blocks": "100"}
+    with pytest.raises(ValueError):
+        parse_metrics("<html>not metrics</html>", 1.0)
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 def text(renderable) -> str:
@@ -79,28 +116,44 @@ def test_dashboard_reads_the_server(server):
     async def scenario():
         app = TopApp(server, interval=60)  # polled by hand below
         async with app.run_test(size=(160, 50)) as pilot:
-            await pilot.pause()
+            await until(lambda: app.kv is not None)  # the first reading comes right after the start
             assert app.kv["num_blocks"] == 512 and len(app.scrapes) == 1
             complete(server, 2)
+            finished(server, 2)
             await app.poll()
             summary = text(app.query_one("#summary").content)
             assert "fake-model" in summary and "of 512 blocks of 4 tokens" in summary
             assert "2 finished" in summary
-            latency = text(app.query_one("#latency").content)
-            assert "TTFT" in latency and "p95" in latency
+            ttft50 = app.shown.percentiles["time_to_first_token"][0]
+            assert ttft50 is not None and _ms(ttft50) in text(app.query_one("#latency").content).split("p50")[1]
             assert text(app.query_one("#blocks").content).startswith("block map, one cell per 2 blocks")
+            app._say("[/models/x] a message with brackets")  # the server's words, not markup
+            assert str(app.query_one("#status").content) == "[/models/x] a message with brackets"
             await pilot.press("p")
             assert app.paused
             await app.poll()  # paused: no new reading
             assert len(app.scrapes) == 2
+            await pilot.press("p")  # resumed: the window starts again
+            assert not app.scrapes
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_dashboard_window_starts_again_after_a_gap_or_a_restart():
+    app = TopApp("http://127.0.0.1:9", window=10)
+    for t in (0, 1, 5, 11, 12):
+        app._add_reading(Scrape(time=t, generation_tokens=100 * t))
+    assert [s.time for s in app.scrapes] == [1, 5, 11, 12]  # the newest at least 10 s older stays
+    app._add_reading(Scrape(time=30, generation_tokens=3000))  # 18 s since the last: a gap
+    assert [s.time for s in app.scrapes] == [30]
+    app._add_reading(Scrape(time=31, generation_tokens=10))  # the counter went back: a restart
+    assert [s.time for s in app.scrapes] == [31]
 
 
 def test_dashboard_keeps_its_numbers_when_the_server_goes(server):
     async def scenario():
         app = TopApp(server, interval=60)
-        async with app.run_test() as pilot:
-            await pilot.pause()
+        async with app.run_test():
+            await until(lambda: app.kv is not None)
             app.url = "http://127.0.0.1:9"  # nothing listens there
             await app.poll()
             assert app.error.startswith("http://127.0.0.1:9 does not answer: ConnectError")
@@ -126,26 +179,32 @@ def test_dashboard_waits_for_a_loading_model(monkeypatch):
 
     async def scenario(url):
         app = TopApp(url, interval=60)
-        async with app.run_test() as pilot:
-            await pilot.pause()
+        async with app.run_test():
+            await until(lambda: app.error is not None)
             assert app.error.startswith(f"{url} answered 503: ") and not app.scrapes
             gate.set()
             wait_for(lambda: engine.is_ready, what="engine ready")
             await app.poll()
             assert app.error is None and app.kv["num_blocks"] == 512
 
-    with ServerThread(build_app(engine)) as url:
-        started = []
-        monkeypatch.setattr(TopApp, "run", lambda self: started.append((self.url, self.interval)))
-        result = runner.invoke(cli, ["top", "--url", url + "/", "--interval", "0.5"])
-        assert result.exit_code == 0 and started == [(url, 0.5)], result.output
-        monkeypatch.undo()
-        asyncio.run(asyncio.wait_for(scenario(url), 30))
-    engine.shutdown()
+    try:
+        with ServerThread(build_app(engine)) as url:
+            started = []
+            monkeypatch.setattr(TopApp, "run", lambda self: started.append((self.url, self.interval)))
+            result = runner.invoke(cli, ["top", "--url", url + "/", "--interval", "0.5"])
+            assert result.exit_code == 0 and started == [(url, 0.5)], result.output
+            monkeypatch.undo()
+            asyncio.run(asyncio.wait_for(scenario(url), 30))
+    finally:
+        gate.set()
+        engine.shutdown()
 
 
 def test_top_needs_the_servers_api_key():
     engine = AsyncLLMEngine(lambda: FakeEngine(), "fake-model")
-    with ServerThread(build_app(engine, api_key="sesame")) as url:
-        one_line_error(runner.invoke(cli, ["top", "--url", url]), "answered 401", "--api-key")
-    engine.shutdown()
+    try:
+        with ServerThread(build_app(engine, api_key="sesame")) as url:
+            one_line_error(runner.invoke(cli, ["top", "--url", url]), "answered 401", "--api-key")
+    finally:
+        engine.shutdown()
+    one_line_error(runner.invoke(cli, ["top", "--url", "http://[::1:9"]), "no server answers")

@@ -4,7 +4,8 @@ It shows the KV cache (usage and the block map of ``GET /v1/kv``), the queues (r
 (prompt and generation tokens per second, requests per second, prefix-cache hit rate) and latency (TTFT, ITL,
 end-to-end and queue time, p50 and p95) over the last ``window`` seconds, from ``GET /metrics`` (tui/metrics.py),
 and the running requests with the blocks each holds. Keys: ``q`` quits, ``p`` pauses. When the server does not
-answer, the last numbers stay and the status line says why; polling goes on.
+answer, the last numbers stay and the status line says why; polling goes on. After a gap longer than the window
+(a pause, an outage) or a restart of the server (a counter went back), the window starts again.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class TopApp(App):
 
     TITLE = "appliance top"
     BINDINGS = [("q", "quit", "Quit"), ("p", "toggle_pause", "Pause")]
-    CSS = "#summary, #latency, #blocks { height: auto; margin: 0 1; } #status { margin: 0 1; color: $warning; }"
+    CSS = ("#summary, #latency, #blocks { height: auto; margin: 0 1; } #running { height: 1fr; margin: 0 1; } "
+           "#status { height: 1; margin: 0 1; color: $warning; }")
 
     def __init__(self, url: str, api_key: str | None = None, interval: float = 1.0, window: float = 10.0):
         super().__init__()
@@ -58,67 +60,99 @@ class TopApp(App):
         self.kv: dict | None = None
         self.paused = False
         self.error: str | None = None
+        self.client: httpx.AsyncClient | None = None
+        self.shown = None  # the last View drawn
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=True)
         yield Static(id="summary")
         yield Static(id="latency")
         yield Static(id="blocks")
+        yield Static(id="status", markup=False)  # the server's words, brackets and all; above the table: in view
         yield DataTable(id="running")
-        yield Static(id="status")
         yield Footer()
 
-    async def on_mount(self) -> None:
+    def on_mount(self) -> None:
         self.sub_title = self.url
+        self.client = httpx.AsyncClient(timeout=2.0, headers=self.headers)
         table = self.query_one("#running", DataTable)
-        table.add_columns("running request", "KV blocks")
-        await self.poll()
+        table.add_column("running request", key="id")
+        table.add_column("KV blocks", key="blocks")
+        self.run_worker(self.poll())  # the first reading right away, without holding up the first frame
         self.set_interval(self.interval, self.poll)
+
+    async def on_unmount(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
-        self.query_one("#status", Static).update("paused (p resumes)" if self.paused else "")
+        if not self.paused:
+            self.scrapes.clear()  # the window starts again
+        self._say("paused (p resumes)" if self.paused else "")
+
+    def _say(self, text: str) -> None:
+        self.query_one("#status", Static).update(text)
 
     async def poll(self) -> None:
         """Read /metrics and /v1/kv once and redraw; a failure is shown in the status line."""
-        if self.paused:
+        if self.paused or self.client is None:
             return
         try:
-            async with httpx.AsyncClient(timeout=2.0, headers=self.headers) as client:
-                metrics = await client.get(f"{self.url}/metrics")
-                kv = await client.get(f"{self.url}/v1/kv")
+            metrics = await self.client.get(f"{self.url}/metrics")
+            kv = await self.client.get(f"{self.url}/v1/kv")
             metrics.raise_for_status()
             kv.raise_for_status()
-            scrape = parse_metrics(metrics.text, time.monotonic())
-            self.kv = kv.json()
-            self.error = None
         except httpx.HTTPStatusError as exc:  # 503 while the model loads: the server's message says so
             self.error = f"{self.url} answered {exc.response.status_code}: {_message(exc.response)}"
-            self.query_one("#status", Static).update(self.error)
-            return
-        except (httpx.HTTPError, ValueError) as exc:
+        except httpx.HTTPError as exc:
             self.error = f"{self.url} does not answer: {exc.__class__.__name__}: {exc}"
-            self.query_one("#status", Static).update(self.error)
+        else:
+            try:
+                scrape, self.kv, self.error = parse_metrics(metrics.text, time.monotonic()), kv.json(), None
+            except ValueError as exc:
+                self.error = f"{self.url} answered, but not with the server's metrics: {exc}"
+        if self.paused:  # p was pressed while the requests were out
             return
+        if self.error is not None:
+            self._say(self.error)
+            return
+        self._add_reading(scrape)
+        self.redraw()
+
+    def _add_reading(self, scrape: Scrape) -> None:
+        """Keep the readings of the last ``window`` seconds, and the newest one older than that; start again after
+        a longer gap or when a counter went back (the server restarted)."""
+        last = self.scrapes[-1] if self.scrapes else None
+        if last is not None and (scrape.time - last.time > self.window or scrape.restarted_since(last)):
+            self.scrapes.clear()
         self.scrapes.append(scrape)
         while len(self.scrapes) > 2 and scrape.time - self.scrapes[1].time >= self.window:
             self.scrapes.popleft()
-        self.redraw()
 
     def redraw(self) -> None:
         new = self.scrapes[-1]
         old = self.scrapes[0] if len(self.scrapes) > 1 else None
-        v = view(old, new)
+        v = self.shown = view(old, new)
         kv = self.kv or {}
         self.query_one("#summary", Static).update(self._summary(new, v, kv))
         self.query_one("#latency", Static).update(self._latency(v))
         self.query_one("#blocks", Static).update(self._blocks(kv))
+        self._show_requests(kv.get("running", []))
+        self._say(f"updated {time.strftime('%H:%M:%S')}; rates over the last {v.seconds:.1f} s" if old
+                     else "waiting for a second reading")
+
+    def _show_requests(self, running: list[dict]) -> None:
+        """The running requests' rows, updated in place (clearing the table would reset its scroll position)."""
         table = self.query_one("#running", DataTable)
-        table.clear()
-        for r in kv.get("running", []):
-            table.add_row(r["request_id"], str(r["num_blocks"]))
-        self.query_one("#status", Static).update(f"updated {time.strftime('%H:%M:%S')}; rates over the last "
-                                                 f"{v.seconds:.1f} s" if old else "waiting for a second reading")
+        now = {r["request_id"]: str(r["num_blocks"]) for r in running}
+        for key in [k for k in table.rows if k.value not in now]:
+            table.remove_row(key)
+        for rid, blocks in now.items():
+            if rid in table.rows:
+                table.update_cell(rid, "blocks", blocks)
+            else:
+                table.add_row(Text(rid), blocks, key=rid)
 
     @staticmethod
     def _summary(new: Scrape, v, kv: dict) -> Table:
@@ -126,7 +160,7 @@ class TopApp(App):
         t.add_column(style="bold")
         t.add_column()
         dtype = new.cache.get("cache_dtype", "")
-        t.add_row("model", f"{new.model}" + (f"   KV cache {dtype}" if dtype else ""))
+        t.add_row("model", Text(new.model + (f"   KV cache {dtype}" if dtype else "")))
         blocks = (f"{kv.get('used', 0):,} used, {kv.get('cached', 0):,} cached, {kv.get('free', 0):,} free of "
                   f"{kv.get('num_blocks', 0):,} blocks of {kv.get('block_size', 0)} tokens")
         t.add_row("KV cache", f"{_bar(v.kv_usage)} {v.kv_usage:.0%}   {blocks}")
@@ -151,9 +185,9 @@ class TopApp(App):
     def _blocks(kv: dict) -> Text:
         cells = block_map(kv.get("blocks", ""), MAP_ROWS * MAP_COLUMNS)
         if not cells:
-            return Text("block map: none (the engine is not loaded yet)")
+            return Text("block map: none")
         per = -(-len(kv["blocks"]) // (MAP_ROWS * MAP_COLUMNS))
         lines = [cells[i:i + MAP_COLUMNS] for i in range(0, len(cells), MAP_COLUMNS)]
         plural = "s" if per > 1 else ""
-        legend = f"block map, one cell per {per} block{plural}: █ used, ░ partly, c cached, · free"
+        legend = f"block map, one cell per {per} block{plural}: █ used, ░▒▓▇ partly used, c cached, · free"
         return Text("\n".join([legend, *lines]))

@@ -71,6 +71,13 @@ class Scrape:
     cache: dict[str, str] = field(default_factory=dict)  # vllm:cache_config_info labels
     latencies: dict[str, Histogram] = field(default_factory=dict)  # LATENCIES
 
+    def restarted_since(self, older: Scrape) -> bool:
+        """True when a counter is below its value in ``older``: the server started again in between."""
+        totals = [(getattr(self, a), getattr(older, a)) for a in _COUNTERS.values()]
+        totals += [(sum(self.finished.values()), sum(older.finished.values()))]
+        totals += [(h.count, older.latencies[n].count) for n, h in self.latencies.items() if n in older.latencies]
+        return any(new < old for new, old in totals)
+
 
 _GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
            "vllm:kv_cache_usage_perc": "kv_usage"}
@@ -88,13 +95,13 @@ def parse_metrics(text: str, time: float) -> Scrape:
         for sample in family.samples:
             scrape.model = sample.labels.get("model_name", scrape.model)
             if name in _GAUGES:
-                value = sample.value
+                value = sample.value if math.isfinite(sample.value) else 0.0
                 setattr(scrape, _GAUGES[name], value if name == "vllm:kv_cache_usage_perc" else int(value))
             elif name in _COUNTERS and sample.name.endswith("_total"):
                 setattr(scrape, _COUNTERS[name], sample.value)
             elif name == "vllm:request_success" and sample.name.endswith("_total"):
                 scrape.finished[sample.labels.get("finished_reason", "?")] = sample.value
-            elif name == "vllm:cache_config":
+            elif name in ("vllm:cache_config", "vllm:cache_config_info"):  # the parser names an info a gauge
                 scrape.cache = {k: v for k, v in sample.labels.items() if k != "model_name"}
             elif name.startswith("vllm:") and name[5:].removesuffix("_seconds") in LATENCIES:
                 hist = scrape.latencies.setdefault(name[5:].removesuffix("_seconds"), Histogram())
