@@ -381,3 +381,36 @@ def test_overload_is_503_with_retry_after_and_keeps_nothing():
             h.__exit__(None, None, None)
         wait_for(lambda: engine.num_requests == 0 and not fake.waiting and not fake.running, what="engine empty")
     engine.shutdown()
+
+
+def test_polls_stay_out_of_the_access_log():
+    """Successful GETs of /metrics, /v1/kv and /health (Prometheus, ``appliance top`` once a second, health checks)
+    are left out of uvicorn's access log; other requests, and polls that fail, are logged. The filter survives
+    uvicorn's own logging set-up, as ``run_server`` adds it before that runs."""
+    import logging
+
+    import uvicorn
+
+    from engine.server.api_server import QuietPolls
+
+    access = logging.getLogger("uvicorn.access")
+    quiet = QuietPolls()
+    access.addFilter(quiet)
+    engine, srv = serve()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    try:
+        srv.server = uvicorn.Server(uvicorn.Config(srv.server.config.app, log_level="info"))  # logs access
+        srv.thread = threading.Thread(target=srv.server.run, kwargs={"sockets": [srv.sock]}, daemon=True)
+        assert quiet in access.filters
+        access.addHandler(handler)
+        with srv as url:
+            wait_for(lambda: engine.is_ready, what="engine ready")
+            for path in ("/health", "/metrics", "/v1/kv", "/metrics?x=1", "/v1/models", "/v1/nothing"):
+                httpx.get(f"{url}{path}")
+    finally:
+        access.removeHandler(handler)
+        access.removeFilter(quiet)
+        engine.shutdown()
+    assert [(r.args[2], r.args[4]) for r in records] == [("/v1/models", 200), ("/v1/nothing", 404)]

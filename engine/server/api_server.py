@@ -1,6 +1,7 @@
 """The FastAPI app (design.md §3): routes, API-key check, lifespan; ``run_server`` runs it under uvicorn."""
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -157,6 +158,23 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
     return app
 
 
+#: GET requests that monitoring repeats (Prometheus scrapes, ``appliance top`` once a second, health checks): their
+#: successful answers are left out of the access log, which would otherwise fill with them.
+POLLED_PATHS = ("/metrics", "/v1/kv", "/health")
+
+
+class QuietPolls(logging.Filter):
+    """Drops uvicorn access-log records of successful GETs of :data:`POLLED_PATHS` (uvicorn's record args:
+    client, method, path with query, HTTP version, status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) == 5:
+            _, method, path, _, status = args
+            return not (method == "GET" and str(path).split("?")[0] in POLLED_PATHS and int(status) < 400)
+        return True
+
+
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, log_level: str = "info",
                max_waiting: int = DEFAULT_MAX_WAITING) -> None:
@@ -166,6 +184,7 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     """
     engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting)
     engine.start()
+    logging.getLogger("uvicorn.access").addFilter(QuietPolls())  # uvicorn's logging set-up keeps filters
     try:
         uvicorn.run(build_app(engine, api_key=api_key), host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=5)
