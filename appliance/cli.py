@@ -369,17 +369,17 @@ def top(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the serv
 
     if interval <= 0:
         raise ApplianceError(f"--interval must be positive, got {interval}", "e.g. --interval 1")
-    url = url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    dashboard = TopApp(url, api_key, interval=interval)
+    url = dashboard.url
     try:
-        httpx.get(f"{url}/v1/kv", headers=headers, timeout=5).raise_for_status()
+        httpx.get(f"{url}/v1/kv", headers=dashboard.headers, timeout=5).raise_for_status()
     except httpx.HTTPStatusError as exc:  # 503: the model is still loading; the dashboard says so until it is up
         if exc.response.status_code != 503:
             hint = "pass --api-key (or APPLIANCE_API_KEY)" if exc.response.status_code == 401 else "check --url"
             raise ApplianceError(f"{url}/v1/kv answered {exc.response.status_code}", hint) from None
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise ApplianceError(f"no server answers at {url} ({exc})", "start it with `appliance install` or pass --url")
-    TopApp(url, api_key, interval=interval).run()
+    dashboard.run()
 
 
 @app.command()

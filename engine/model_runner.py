@@ -135,11 +135,14 @@ class ModelRunner:
                                 torch.arange(n, device=self.device), meta)
             self.model.compute_logits(hidden[n - 1:])
 
-    def _bytes_per_block(self) -> int:
+    def _layer_block_bytes(self) -> int:
+        """Bytes of one block's K (or V) in one layer; an int8 cache adds an fp32 scale per token and head."""
         layer = self.model.layers[0]
-        scale = 4 if self.kv_dtype == torch.int8 else 0  # an int8 cache's fp32 scale per token and head
-        per_token = 2 * layer.num_kv_heads * (layer.head_dim * self.kv_dtype.itemsize + scale)
-        return per_token * self.block_size * len(self.model.layers)
+        scale = 4 if self.kv_dtype == torch.int8 else 0
+        return self.block_size * layer.num_kv_heads * (layer.head_dim * self.kv_dtype.itemsize + scale)
+
+    def _bytes_per_block(self) -> int:
+        return 2 * self._layer_block_bytes() * len(self.model.layers)
 
     def _blocks_that_fit(self, max_model_len: int) -> int:
         """KV blocks from the memory budget: ``cpu_kv_cache_gib`` on CPU; on CUDA the part of
@@ -158,8 +161,7 @@ class ModelRunner:
         shape = (2, self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         dtype = self.kv_dtype
         if dtype == torch.int8:  # codes and scales in one byte tensor per layer (class docstring)
-            block_bytes = self.block_size * layer.num_kv_heads * (layer.head_dim + 4)
-            shape, dtype = (2, self.num_blocks, block_bytes), torch.uint8
+            shape, dtype = (2, self.num_blocks, self._layer_block_bytes()), torch.uint8
         swap_shape = (2, self.num_swap_blocks) + shape[2:]
         pin = self.device.type == "cuda"
         self.kv_caches, self.swap_caches = [], []
