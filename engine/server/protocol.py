@@ -142,7 +142,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """Only what changed: ``role`` appears in a choice's first delta only."""
+    """Only what changed: ``role`` appears in a choice's first delta only (sent before any token, content "")."""
 
     role: str | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = None

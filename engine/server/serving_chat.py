@@ -66,19 +66,21 @@ def _logprobs(tokenizer: Any, req: ChatCompletionRequest, choice: CompletionOutp
 
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionRequest, streams: list[RequestStream],
                   request_id: str) -> AsyncIterator[dict]:
-    """``chat.completion.chunk`` dicts: per choice a first delta with the role, then text deltas, the last one
-    with its ``finish_reason``; with ``include_usage`` every chunk has ``usage: null`` and one final chunk has
-    ``choices: []`` and the usage."""
+    """``chat.completion.chunk`` dicts: per choice first a delta with only the role (content ""), as vLLM sends
+    before any token, then text deltas, the last one with its ``finish_reason``; with ``include_usage`` every chunk
+    has ``usage: null`` and one final chunk has ``choices: []`` and the usage."""
     created, tracker, final = int(time.time()), DeltaTracker(req.n), None
 
     def chunk(choices: list[ChatStreamChoice]) -> dict:
         body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices)
         return body.model_dump(exclude=None if req.include_usage else {"usage"})
 
+    for index in range(req.n):  # the role on its own: a client sees it whatever the engine's outputs coalesce to
+        yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
     async for i, out in merge(streams):
         final = out
         for d in tracker.update(i, out):
-            delta = DeltaMessage(role="assistant" if d.first else None, content=d.text)
+            delta = DeltaMessage(content=d.text)
             yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=d.finish_reason,
                                           stop_reason=d.choice.stop_reason if d.finish_reason else None,
                                           logprobs=_logprobs(tokenizer, req, d.choice, d.token_start))])
