@@ -62,6 +62,7 @@ class Config:
     kv_cache_dtype: str = "auto"
     swap_space: float = 0.0
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued beyond max_num_seqs before new ones get 503
+    tune_kernels: bool = True  # measure the W4A16 kernel plans on this GPU at the first start (engine/kernel_plans.py)
     data_dir: str | None = None
 
     def engine_config(self):
@@ -82,6 +83,8 @@ class Config:
                 max_model_len=self.max_model_len,
                 kv_cache_dtype=self.kv_cache_dtype,
                 swap_space=self.swap_space,
+                tune_kernels=self.tune_kernels,
+                kernel_plans_dir=str(Path(self.data_dir) / "kernel-plans") if self.data_dir else None,
             )
         except ValueError as exc:
             raise ConfigError(f"invalid setting: {exc}",
@@ -141,6 +144,12 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
         text = value.strip()
         if text.lower() in ("", "none", "null") and key in _OPTIONAL:
             return None
+        if kind == "bool":
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{origin}: expected true or false, got {value!r}", "set it to true or false")
         try:
             if kind == "int":
                 return int(text)
@@ -150,6 +159,8 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
             raise ConfigError(f"{origin}: expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}",
                               f"set it to a valid {kind}") from None
     if kind == "str" and isinstance(value, str):
+        return value
+    if kind == "bool" and isinstance(value, bool):
         return value
     if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
         return value

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +24,11 @@ from bench.random_model import write_random_awq_model
 from engine import LLM, SamplingParams
 from kernels import w4a16
 from kernels._triton import pdl, without_early_trigger, without_pdl
+
+
+#: Engine options of every row but ``measured_plan_rows``: the built-in W4A16 plans (w4a16.TUNED, measured on an
+#: H200 for these shapes, else choose_plan's rules), nothing measured at start-up, no plan file read.
+BUILT_IN = dict(tune_kernels=False, kernel_plans_dir=tempfile.mkdtemp(prefix="no-plans-"))
 
 
 def _free() -> None:
@@ -110,7 +116,7 @@ def _step_profile(llm: LLM, steps: int = 8, top: int = 12) -> list[tuple[str, fl
 
 def _decode_engine(model_dir: str, eager: bool = False, batch: int = 1) -> LLM:
     """The 7B-shaped model on the GPU for ``batch`` sequences, warmed up (graphs captured unless ``eager``)."""
-    llm = LLM(model_dir, device="cuda", max_num_seqs=batch, max_model_len=1024, enforce_eager=eager,
+    llm = LLM(model_dir, device="cuda", **BUILT_IN, max_num_seqs=batch, max_model_len=1024, enforce_eager=eager,
               gpu_memory_utilization=0.3)
     _batch_decode_tok_s(llm, batch, 32, 16, warm_steps=2 if batch == 1 else 4)
     return llm
@@ -295,7 +301,7 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
     torch.cuda.reset_peak_memory_stats()
     # 256 x (128 + 512) tokens of a 7B model's KV need ~84 GB: the pool must hold them all, or preemption (and
     # recompute) is what gets measured
-    llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.9)
+    llm = LLM(model_dir, device="cuda", **BUILT_IN, max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.9)
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompts = [torch.randint(3, 32000, (prompt_len,), generator=gen, device="cpu").tolist() for _ in range(requests)]
     # warm-up: every prefill and mixed-step shape of the run compiles its kernels here, not inside a timed run
@@ -324,8 +330,8 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
     # (codes and a 4-byte scale per token and head: 132 bytes per head against bf16's 256)
     quantized = {}
     for kv_dtype in ("fp8", "int8"):
-        llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.9,
-                  kv_cache_dtype=kv_dtype)
+        llm = LLM(model_dir, device="cuda", **BUILT_IN, max_num_seqs=256, max_model_len=1024,
+                  gpu_memory_utilization=0.9, kv_cache_dtype=kv_dtype)
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         # best of two, as above: a first run of a new engine may still meet what its warm-up did not (it compiled
         # prefill variants, 3 s with a cold Triton cache, before the prefill kernel stopped specializing on the
@@ -387,7 +393,7 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
 
 
 def _smollm2_outputs(model_dir: str, prompts: list, params: SamplingParams, **kw) -> list:
-    llm = LLM(model_dir, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.2, **kw)
+    llm = LLM(model_dir, device="cuda", **BUILT_IN, max_num_seqs=8, gpu_memory_utilization=0.2, **kw)
     outs = llm.generate(prompts, params)
     del llm
     _free()
@@ -395,7 +401,8 @@ def _smollm2_outputs(model_dir: str, prompts: list, params: SamplingParams, **kw
 
 
 def _small_model_tokens(model_dir: str, **kw) -> list[list[int]]:
-    llm = LLM(model_dir, device="cuda", gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16, **kw)
+    llm = LLM(model_dir, device="cuda", **BUILT_IN, gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16,
+              **kw)
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 16, 17, 40, 100)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     del llm
@@ -407,7 +414,7 @@ def _launches_without_sync(model_dir: str, steps: int = 4) -> int:
     """How many of ``steps`` decode-step launches (CUDA graph) ran under ``torch.cuda.set_sync_debug_mode("error")``
     without a host sync, for a batch mixing greedy, top-k/top-p/min-p, seeded and min_tokens rows: a sync there
     would make async scheduling wait for the step before."""
-    llm = LLM(model_dir, device="cuda", gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16)
+    llm = LLM(model_dir, device="cuda", **BUILT_IN, gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16)
     engine = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, max_tokens=16, ignore_eos=True),
@@ -478,7 +485,52 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                      f"{sum(a == b for a, b in zip(int8, graphs))} of {n} equal to the bf16 cache's")]
 
 
+#: Llama-3-8B's shapes (GQA 32 / 8 heads, a 14336-wide MLP, a 128k vocabulary): no plan of w4a16.TUNED fits them
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+
+
+def measured_plan_rows(ctx: dict, make_row) -> list:
+    """Plans measured on this GPU at start-up (engine/kernel_plans.py) against the built-in ones (TUNED, else
+    choose_plan's rules), on a Llama-3-8B-shaped random AWQ model (no TUNED plan fits it) and on the Llama-2-7B one
+    (TUNED was measured for it on an H200): decode at 1, 8 and 64 sequences, graphs on. The rows elsewhere run the
+    built-in plans (``tune_kernels=False``), as before this row existed."""
+    from kernels import w4a16_tune
+
+    models = [("8B", "Llama-3-8B shape", lambda: str(write_random_awq_model("/tmp/rand_8b", **LLAMA3_8B))),
+              ("7B", "Llama-2-7B shape",
+               lambda: ctx.get("model_7b") or ctx.setdefault("model_7b", str(write_random_awq_model("/tmp/rand_7b"))))]
+    rows = []
+    for name, shape, write in models:
+        model_dir, plans_dir = write(), tempfile.mkdtemp(prefix="plans-")
+        tok_s, notes = {}, {}
+        for measured in (False, True):
+            start = time.perf_counter()
+            llm = LLM(model_dir, device="cuda", max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=0.4,
+                      tune_kernels=measured, kernel_plans_dir=plans_dir)
+            notes[measured] = f"start-up {time.perf_counter() - start:.0f} s; {llm.engine.runner.kernel_plans}"
+            for batch in (1, 8, 64):
+                _batch_decode_tok_s(llm, batch, 32, 8)  # warm-up
+                tok_s[measured, batch] = _batch_decode_tok_s(llm, batch, 32, 256)
+            del llm
+            _free()
+        files = list(Path(plans_dir).glob("*.json"))
+        picks = json.loads(files[0].read_text())["plans"] if files else []
+        ctx["log"][f"measured_plans_{name}"] = picks
+        for r in picks:
+            print(f"  {name} M={r['m']:<3d} {r['k']}->{r['n']}{' gated' if r['gated'] else ''}: {r['us']:.1f} us "
+                  f"({r['default_us']:.1f} built-in) {r['plan']}")
+        w4a16_tune.install([])  # later rows run the built-in plans
+        for batch in (1, 8, 64):
+            ours, base = batch * 1e6 / tok_s[True, batch], batch * 1e6 / tok_s[False, batch]
+            rows.append(make_row(f"{name} AWQ decode, {batch} sequence{'s' if batch > 1 else ''}, plans measured "
+                                 "here vs built-in", f"{shape}, ctx ~160, graphs on", ours, "built-in plans", base,
+                                 1.0, f"{tok_s[True, batch]:.0f} vs {tok_s[False, batch]:.0f} tok/s"
+                                 + (f"; {notes[True]}; built-in: {notes[False]}" if batch == 1 else "")))
+    return rows
+
+
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some.
-SUITE_ROWS = [cuda_path_rows, smollm2_rows, decode_rows, throughput_rows]
+SUITE_ROWS = [cuda_path_rows, smollm2_rows, decode_rows, measured_plan_rows, throughput_rows]
 if os.environ.get("ENGINE_ROWS"):
     SUITE_ROWS = [fn for fn in SUITE_ROWS if fn.__name__ in os.environ["ENGINE_ROWS"].split(",")]

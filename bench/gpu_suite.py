@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import paged_attention as pa  # noqa: E402
 from kernels import quant_formats as qf  # noqa: E402
-from kernels import w4a16  # noqa: E402
+from kernels import w4a16, w4a16_tune  # noqa: E402
 from kernels.kv_cache import dequantize_int8_ref, quantize_int8_ref  # noqa: E402
 from kernels._triton import cdiv, num_sms, pdl, without_early_trigger, without_pdl  # noqa: E402
 
@@ -104,37 +104,14 @@ def _without_default_device(fn: Callable[[dict], list[Row]], ctx: dict) -> list[
 # timing
 
 def time_calls(calls: list[Callable[[], object]], replays: int = 15) -> float:
-    """Median microseconds per call, with every call captured into one CUDA graph (see the module doc)."""
+    """Median microseconds per call, with every call captured into one CUDA graph (see the module doc; the engine's
+    plan measurements time the same way, ``kernels.w4a16_tune.time_graph``)."""
     if DEV == "cpu":
         start = time.perf_counter()
         for c in calls:
             c()
         return (time.perf_counter() - start) * 1e6 / len(calls)
-    for c in calls:
-        c()  # compiles, and the caching allocator's pools are warm
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1000 / len(calls)
+    return w4a16_tune.time_graph(calls, replays)
 
 
 def time_calls_under(context, calls: list[Callable[[], object]]) -> float:

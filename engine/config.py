@@ -33,6 +33,11 @@ class EngineConfig:
     ``async_scheduling``: schedule and launch the next step before reading the last one back, so host work
     overlaps the device (vLLM's ``--async-scheduling``; llm_engine.py); None = on for CUDA, off on CPU (where
     nothing runs asynchronously; tests turn it on there to check it gives the same tokens).
+    ``tune_kernels``: on CUDA, time the W4A16 kernel plans of the model's 4-bit products that this GPU's plan file
+    lacks, at start-up, and add them to the file (engine/kernel_plans.py; a first start takes up to a few minutes
+    longer); False: use the plans already in the file, and the built-in ones for the rest.
+    ``kernel_plans_dir``: the folder of the plan files (one per GPU and software version); None =
+    ``$XDG_CACHE_HOME/appliance/kernel-plans`` (``~/.cache/...``).
 
     Raises ValueError("<field>: ...") for a value out of range; :meth:`token_budget` checks the budget against
     ``max_model_len`` once the engine knows it.
@@ -56,6 +61,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     swap_space: float = 0.0
     async_scheduling: bool | None = None
+    tune_kernels: bool = True
+    kernel_plans_dir: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import kernel_plans
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -99,6 +100,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         self.model = load_model(config.model, self.dtype, self.device)
+        self.kernel_plans = kernel_plans.prepare(self.model, config, self.device, self.dtype)  # before any capture
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)  # unseeded sampling
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(max_model_len)
         self.num_swap_blocks = int(config.swap_space * 2**30 // self._bytes_per_block())

@@ -18,9 +18,13 @@ The paths, picked per shape by :func:`choose_plan` (thresholds measured on an H2
 * ``gemm`` (1 < M <= 64, 2- and 8-bit): tensor-core tile GEMM; each K tile of the weight is dequantized to x's dtype in
   registers (exactly as ``dequantize(qw).to(x.dtype)`` rounds it) and fed to ``tl.dot``; split-K when the output
   tiles alone cannot fill the GPU.
-* ``tc`` (4-bit, 1 < M <= 64, and M <= 256 on measured shapes): ``_gemm_tc_kernel``, the weight tile as the left
-  (register) operand of the tensor cores and x's tile read contiguously, pipelined through shared memory.
-* ``dequant`` (otherwise above M = 64): dequantize the whole weight with a Triton kernel, then cuBLAS (``x @ W``).
+* ``tc`` (4-bit, 1 < M <= 256): ``_gemm_tc_kernel``, the weight tile as the left (register) operand of the tensor
+  cores and x's tile read contiguously, pipelined through shared memory.
+* ``dequant`` (above M = 256, and group sizes the kernels cannot tile): dequantize the whole weight with a Triton
+  kernel, then cuBLAS (``x @ W``).
+
+Plans measured on the GPU at hand (``w4a16_tune``, at the engine's first start) come first, then those measured on
+an H200 for the Llama-2-7B shapes (:data:`TUNED`), then rules that follow the H200 sweeps.
 
 Split-K partial sums (fp32) are added in a fixed order, by a second small kernel for the GEMM (and the GEMV with
 ``serial=False``), in the same launch for the GEMV: results are deterministic on every path. The GEMV's in-launch
@@ -529,10 +533,10 @@ def _split(k: int, block_k: int, tiles: int, target: int) -> int:
     return cdiv(k_tiles, splits) * block_k
 
 
-#: M above which dequantize-then-cuBLAS is always used. Between 65 and this, TUNED shapes run their "tc" plan (the
-#: fused kernel beat dequantize-then-cuBLAS at M=256 on three of the four Llama shapes, H200, bench/RESULTS.md
-#: 2026-11-30 run 9; on the fourth, 4096 -> 4096, from 129 rows once ptxas stopped serializing it, eleventh
-#: session) and other shapes dequantize.
+#: M above which dequantize-then-cuBLAS is always used. Between 65 and this, 4-bit products run the "tc" kernel (it
+#: beat dequantize-then-cuBLAS at M=256 on three of the four Llama-2 shapes, H200, bench/RESULTS.md 2026-11-30 run 9;
+#: on the fourth, 4096 -> 4096, from 129 rows once ptxas stopped serializing it, eleventh session; on the four
+#: Llama-3-8B shapes at M = 128 and 256 by 1.04-2.5x, thirteenth session), unless a measured plan says otherwise.
 DEQUANT_ABOVE_M = 256
 
 #: The M buckets of :data:`TUNED`: a product of M rows takes the plan of the first bucket >= M (1, 2-8, 9-16, 17-64,
@@ -546,25 +550,26 @@ M_BUCKETS = (1, 8, 16, 64, 128, 256)
 #: The "tc" plans use mode 3 (the scale multiplied in packed bf16): 5-10% faster than the exact mode 1 at M = 16
 #: and 64 (same sweep); with fp16 scales each weight is rounded twice (scale to bf16, then the product).
 TUNED = {
-    (1, 4096, 4096): Plan("gemv", 1, 128, 128, 512),  # the mma GEMV: 8.2-8.4 us against 7.4-7.6
+    # 4096 -> 4096 in 16 splits, thirteenth session (kernels/w4a16_tune.py on the H200, two engines, µs): 6.45-6.46
+    # against 7.06-7.19 for 8 splits; the mma GEMV in 16 splits 6.48
+    (1, 4096, 4096): Plan("gemv", 1, 128, 128, 256),
     (1, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits (gemv: 13.9 us, 5)
     (1, 22016, 4096): Plan("mma", 8, 64, 128, 768, num_warps=1, num_stages=1),  # 6 splits (gemv: 22.0 us, 3)
     (1, 4096, 11008): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 22 splits (gemv: 13.5 us, 8)
-    # M = 8: two warps per 64 columns share each split's K (k_warps, sixth session): 9.4 / 20.3 / 14.7 us against
-    # 10.1 / 21.2 / 16.2 with one warp (same probe); on 4096 -> 12288 one warp stays faster (13.9 against 15.0)
-    (8, 4096, 4096): Plan("mma", 8, 128, 128, 512, num_warps=4, num_stages=1, k_warps=2),  # 8 splits
+    # M = 8: two warps per 64 columns share each split's K (k_warps, sixth session) on 4096 -> 22016: 20.6 us; one
+    # warp on the others (thirteenth session, w4a16_tune): 4096 -> 4096 in 16 splits 7.2 against k_warps' 9.0,
+    # 11008 -> 4096 in 22 splits 12.7 against 15.1 (SiLU included)
+    (8, 4096, 4096): Plan("mma", 8, 64, 128, 256, num_warps=1, num_stages=1),  # 16 splits
     (8, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits
     (8, 22016, 4096): Plan("mma", 8, 128, 128, 1536, num_warps=4, num_stages=1, k_warps=2),  # 3 splits
-    (8, 4096, 11008): Plan("mma", 8, 128, 128, 1536, num_warps=4, num_stages=1, k_warps=2),  # 8 splits
-    # M = 16 (eighth session, x one tile ahead in the mma GEMV; probe/m16_probe.py, µs against the plans before):
-    # 18.9 against 19.9 (4 splits), 26.3 against 31.7 (3 splits, 2 warps), 19.4 against the tc plan's 20.3;
-    # on 4096 -> 4096 the tc plan stays (11.0 against 12.5 for the best mma plan)
-    (16, 12288, 4096): Plan("mma", 16, 64, 128, 768, num_warps=1, num_stages=1),  # 6 splits
+    (8, 4096, 11008): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 22 splits
+    # M = 16: the mma GEMV, x one tile ahead (eighth session) on 4096 -> 22016; thirteenth session (w4a16_tune on
+    # the H200, µs against the plans before): 4096 -> 4096 in 16 splits 8.6 against the tc plan's 10.9,
+    # 11008 -> 4096 in 22 splits 16.4 against tc's 22.1 (SiLU included), 4096 -> 12288 in 8 splits 15.4 against 16.4
+    (16, 12288, 4096): Plan("mma", 16, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits
     (16, 22016, 4096): Plan("mma", 16, 64, 128, 1024, num_warps=1, num_stages=1),  # 4 splits
-    (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
-    # 11008 -> 4096 on the tc kernel once ptxas no longer serialized it (eleventh session, probe/m16_tc.py):
-    # 19.2 us against 21.4 for the mma plan (16x64x64, 8 splits, 2 warps, k_warps 2)
-    (16, 4096, 11008): Plan("tc", 16, 64, 128, 1408, swap=True, mode=3),  # 8 splits
+    (16, 4096, 4096): Plan("mma", 16, 64, 128, 256, num_warps=1, num_stages=1),  # 16 splits
+    (16, 4096, 11008): Plan("mma", 16, 64, 128, 512, num_warps=1, num_stages=1),  # 22 splits
     # the splits of M = 64 4096 -> 4096 and 11008 -> 4096 retuned in the tenth session (probe/reduce_ahead.py, same
     # process, µs against the splits before): 4 splits 13.0-13.1 against 5 splits 13.6; 6 splits 25.8-26.0 against
     # 5 splits 27.7-27.8
@@ -578,7 +583,7 @@ TUNED = {
     # 4096 -> 22016: 128x64x64 67.2 / 65.9 / 132.7 / 132.6 against 128x64x128 83.5 / 77.4 / 125.0 / 125.3.
     # 11008 -> 4096: 128x64x128 in 3 splits 45.3 / 42.6 / 83.1 / 74.9, 128x64x64 in 3 splits 49.6 / 50.7 / 65.5 /
     # 66.6, 256x128x64 on 8 warps in 4 splits 54.7 / 55.7 / 56.1 / 57.5.
-    (128, 12288, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
+    (128, 12288, 4096): Plan("tc", 128, 64, 128, 4096, swap=True, mode=3),  # 42.7 us, bk 64 50.1 (w4a16_tune)
     (128, 22016, 4096): Plan("tc", 128, 64, 64, 4096, swap=True, mode=3),
     (128, 4096, 11008): Plan("tc", 128, 64, 128, 3712, swap=True, mode=3),  # 3 splits
     (256, 4096, 4096): Plan("tc", 128, 64, 128, 4096, swap=True, mode=3),
@@ -588,32 +593,48 @@ TUNED = {
 }
 
 
+#: Plans measured on this process's GPU, by (M bucket, N, K, group size), 4-bit weights: filled by
+#: ``kernels.w4a16_tune.install`` (the engine times the candidates of its model's shapes at start-up, or reads them
+#: back from its per-GPU file) and read before :data:`TUNED`. Empty until then.
+MEASURED: dict[tuple[int, int, int, int], Plan] = {}
+
+
 @functools.lru_cache(maxsize=4096)
-def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int, mma: bool = True) -> Plan:
+def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int, mma: bool = True,
+                measured: bool = True) -> Plan:
     """The path and tiles for an [m, k] x [k, n] W{bits} product with group size ``group`` (= k per-channel) on a
-    GPU of ``sms`` multiprocessors: a measured plan from TUNED where one fits, else the rules below, which follow
-    the sweeps. ``mma``: the tensor-core GEMV may run (fp16/bf16 x; fp32 x takes the other paths). Pure function
-    of shapes (no host sync, stable under CUDA graphs)."""
+    GPU of ``sms`` multiprocessors: the plan measured on this GPU (:data:`MEASURED`, unless ``measured`` is false),
+    else one measured on an H200 (:data:`TUNED`) where one fits, else the rules below, which follow the sweeps.
+    ``mma``: the tensor-core GEMV may run (fp16/bf16 x; fp32 x takes the other paths). Pure function of shapes and
+    of the tables (no host sync, stable under CUDA graphs; ``w4a16_tune.install`` clears its cache)."""
     pf = 32 // bits
     if group % pf or m > DEQUANT_ABOVE_M:
         return Plan("dequant")
-    tuned = TUNED.get((next(b for b in M_BUCKETS if m <= b), n, k))
+    bucket = next(b for b in M_BUCKETS if m <= b)
+    mine = MEASURED.get((bucket, n, k, group)) if measured and bits == 4 else None
+    if mine is not None and (mma or mine.path != "mma"):
+        return mine
+    tuned = TUNED.get((bucket, n, k))
     fits = tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k)
     if fits and (mma or tuned.path != "mma"):
         return tuned
-    if m > 64:
-        return Plan("dequant")
-    if mma and 1 < m <= 8 and bits == 4 and (group % 32 == 0 or group >= k):
+    block_k = _pow2_divisor(group, 128)
+    if m > 64:  # 128-row tensor-core tiles, K split when the tiles alone leave multiprocessors idle
+        if bits != 4 or block_k < 64:
+            return Plan("dequant")
+        tiles = cdiv(m, 128) * cdiv(n, 64)
+        k_per_split = _split(k, block_k, tiles, sms) if tiles < sms else k
+        return Plan("tc", block_m=128, block_n=64, block_k=block_k, k_per_split=k_per_split, swap=True, mode=3)
+    gemv = m == 1 and n <= k <= 4096  # the CUDA-core GEMV's measured wins at M = 1: 4096 -> 4096 (TUNED)
+    if mma and m <= 16 and not gemv and bits == 4 and (group % 32 == 0 or group >= k):
         # the tensor-core GEMV, one warp per 64 columns, K split to about 12 warps per SM
-        block_k = 128 if group >= k else _pow2_divisor(group, 128)
-        return Plan("mma", block_m=8, block_n=64, block_k=block_k,
+        block_k = 128 if group >= k else block_k
+        return Plan("mma", block_m=8 if m <= 8 else 16, block_n=64, block_k=block_k,
                     k_per_split=_split(k, block_k, cdiv(n, 64), 12 * sms), num_warps=1, num_stages=1)
     if m == 1:
         block_n = 64 if n <= 1024 else 128
-        block_k = _pow2_divisor(group, 128)
         return Plan("gemv", block_m=1, block_n=block_n, block_k=block_k,
                     k_per_split=_split(k, block_k, cdiv(n, block_n), 4 * sms), num_warps=4, num_stages=3)
-    block_k = _pow2_divisor(group, 128)
     if block_k < max(16, pf):
         return Plan("dequant")
     block_m = 16 if m <= 16 else 64

@@ -15,7 +15,7 @@ def test_round_trip_keeps_every_value(tmp_path):
     conf = Config(model="/models/x-awq", served_model_name="x", source_model="/src/x", quantization="awq",
                   host="0.0.0.0", port=8123, api_key="secret", device="cpu", gpu_memory_utilization=0.75,
                   cpu_kv_cache_gib=2.5, max_num_seqs=8, max_model_len=4096, kv_cache_dtype="fp8", swap_space=4.0,
-                  data_dir="/d")
+                  tune_kernels=False, data_dir="/d")
     path = cfgmod.save(conf, tmp_path / "sub" / "config.toml")
     assert path == tmp_path / "sub" / "config.toml"
     assert cfgmod.load(path) == conf
@@ -106,3 +106,21 @@ def test_engine_config_carries_the_settings():
         ("/m", "m", "cpu", 4, 512, 0.5)
     with pytest.raises(ConfigError, match="max_num_seqs"):
         Config(model="/m", max_num_seqs=0).engine_config()
+
+
+def test_tune_kernels_reaches_the_engine_with_its_plan_folder(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    path = cfgmod.save(Config(model="/m", data_dir="/var/lib/x"), tmp_path / "c.toml")
+    ec = cfgmod.load(path).engine_config()
+    assert ec.tune_kernels is True and ec.kernel_plans_dir == "/var/lib/x/kernel-plans"
+    assert Config(model="/m").engine_config().kernel_plans_dir is None  # the engine's default folder
+    for text, want in (("0", False), ("off", False), ("True", True), ("yes", True)):
+        monkeypatch.setenv("APPLIANCE_TUNE_KERNELS", text)
+        assert cfgmod.load(path).engine_config().tune_kernels is want
+    monkeypatch.setenv("APPLIANCE_TUNE_KERNELS", "maybe")
+    with pytest.raises(ConfigError, match="APPLIANCE_TUNE_KERNELS: expected true or false, got 'maybe'"):
+        cfgmod.load(path)
+    monkeypatch.delenv("APPLIANCE_TUNE_KERNELS")
+    (tmp_path / "bad.toml").write_text('model = "/m"\ntune_kernels = 1\n')
+    with pytest.raises(ConfigError, match="expected bool, got 1"):
+        cfgmod.load(tmp_path / "bad.toml")

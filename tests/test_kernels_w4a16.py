@@ -285,22 +285,30 @@ def test_plans_follow_shape():
     assert w4a16.choose_plan(1, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(1, 12288, 4096)]
     assert w4a16.choose_plan(16, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(16, 12288, 4096)]
     assert w4a16.choose_plan(16, 12288, 4096, 4, 32, 132).block_k == 32  # the tuned tile does not fit a group of 32
-    assert w4a16.choose_plan(1, 1536, 576, 4, 64, 132).path == "gemv"
+    assert w4a16.choose_plan(1, 576, 1536, 4, 64, 132).path == "gemv"  # N <= K <= 4096
+    assert w4a16.choose_plan(1, 1536, 576, 4, 64, 132).path == "mma"  # wider: the tensor-core GEMV by rule
+    assert w4a16.choose_plan(1, 1536, 576, 4, 64, 132, False).path == "gemv"  # fp32 x
+    m16 = w4a16.choose_plan(12, 6144, 4096, 4, 128, 132)  # 9..16 rows, not in TUNED: the tensor-core GEMV
+    assert (m16.path, m16.block_m, m16.k_per_split) == ("mma", 16, 256)  # 16 splits, as measured
     assert w4a16.choose_plan(5, 4096, 4096, 4, 128, 132) == w4a16.TUNED[(8, 4096, 4096)]
     small = w4a16.choose_plan(3, 1536, 576, 4, 64, 132)  # 2..8 rows: the tensor-core GEMV by rule
     assert (small.path, small.block_k, small.num_warps) == ("mma", 64, 1)
     assert w4a16.choose_plan(3, 1536, 576, 4, 16, 132).path == "tc"  # a group of 16: no 32-row step inside
     assert w4a16.choose_plan(3, 1536, 576, 8, 64, 132).path == "gemm"  # 8-bit
-    assert w4a16.choose_plan(16, 4096, 4096, 4, 128, 132).path == "tc"
+    assert w4a16.choose_plan(16, 4096, 4096, 4, 128, 132) == w4a16.TUNED[(16, 4096, 4096)]
+    assert w4a16.choose_plan(16, 4096, 4096, 4, 16, 132).path == "tc"  # a group of 16: no mma, no TUNED tile
     assert w4a16.choose_plan(40, 1536, 576, 4, 64, 132).path == "tc"
     assert w4a16.choose_plan(40, 1536, 576, 8, 64, 132).path == "gemm"  # 8-bit: the older GEMM
     assert w4a16.choose_plan(200, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(256, 12288, 4096)]
     assert w4a16.choose_plan(100, 4096, 11008, 4, 128, 132) == w4a16.TUNED[(128, 4096, 11008)]  # 65-128 rows
     assert w4a16.choose_plan(129, 4096, 11008, 4, 128, 132) == w4a16.TUNED[(256, 4096, 11008)]
-    assert w4a16.choose_plan(128, 4096, 4096, 4, 128, 132).path == "dequant"  # measured: cuBLAS ties up to 128
+    big = w4a16.choose_plan(128, 4096, 4096, 4, 128, 132)  # 64 tiles on 132 SMs: K in 3 splits
+    assert (big.path, big.block_m, big.block_n, big.block_k, big.k_per_split) == ("tc", 128, 64, 128, 1408)
+    assert w4a16.choose_plan(200, 28672, 4096, 4, 128, 132).k_per_split == 4096  # 448 tiles: no split
     assert w4a16.choose_plan(256, 4096, 4096, 4, 128, 132) == w4a16.TUNED[(256, 4096, 4096)]
     assert w4a16.choose_plan(256, 4096, 4096, 4, 32, 132).path == "dequant"  # the tuned tile does not fit
-    assert w4a16.choose_plan(100, 1536, 576, 4, 64, 132).path == "dequant"  # not measured
+    assert w4a16.choose_plan(100, 1536, 576, 4, 64, 132).block_k == 64  # the group's tile
+    assert w4a16.choose_plan(100, 1536, 576, 8, 64, 132).path == "dequant"  # 8-bit above 64 rows
     assert w4a16.choose_plan(4096, 4096, 4096, 4, 128, 132).path == "dequant"
     assert w4a16.choose_plan(16, 4096, 4096, 4, 8, 132).path == "dequant"  # no 16-row K tile inside a group
 
