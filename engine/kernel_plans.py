@@ -60,7 +60,7 @@ def prepare(model: torch.nn.Module, config: EngineConfig, device: torch.device, 
     shapes = model_shapes(model)
     if not shapes:
         return ""
-    key = w4a16_tune.gpu_key(device)
+    key = w4a16_tune.gpu_key(device, dtype)
     path = Path(config.kernel_plans_dir or default_dir()) / w4a16_tune.file_name(key)
     try:
         known = w4a16_tune.load(path, key, logger.warning)

@@ -563,13 +563,15 @@ TUNED = {
     (8, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits
     (8, 22016, 4096): Plan("mma", 8, 128, 128, 1536, num_warps=4, num_stages=1, k_warps=2),  # 3 splits
     (8, 4096, 11008): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 22 splits
-    # M = 16: the mma GEMV, x one tile ahead (eighth session) on 4096 -> 22016; thirteenth session (w4a16_tune on
-    # the H200, µs against the plans before): 4096 -> 4096 in 16 splits 8.6 against the tc plan's 10.9,
-    # 11008 -> 4096 in 22 splits 16.4 against tc's 22.1 (SiLU included), 4096 -> 12288 in 8 splits 15.4 against 16.4
+    # M = 16: the mma GEMV, x one tile ahead (eighth session) on 4096 -> 22016, and on 4096 -> 12288 in 8 splits
+    # (thirteenth session: 17.7 us in the suite, 15.4 in the engine's w4a16_tune, against 20.0 / 16.4 for 6).
+    # The tc plans stay on 4096 -> 4096 and 11008 -> 4096: the suite times the mma GEMV slower there (14.3 against
+    # 10.6 us; 22.4 against 19.8), the engine's w4a16_tune faster (8.6 against 10.9; 16.4 against 22.1 with SiLU);
+    # bench/RESULTS.md, thirteenth session
     (16, 12288, 4096): Plan("mma", 16, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits
     (16, 22016, 4096): Plan("mma", 16, 64, 128, 1024, num_warps=1, num_stages=1),  # 4 splits
-    (16, 4096, 4096): Plan("mma", 16, 64, 128, 256, num_warps=1, num_stages=1),  # 16 splits
-    (16, 4096, 11008): Plan("mma", 16, 64, 128, 512, num_warps=1, num_stages=1),  # 22 splits
+    (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
+    (16, 4096, 11008): Plan("tc", 16, 64, 128, 1408, swap=True, mode=3),  # 8 splits
     # the splits of M = 64 4096 -> 4096 and 11008 -> 4096 retuned in the tenth session (probe/reduce_ahead.py, same
     # process, µs against the splits before): 4 splits 13.0-13.1 against 5 splits 13.6; 6 splits 25.8-26.0 against
     # 5 splits 27.7-27.8

@@ -14,7 +14,7 @@ sweeps. So the engine measures its own model's shapes on its own GPU once (``eng
   model's own layers of that shape (so weights come from DRAM, not L2, as in a decode step). The default plan
   stays unless a candidate is more than :data:`MARGIN` faster (timing noise must not churn plans).
 * :func:`save` / :func:`load`: a JSON file named by :func:`gpu_key` (device name, compute capability,
-  multiprocessor count, Triton and torch versions: a driver or compiler change measures again), written to a
+  multiprocessor count, activation dtype, Triton and torch versions: a compiler change measures again), written to a
   temporary name and renamed; entries that do not parse are dropped with the reason.
 * :func:`install`: the plans go to :data:`w4a16.MEASURED`, which ``choose_plan`` reads first.
 
@@ -78,18 +78,21 @@ class Measurement:
         return (self.m, self.shape.n, self.shape.k, self.shape.group)
 
 
-def gpu_key(device: torch.device) -> dict:
-    """What a file of measurements is valid for: device name, compute capability, multiprocessors, versions."""
+def gpu_key(device: torch.device, dtype: torch.dtype) -> dict:
+    """What a file of measurements is valid for: device name, compute capability, multiprocessors, the
+    activations' dtype (the kernels convert codes differently for fp16 and bf16), Triton and torch versions."""
     import triton
 
     props = torch.cuda.get_device_properties(device)
     return dict(format=FORMAT, device=props.name, capability=f"{props.major}.{props.minor}",
-                sms=props.multi_processor_count, triton=triton.__version__, torch=torch.__version__)
+                sms=props.multi_processor_count, dtype=str(dtype).removeprefix("torch."), triton=triton.__version__,
+                torch=torch.__version__)
 
 
 def file_name(key: dict) -> str:
-    """``w4a16-<device>-sm<capability>-<sms>sms-triton<version>-torch<version>.json``, safe characters only."""
-    raw = (f"w4a16-{key['device']}-sm{key['capability']}-{key['sms']}sms-triton{key['triton']}"
+    """``w4a16-<device>-sm<capability>-<sms>sms-<dtype>-triton<version>-torch<version>.json``, safe characters
+    only."""
+    raw = (f"w4a16-{key['device']}-sm{key['capability']}-{key['sms']}sms-{key['dtype']}-triton{key['triton']}"
            f"-torch{key['torch']}")
     return re.sub(r"[^A-Za-z0-9.+_-]+", "_", raw) + ".json"
 

@@ -16,7 +16,7 @@ from kernels import quant_formats as qf
 from kernels import w4a16
 from kernels import w4a16_tune as tune
 
-KEY = dict(format=tune.FORMAT, device="Fake GPU", capability="8.6", sms=28, triton="3.9.0", torch="2.13.0")
+KEY = dict(format=tune.FORMAT, device="Fake GPU", capability="8.6", sms=28, dtype="bfloat16", triton="3.9.0", torch="2.13.0")
 
 
 def qweight(k: int, n: int, group: int = 128, bits: int = 4) -> qf.QuantizedWeight:
@@ -62,7 +62,7 @@ def fake_gpu(monkeypatch):
         faster = tune.candidates(m, shape.n, shape.k, shape.group, sms)[-1]
         return tune.Measurement(m, shape, faster, 1.0, plan, 2.0)
 
-    monkeypatch.setattr(tune, "gpu_key", lambda device: dict(KEY))
+    monkeypatch.setattr(tune, "gpu_key", lambda device, dtype: dict(KEY, dtype=str(dtype)[6:]))
     monkeypatch.setattr(tune, "measure", measure)
     monkeypatch.setattr("kernels._triton.num_sms", lambda device: 28)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

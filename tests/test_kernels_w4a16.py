@@ -297,6 +297,7 @@ def test_plans_follow_shape():
     assert w4a16.choose_plan(3, 1536, 576, 8, 64, 132).path == "gemm"  # 8-bit
     assert w4a16.choose_plan(16, 4096, 4096, 4, 128, 132) == w4a16.TUNED[(16, 4096, 4096)]
     assert w4a16.choose_plan(16, 4096, 4096, 4, 16, 132).path == "tc"  # a group of 16: no mma, no TUNED tile
+    assert w4a16.choose_plan(16, 4096, 4096, 4, 64, 132).path == "mma"  # a group of 64: the rule, block_k 64
     assert w4a16.choose_plan(40, 1536, 576, 4, 64, 132).path == "tc"
     assert w4a16.choose_plan(40, 1536, 576, 8, 64, 132).path == "gemm"  # 8-bit: the older GEMM
     assert w4a16.choose_plan(200, 12288, 4096, 4, 128, 132) == w4a16.TUNED[(256, 12288, 4096)]

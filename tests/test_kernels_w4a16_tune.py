@@ -16,7 +16,7 @@ from kernels import w4a16
 from kernels import w4a16_tune as tune
 from kernels.w4a16_tune import Measurement, Shape
 
-KEY = dict(format=tune.FORMAT, device="Test GPU", capability="8.9", sms=8, triton="3.9.0", torch="2.13.0")
+KEY = dict(format=tune.FORMAT, device="Test GPU", capability="8.9", sms=8, dtype="bfloat16", triton="3.9.0", torch="2.13.0")
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +140,7 @@ def test_save_and_load_round_trip(tmp_path):
     path = tmp_path / "plans" / tune.file_name(KEY)
     tune.save(path, KEY, _measurements())
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary file left
-    assert path.name == "w4a16-Test_GPU-sm8.9-8sms-triton3.9.0-torch2.13.0.json"
+    assert path.name == "w4a16-Test_GPU-sm8.9-8sms-bfloat16-triton3.9.0-torch2.13.0.json"
     assert tune.load(path, KEY) == sorted(_measurements(), key=lambda r: r.key)
     lines = []
     assert tune.load(path, {**KEY, "triton": "3.6.0"}, lines.append) == []
