@@ -1,15 +1,21 @@
 """W4A16 plans measured for this model on this GPU, at start-up (``kernels/w4a16_tune.py`` does the timing).
 
 The model runner calls :func:`prepare` once the weights are on the GPU and before anything compiles or is
-captured: it reads the plan file of this GPU (``<kernel_plans_dir>/w4a16-<gpu>-...json``), measures the model's
-4-bit products that the file lacks (each shape at M = 1, 8, 16, 64, 128, 256) when ``tune_kernels`` is on,
-writes the file back, and installs the plans, so ``w4a16.choose_plan`` picks them for every later call, CUDA
-graphs included. The first start of a model on a GPU pays the measurement (Triton compiles of a few dozen kernel
-variants, then milliseconds per candidate); later starts, and other models of the same shapes, read the file.
+captured. It reads the plan file of this GPU (``<kernel_plans_dir>/w4a16-<gpu>-...json``; the name holds the
+device, its multiprocessor count, the activation dtype and the Triton and torch versions, the file a hash of the
+kernels' source: any of them changing means measuring again), runs each saved plan of this model's products once
+on its weights (a plan that fails or computes a wrong product is dropped), measures the products left (each shape
+at M = 1, 8, 16, 64, 128, 256) when ``tune_kernels`` is on, adds them to the file, and installs the plans, so
+``w4a16.choose_plan`` picks them for every later call, CUDA graphs included. The first start of a model on a GPU
+pays the measurement (Triton compiles of a few dozen kernel variants, then milliseconds per candidate: 16-33 s for
+a Llama-3-8B shape on an H200); later starts, and other models of the same shapes, read the file.
 
-Measuring stops at ``TUNE_BUDGET_S`` seconds; what is left runs the default plans and is measured at the next
-start. A plan file that cannot be read is measured again and rewritten. CPU engines (the torch reference path)
-measure nothing.
+Measuring stops at ``TUNE_BUDGET_S`` seconds; a product it did not reach, or reached but could not finish, runs
+the default plan (or the partial pick) in this run and is measured at the next start. A plan file that cannot be
+read is measured again and rewritten. ``tune_kernels=False`` measures nothing, still reads the file; point
+``kernel_plans_dir`` at an empty folder for the built-in plans alone. The installed plans are one table per
+process (``w4a16.MEASURED``): engines of different models in one process share it. CPU engines (the torch
+reference path) measure nothing.
 """
 from __future__ import annotations
 
@@ -51,15 +57,20 @@ def model_shapes(model: torch.nn.Module) -> dict:
 
 def prepare(model: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
     """Install measured plans for ``model``'s products (see the module doc); returns a one-line summary (also
-    logged). Nothing on CPU or without 4-bit packed weights."""
+    logged). Nothing on CPU or without 4-bit packed weights. Raises the CUDA errors that break the context."""
     if device.type != "cuda":
         return ""
-    from kernels import w4a16, w4a16_tune
-    from kernels._triton import num_sms
-
     shapes = model_shapes(model)
     if not shapes:
         return ""
+    with torch.cuda.device(device):
+        return _prepare(shapes, config, device, dtype)
+
+
+def _prepare(shapes: dict, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    from kernels import w4a16, w4a16_tune
+    from kernels._triton import num_sms
+
     key = w4a16_tune.gpu_key(device, dtype)
     path = Path(config.kernel_plans_dir or default_dir()) / w4a16_tune.file_name(key)
     try:
@@ -68,12 +79,20 @@ def prepare(model: torch.nn.Module, config: EngineConfig, device: torch.device, 
         logger.warning("%s; measuring again", exc)
         known = []
     wanted = {(m, s.n, s.k, s.group): s for s in shapes for m in w4a16.M_BUCKETS}
-    have = {r.key for r in known}
+    started, usable = time.monotonic(), []
+    for r in known:  # a plan from the file runs once on this model's weights before it is trusted
+        if r.key in wanted:
+            problem = _check(r, shapes[wanted[r.key]], dtype)
+            if problem is not None:
+                logger.warning("W4A16 plan for M=%d %s from %s dropped: %s", r.m, r.shape, path, problem)
+                continue
+        usable.append(r)
+    have = {r.key for r in usable}
     todo = [(m, s) for (m, *_), s in wanted.items() if (m, s.n, s.k, s.group) not in have]
-    measured, started = [], time.monotonic()
+    measured = []
     if todo and config.tune_kernels:
-        logger.info("measuring W4A16 plans for %d shapes on %s (first start on this GPU; saved to %s)",
-                    len(shapes), key["device"], path)
+        logger.info("measuring W4A16 plans for %d (shape, M) pairs on %s (saved to %s)", len(todo), key["device"],
+                    path)
         deadline = started + TUNE_BUDGET_S
         for m, shape in todo:
             if time.monotonic() > deadline:
@@ -83,15 +102,26 @@ def prepare(model: torch.nn.Module, config: EngineConfig, device: torch.device, 
                 measured.append(pick)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        if measured:
+        complete = [r for r in measured if r.complete]  # a pick the deadline cut short is measured again next time
+        if complete:
             try:
-                w4a16_tune.save(path, key, known + measured)
+                w4a16_tune.save(path, key, complete)
             except OSError as exc:
                 logger.warning("could not save the W4A16 plans to %s (%s): used for this run only", path, exc)
-    w4a16_tune.install(known + measured)
-    mine = [r for r in known + measured if r.key in wanted]
+    w4a16_tune.install(usable + measured)
+    mine = [r for r in usable + measured if r.key in wanted]
     changed = sum(r.plan != r.default for r in mine)
     summary = (f"W4A16 plans: {len(mine)} of {len(wanted)} measured on this GPU ({len(measured)} now, in "
                f"{time.monotonic() - started:.0f} s); {changed} differ from the defaults")
     logger.info(summary)
     return summary
+
+
+def _check(r, weights: list, dtype: torch.dtype) -> str | None:
+    """Why the saved plan ``r`` cannot serve its product on this model (kernels.w4a16_tune.check), or None."""
+    from kernels import w4a16_tune
+
+    gen = torch.Generator(device=weights[0].qweight.device).manual_seed(r.m)
+    x = torch.randn(r.m, r.shape.k * (2 if r.shape.gated else 1), generator=gen, device=weights[0].qweight.device,
+                    dtype=dtype)
+    return w4a16_tune.check(x, weights[0], r.plan, r.shape.gated)

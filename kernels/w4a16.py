@@ -539,6 +539,10 @@ def _split(k: int, block_k: int, tiles: int, target: int) -> int:
 #: Llama-3-8B shapes at M = 128 and 256 by 1.04-2.5x, thirteenth session), unless a measured plan says otherwise.
 DEQUANT_ABOVE_M = 256
 
+#: Multiprocessors of the GPU :data:`TUNED` was measured on (an H200; an H100 SXM has as many, and Hopper's shared
+#: memory).
+TUNED_SMS = 132
+
 #: The M buckets of :data:`TUNED`: a product of M rows takes the plan of the first bucket >= M (1, 2-8, 9-16, 17-64,
 #: 65-128, 129-256).
 M_BUCKETS = (1, 8, 16, 64, 128, 256)
@@ -546,7 +550,8 @@ M_BUCKETS = (1, 8, 16, 64, 128, 256)
 #: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket, N, K) (:data:`M_BUCKETS`), group size
 #: 128 (bench/gpu_suite.py --sweep, 2026-11-30; the M = 1 splits retuned in the fourth session's probes so the grid
 #: fills whole waves; the "mma" plans from the fifth session's probes, against the best other plan in the same run;
-#: ratios in bench/RESULTS.md). Other shapes use choose_plan's rules.
+#: ratios in bench/RESULTS.md). Used on GPUs of :data:`TUNED_SMS` multiprocessors only (their 128-deep tc tiles need
+#: more shared memory than an RTX 30/40 has); other GPUs and shapes use choose_plan's rules, or measure their own.
 #: The "tc" plans use mode 3 (the scale multiplied in packed bf16): 5-10% faster than the exact mode 1 at M = 16
 #: and 64 (same sweep); with fp16 scales each weight is rounded twice (scale to bf16, then the product).
 TUNED = {
@@ -616,17 +621,18 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int, mma: bo
     mine = MEASURED.get((bucket, n, k, group)) if measured and bits == 4 else None
     if mine is not None and (mma or mine.path != "mma"):
         return mine
-    tuned = TUNED.get((bucket, n, k))
+    tuned = TUNED.get((bucket, n, k)) if sms == TUNED_SMS else None
     fits = tuned is not None and bits == 4 and (group % tuned.block_k == 0 or group >= k)
     if fits and (mma or tuned.path != "mma"):
         return tuned
     block_k = _pow2_divisor(group, 128)
-    if m > 64:  # 128-row tensor-core tiles, K split when the tiles alone leave multiprocessors idle
+    if m > 64:  # 128 x 64 x 64 tensor-core tiles (about 60 KB of shared memory in 3 stages: every GPU from sm_80;
+        # 128-deep K tiles need 115 KB, more than an RTX 30/40 has), K split when the tiles leave SMs idle
         if bits != 4 or block_k < 64:
             return Plan("dequant")
         tiles = cdiv(m, 128) * cdiv(n, 64)
-        k_per_split = _split(k, block_k, tiles, sms) if tiles < sms else k
-        return Plan("tc", block_m=128, block_n=64, block_k=block_k, k_per_split=k_per_split, swap=True, mode=3)
+        k_per_split = _split(k, 64, tiles, sms) if tiles < sms else k
+        return Plan("tc", block_m=128, block_n=64, block_k=64, k_per_split=k_per_split, swap=True, mode=3)
     gemv = m == 1 and n <= k <= 4096  # the CUDA-core GEMV's measured wins at M = 1: 4096 -> 4096 (TUNED)
     if mma and m <= 16 and not gemv and bits == 4 and (group % 32 == 0 or group >= k):
         # the tensor-core GEMV, one warp per 64 columns, K split to about 12 warps per SM

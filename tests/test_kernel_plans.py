@@ -4,6 +4,7 @@ file it keeps per GPU, and the settings that reach it.
 The GPU parts (device key, timing) are replaced by fakes, so the flow runs on CPU: measuring happens once per
 (shape, M bucket) and GPU, a second start reads the file, a bad file is measured again.
 """
+import contextlib
 import json
 import logging
 
@@ -16,7 +17,8 @@ from kernels import quant_formats as qf
 from kernels import w4a16
 from kernels import w4a16_tune as tune
 
-KEY = dict(format=tune.FORMAT, device="Fake GPU", capability="8.6", sms=28, dtype="bfloat16", triton="3.9.0", torch="2.13.0")
+KEY = dict(format=tune.FORMAT, device="Fake GPU", capability="8.6", sms=28, dtype="bfloat16", triton="3.9.0",
+           torch="2.13.0", kernels="0123456789ab")
 
 
 def qweight(k: int, n: int, group: int = 128, bits: int = 4) -> qf.QuantizedWeight:
@@ -47,26 +49,40 @@ class Model(torch.nn.Module):
         self.layers = torch.nn.ModuleList(Layer() for _ in range(layers))
 
 
+TC16 = w4a16.Plan("tc", 16, 64, 128, 256, True, mode=3)
+BAD = w4a16.Plan("gemm", 16, 128, 32)  # the plan the fake check says fails on the weights
 SHAPES = {tune.Shape(768, 512, 128), tune.Shape(512, 512, 128), tune.Shape(2048, 512, 128),
           tune.Shape(512, 1024, 128, gated=True)}
+
+
+class Calls(list):
+    """The (m, shape, layers, sms) of each measure() call; ``cut``, ``checked``: see fake_gpu."""
 
 
 @pytest.fixture(autouse=True)
 def fake_gpu(monkeypatch):
     """A CUDA device that is not there: its key, its multiprocessor count, and a measure() that records calls."""
-    calls = []
+    calls = Calls()
+    calls.cut = set()  # (m, shape) pairs whose measurement the deadline cuts short
 
     def measure(weights, shape, m, dtype, sms, deadline, log=None):
         calls.append((m, shape, len(weights), sms))
         plan = w4a16.choose_plan(m, shape.n, shape.k, 4, shape.group, sms, True, False)
         faster = tune.candidates(m, shape.n, shape.k, shape.group, sms)[-1]
-        return tune.Measurement(m, shape, faster, 1.0, plan, 2.0)
+        return tune.Measurement(m, shape, faster, 1.0, plan, 2.0, complete=(m, shape) not in calls.cut)
 
     monkeypatch.setattr(tune, "gpu_key", lambda device, dtype: dict(KEY, dtype=str(dtype)[6:]))
     monkeypatch.setattr(tune, "measure", measure)
     monkeypatch.setattr("kernels._triton.num_sms", lambda device: 28)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    checked = calls.checked = []
+
+    def check(r, weights, dtype):  # a saved plan runs once on the model's weights; BAD fails here
+        checked.append(r.key)
+        return "RuntimeError: out of resource" if r.plan == BAD else None
+    monkeypatch.setattr(kernel_plans, "_check", check)
     tune.install([])
     yield calls
     tune.install([])
@@ -105,7 +121,7 @@ def test_only_missing_entries_are_measured_and_the_file_keeps_the_rest(tmp_path,
     cuda = torch.device("cuda")
     path = tmp_path / "plans" / tune.file_name(KEY)
     other = tune.Measurement(1, tune.Shape(4096, 4096, 128), w4a16.Plan("gemv"), 7.0, w4a16.Plan("gemv"), 7.0)
-    mine = tune.Measurement(16, tune.Shape(512, 512, 128), w4a16.Plan("dequant"), 3.0, w4a16.Plan("gemv"), 4.0)
+    mine = tune.Measurement(16, tune.Shape(512, 512, 128), TC16, 3.0, w4a16.Plan("gemv"), 4.0)
     tune.save(path, KEY, [other, mine])
     kernel_plans.prepare(Model(), config(tmp_path), cuda, torch.bfloat16)
     assert len(fake_gpu) == 23 and (16, tune.Shape(512, 512, 128), 3, 28) not in fake_gpu
@@ -115,12 +131,37 @@ def test_only_missing_entries_are_measured_and_the_file_keeps_the_rest(tmp_path,
 
 def test_tune_kernels_off_measures_nothing_but_reads_the_file(tmp_path, fake_gpu):
     cuda = torch.device("cuda")
-    mine = tune.Measurement(16, tune.Shape(512, 512, 128), w4a16.Plan("dequant"), 3.0, w4a16.Plan("gemv"), 4.0)
+    mine = tune.Measurement(16, tune.Shape(512, 512, 128), TC16, 3.0, w4a16.Plan("gemv"), 4.0)
     tune.save(tmp_path / "plans" / tune.file_name(KEY), KEY, [mine])
     summary = kernel_plans.prepare(Model(), config(tmp_path, tune_kernels=False), cuda, torch.bfloat16)
-    assert fake_gpu == []
+    assert fake_gpu == [] and fake_gpu.checked == [mine.key]
     assert summary == "W4A16 plans: 1 of 24 measured on this GPU (0 now, in 0 s); 1 differ from the defaults"
-    assert w4a16.choose_plan(16, 512, 512, 4, 128, 28) == w4a16.Plan("dequant")
+    assert w4a16.choose_plan(16, 512, 512, 4, 128, 28) == TC16
+
+
+def test_a_saved_plan_that_fails_on_the_weights_is_dropped_and_measured_again(tmp_path, fake_gpu, caplog):
+    path = tmp_path / "plans" / tune.file_name(KEY)
+    bad = tune.Measurement(16, tune.Shape(512, 512, 128), BAD, 3.0, w4a16.Plan("gemv"), 4.0)
+    tune.save(path, KEY, [bad])
+    with caplog.at_level(logging.WARNING):
+        kernel_plans.prepare(Model(), config(tmp_path), torch.device("cuda"), torch.bfloat16)
+    assert "W4A16 plan for M=16" in caplog.text and "out of resource" in caplog.text
+    assert (16, tune.Shape(512, 512, 128), 3, 28) in fake_gpu and len(fake_gpu) == 24
+    assert {r.key: r.plan for r in tune.load(path, KEY)}[bad.key] != BAD
+
+
+def test_a_pick_the_deadline_cut_short_is_used_but_not_saved(tmp_path, fake_gpu):
+    cut = tune.Shape(2048, 512, 128)
+    fake_gpu.cut.add((64, cut))
+    path = tmp_path / "plans" / tune.file_name(KEY)
+    summary = kernel_plans.prepare(Model(), config(tmp_path), torch.device("cuda"), torch.bfloat16)
+    assert summary.startswith("W4A16 plans: 24 of 24 measured on this GPU (24 now")
+    assert (64, 2048, 512, 128) not in {r.key for r in tune.load(path, KEY)}
+    assert w4a16.choose_plan(40, 2048, 512, 4, 128, 28) == tune.candidates(64, 2048, 512, 128, 28)[-1]
+    fake_gpu.clear()
+    fake_gpu.cut.clear()
+    kernel_plans.prepare(Model(), config(tmp_path), torch.device("cuda"), torch.bfloat16)
+    assert fake_gpu == [(64, cut, 3, 28)]  # measured again at the next start
 
 
 def test_an_unreadable_file_is_measured_again_and_replaced(tmp_path, fake_gpu, caplog):

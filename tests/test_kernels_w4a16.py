@@ -304,7 +304,10 @@ def test_plans_follow_shape():
     assert w4a16.choose_plan(100, 4096, 11008, 4, 128, 132) == w4a16.TUNED[(128, 4096, 11008)]  # 65-128 rows
     assert w4a16.choose_plan(129, 4096, 11008, 4, 128, 132) == w4a16.TUNED[(256, 4096, 11008)]
     big = w4a16.choose_plan(128, 4096, 4096, 4, 128, 132)  # 64 tiles on 132 SMs: K in 3 splits
-    assert (big.path, big.block_m, big.block_n, big.block_k, big.k_per_split) == ("tc", 128, 64, 128, 1408)
+    assert (big.path, big.block_m, big.block_n, big.block_k, big.k_per_split) == ("tc", 128, 64, 64, 1408)
+    ada = w4a16.choose_plan(256, 4096, 11008, 4, 128, 128)  # an RTX 4090: no H200 plan, tiles that fit 99 KB
+    assert ada != w4a16.TUNED[(256, 4096, 11008)] and (ada.path, ada.block_k, ada.num_warps) == ("tc", 64, 4)
+    assert w4a16.choose_plan(1, 12288, 4096, 4, 128, 28).k_per_split != w4a16.TUNED[(1, 12288, 4096)].k_per_split
     assert w4a16.choose_plan(200, 28672, 4096, 4, 128, 132).k_per_split == 4096  # 448 tiles: no split
     assert w4a16.choose_plan(256, 4096, 4096, 4, 128, 132) == w4a16.TUNED[(256, 4096, 4096)]
     assert w4a16.choose_plan(256, 4096, 4096, 4, 32, 132).path == "dequant"  # the tuned tile does not fit
