@@ -78,12 +78,19 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        """Capture every bucket on a stream of the engine's own, warmed up on that same stream first: whatever
+        a kernel keeps per stream (the split-K GEMV's arrival counters, ``w4a16._locks``) is then allocated
+        outside the capture, in ordinary memory, not in the graphs' pool, which is freed with the engine (a
+        later engine's capture on torch's shared default capture stream would find it stale)."""
         pool = None
+        self.stream = torch.cuda.Stream(self.hidden.device)
+        self.stream.wait_stream(torch.cuda.current_stream())
         for n in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
-            self._run(n)  # warm up: compiles and autotunes every kernel for this shape outside the capture
+            with torch.cuda.stream(self.stream):
+                self._run(n)  # warm up: compiles and autotunes every kernel for this shape outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
                 self._run(n)
             pool = pool or graph.pool()
             self.graphs[n] = graph

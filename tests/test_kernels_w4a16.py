@@ -259,6 +259,42 @@ def test_gemv_on_two_streams_at_once():
             assert all(torch.equal(y, y0) for y in ys)
 
 
+def test_split_k_counters_are_never_allocated_inside_a_graph_capture(monkeypatch):
+    """A stream's first split-K GEMV inside a CUDA graph capture raises: its counters would live in the graph's
+    pool, freed with the graph while the cache kept them (a later capture then counted in others' memory)."""
+    fake = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 4242})())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(w4a16, "_LOCKS", {(fake, 4242): "allocated before the capture"})
+    assert w4a16._locks(fake, 8) == "allocated before the capture"
+    monkeypatch.setattr(w4a16, "_LOCKS", {})
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        w4a16._locks(fake, 8)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: GPU only")
+def test_split_k_gemv_in_graphs_captured_one_after_another():
+    """Graphs captured, freed and captured again on one stream (warmed up on it first) replay the eager result."""
+    qw, _ = make_weight("awq", 4096, 4096, 128, False)
+    plan = w4a16.Plan("gemv", block_m=1, block_n=128, block_k=128, k_per_split=512)
+    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+    want = w4a16.run_plan(x, qw, None, plan)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        w4a16.run_plan(x, qw, None, plan)
+    for _ in range(3):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            y = w4a16.run_plan(x, qw, None, plan)
+        filler = torch.full((1 << 20,), -7, dtype=torch.int32)  # memory a freed graph pool may hand out again
+        for _ in range(4):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, want)
+        del graph, y, filler
+
+
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_linear_default_plans(m, dtype):
