@@ -555,24 +555,24 @@ M_BUCKETS = (1, 8, 16, 64, 128, 256)
 #: The "tc" plans use mode 3 (the scale multiplied in packed bf16): 5-10% faster than the exact mode 1 at M = 16
 #: and 64 (same sweep); with fp16 scales each weight is rounded twice (scale to bf16, then the product).
 TUNED = {
-    # 4096 -> 4096 in 16 splits, thirteenth session (kernels/w4a16_tune.py on the H200, two engines, µs): 6.45-6.46
-    # against 7.06-7.19 for 8 splits; the mma GEMV in 16 splits 6.48
+    # 4096 -> 4096 in 16 splits, thirteenth session: 6.9 us in the suite (run 56) against 7.7 for 8 splits (run 48);
+    # kernels/w4a16_tune.py in the 7B engine, same process: 7.05-7.08 against 7.67-7.71, the mma GEMV 7.99-8.11
     (1, 4096, 4096): Plan("gemv", 1, 128, 128, 256),
     (1, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits (gemv: 13.9 us, 5)
     (1, 22016, 4096): Plan("mma", 8, 64, 128, 768, num_warps=1, num_stages=1),  # 6 splits (gemv: 22.0 us, 3)
     (1, 4096, 11008): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 22 splits (gemv: 13.5 us, 8)
-    # M = 8: two warps per 64 columns share each split's K (k_warps, sixth session) on 4096 -> 22016: 20.6 us; one
-    # warp on the others (thirteenth session, w4a16_tune): 4096 -> 4096 in 16 splits 7.2 against k_warps' 9.0,
-    # 11008 -> 4096 in 22 splits 12.7 against 15.1 (SiLU included)
-    (8, 4096, 4096): Plan("mma", 8, 64, 128, 256, num_warps=1, num_stages=1),  # 16 splits
+    # M = 8: two warps per 64 columns share each split's K (k_warps, sixth session): 9.4 / 20.3 / 14.7 us against
+    # 10.1 / 21.2 / 16.2 with one warp (same probe); on 4096 -> 12288 one warp stays faster (13.9 against 15.0).
+    # Confirmed by w4a16_tune in the thirteenth session (9.8 / - / 16.2 us against 10.5-10.7 / - / 17.0 for one warp
+    # in 16 / 22 splits; one warp in 11 splits 9.7 on 4096 -> 4096)
+    (8, 4096, 4096): Plan("mma", 8, 128, 128, 512, num_warps=4, num_stages=1, k_warps=2),  # 8 splits
     (8, 12288, 4096): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits
     (8, 22016, 4096): Plan("mma", 8, 128, 128, 1536, num_warps=4, num_stages=1, k_warps=2),  # 3 splits
-    (8, 4096, 11008): Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1),  # 22 splits
+    (8, 4096, 11008): Plan("mma", 8, 128, 128, 1536, num_warps=4, num_stages=1, k_warps=2),  # 8 splits
     # M = 16: the mma GEMV, x one tile ahead (eighth session) on 4096 -> 22016, and on 4096 -> 12288 in 8 splits
-    # (thirteenth session: 17.7 us in the suite, 15.4 in the engine's w4a16_tune, against 20.0 / 16.4 for 6).
-    # The tc plans stay on 4096 -> 4096 and 11008 -> 4096: the suite times the mma GEMV slower there (14.3 against
-    # 10.6 us; 22.4 against 19.8), the engine's w4a16_tune faster (8.6 against 10.9; 16.4 against 22.1 with SiLU);
-    # bench/RESULTS.md, thirteenth session
+    # (thirteenth session: 17.7 us in the suite against 20.0 for 6 splits in run 48; w4a16_tune 18.3 against
+    # 20.6 for the best tc plan). The tc plans stay on 4096 -> 4096 and 11008 -> 4096 (the mma GEMV 14.3 against
+    # 10.6 us, 22.4 against 19.8 in the suite)
     (16, 12288, 4096): Plan("mma", 16, 64, 128, 512, num_warps=1, num_stages=1),  # 8 splits
     (16, 22016, 4096): Plan("mma", 16, 64, 128, 1024, num_warps=1, num_stages=1),  # 4 splits
     (16, 4096, 4096): Plan("tc", 16, 64, 128, 512, swap=True, mode=3),
