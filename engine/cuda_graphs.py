@@ -79,9 +79,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         """Capture every bucket on a stream of the engine's own, warmed up on that same stream first: whatever
-        a kernel keeps per stream (the split-K GEMV's arrival counters, ``w4a16._locks``) is then allocated
-        outside the capture, in ordinary memory, not in the graphs' pool, which is freed with the engine (a
-        later engine's capture on torch's shared default capture stream would find it stale)."""
+        a kernel keeps per stream (the split-K GEMV's arrival counters, ``w4a16._locks``) is then allocated and
+        zeroed outside the capture, in ordinary memory. Allocated inside a capture it would come from the graphs'
+        shared pool (maybe a block a larger bucket's graph still writes on replay) and be zeroed only when that
+        one graph replays (``w4a16._locks`` now refuses)."""
         pool = None
         self.stream = torch.cuda.Stream(self.hidden.device)
         self.stream.wait_stream(torch.cuda.current_stream())

@@ -79,12 +79,13 @@ def _prepare(shapes: dict, config: EngineConfig, device: torch.device, dtype: to
         logger.warning("%s; measuring again", exc)
         known = []
     wanted = {(m, s.n, s.k, s.group): s for s in shapes for m in w4a16.M_BUCKETS}
-    started, usable = time.monotonic(), []
+    started, usable, dropped = time.monotonic(), [], []
     for r in known:  # a plan from the file runs once on this model's weights before it is trusted
         if r.key in wanted:
-            problem = _check(r, shapes[wanted[r.key]], dtype)
+            problem = _check(r, wanted[r.key], shapes[wanted[r.key]], dtype)
             if problem is not None:
                 logger.warning("W4A16 plan for M=%d %s from %s dropped: %s", r.m, r.shape, path, problem)
+                dropped.append(r.key)
                 continue
         usable.append(r)
     have = {r.key for r in usable}
@@ -102,12 +103,12 @@ def _prepare(shapes: dict, config: EngineConfig, device: torch.device, dtype: to
                 measured.append(pick)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        complete = [r for r in measured if r.complete]  # a pick the deadline cut short is measured again next time
-        if complete:
-            try:
-                w4a16_tune.save(path, key, complete)
-            except OSError as exc:
-                logger.warning("could not save the W4A16 plans to %s (%s): used for this run only", path, exc)
+    complete = [r for r in measured if r.complete]  # a pick the deadline cut short is measured again next time
+    if complete or dropped:
+        try:
+            w4a16_tune.save(path, key, complete, drop=tuple(k for k in dropped if k not in {r.key for r in complete}))
+        except OSError as exc:
+            logger.warning("could not save the W4A16 plans to %s (%s): used for this run only", path, exc)
     w4a16_tune.install(usable + measured)
     mine = [r for r in usable + measured if r.key in wanted]
     changed = sum(r.plan != r.default for r in mine)
@@ -117,11 +118,12 @@ def _prepare(shapes: dict, config: EngineConfig, device: torch.device, dtype: to
     return summary
 
 
-def _check(r, weights: list, dtype: torch.dtype) -> str | None:
-    """Why the saved plan ``r`` cannot serve its product on this model (kernels.w4a16_tune.check), or None."""
+def _check(r, shape, weights: list, dtype: torch.dtype) -> str | None:
+    """Why the saved plan ``r`` cannot serve its product ``shape`` (this model's: ``gated`` as the model uses it)
+    on this model's weights (kernels.w4a16_tune.check), or None."""
     from kernels import w4a16_tune
 
     gen = torch.Generator(device=weights[0].qweight.device).manual_seed(r.m)
-    x = torch.randn(r.m, r.shape.k * (2 if r.shape.gated else 1), generator=gen, device=weights[0].qweight.device,
+    x = torch.randn(r.m, shape.k * (2 if shape.gated else 1), generator=gen, device=weights[0].qweight.device,
                     dtype=dtype)
-    return w4a16_tune.check(x, weights[0], r.plan, r.shape.gated)
+    return w4a16_tune.check(x, weights[0], r.plan, shape.gated)

@@ -685,11 +685,12 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
     calls (each call's last program resets its counters). One buffer per (device, stream): two streams running
     GEMVs at once would otherwise share counters (wrong sums; measured on an H200), while on one stream a GEMV
     touches them only after its PDL wait, when the kernel before it has finished. Never reallocated (captured
-    CUDA graphs keep its address). Allocated on a stream's first call, which must not be inside a graph capture:
-    the buffer would live in the graph's memory pool, freed with the graph while this cache kept it, and a later
-    capture on the same stream (torch's default capture stream is one per process) would count in memory that
-    others then use: wrong sums, and split-K GEMVs timed as fast as 8.6 against 14.3 us (H200, thirteenth session).
-    Capturers warm up on their capture stream first (``engine.cuda_graphs``, ``w4a16_tune.time_graph``). Raises
+    CUDA graphs keep its address). Allocated, and zeroed, on a stream's first call, which must not be inside a
+    graph capture: there the allocation comes from the graph's private pool (a block that graphs sharing the pool
+    may still write on replay: the decode graphs share one, captured largest bucket first), and the zeroing is
+    only recorded, run when that one graph replays. Counters that start as garbage break the last-program
+    detection: wrong sums, and split-K GEMVs that timed 8.6 against 14.3 us (H200, thirteenth session). Capturers
+    warm up on their capture stream first (``engine.cuda_graphs``, ``w4a16_tune.time_graph``). Raises
     ``ValueError`` past ``_MAX_LOCKS`` column blocks, RuntimeError for a first call inside a capture."""
     if count > _MAX_LOCKS:
         raise ValueError(f"w4a16 GEMV: {count} column blocks, at most {_MAX_LOCKS}")

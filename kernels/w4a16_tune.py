@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -38,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from . import activation, w4a16, w4a16_mma
+from . import _triton, activation, w4a16, w4a16_mma
 from ._triton import cdiv
 from .quant_formats import QuantizedWeight
 
@@ -93,10 +94,16 @@ def gpu_key(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def kernels_version() -> str:
-    """12 hex digits of a hash of the W4A16 kernels' source: a change to the kernels measures again."""
+    """12 hex digits of a hash of the source of every function and kernel of the W4A16 modules and of what they
+    call (``w4a16``, ``w4a16_mma``, ``activation``, ``_triton``): a change to the code the GPU runs measures again,
+    a change to the plan tables (``TUNED``, the rules of the cached ``choose_plan``) or to comments outside
+    functions does not."""
     digest = hashlib.sha1()
-    for mod in (w4a16, w4a16_mma):
-        digest.update(Path(mod.__file__).read_bytes())
+    for mod in (w4a16, w4a16_mma, activation, _triton):
+        for name in sorted(vars(mod)):
+            fn = getattr(vars(mod)[name], "fn", vars(mod)[name])
+            if inspect.isfunction(fn) and fn.__module__ == mod.__name__:
+                digest.update(f"{mod.__name__}.{name}\n{inspect.getsource(fn)}".encode())
     return digest.hexdigest()[:12]
 
 
@@ -187,9 +194,15 @@ def _call(x: torch.Tensor, qw: QuantizedWeight, plan: w4a16.Plan, gated: bool) -
     return w4a16.run_plan(x, qw, None, plan, gated)
 
 
+#: What the CUDA errors that leave the context unusable say (every later launch would fail too).
+STICKY = ("illegal memory access", "illegal instruction", "misaligned address", "unspecified launch failure",
+          "device-side assert", "an illegal address", "hardware stack error")
+
+
 def _sticky(exc: Exception) -> bool:
-    """Whether ``exc`` is a CUDA error that leaves the context unusable (every later launch would fail too)."""
-    return "CUDA error" in str(exc) and "out of memory" not in str(exc)
+    """Whether ``exc`` is a CUDA error that leaves the context unusable (:data:`STICKY`); out of memory, out of
+    shared memory and capture errors are not."""
+    return any(what in str(exc) for what in STICKY)
 
 
 def _reference(x: torch.Tensor, w: QuantizedWeight, gated: bool) -> torch.Tensor:
@@ -261,7 +274,12 @@ def measure(weights: list[QuantizedWeight], shape: Shape, m: int, dtype: torch.d
     default = plans[0]
     best = min(timed, key=timed.get)
     if default in timed and best != default:  # confirm: both again, alternating; the second round decides
-        timed[best], timed[default] = time_plan(best), time_plan(default)
+        try:
+            timed[best], timed[default] = time_plan(best), time_plan(default)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the first round stands
+            if _sticky(exc):
+                raise
+            log(f"  M={m} {shape}: the second round failed ({type(exc).__name__}: {str(exc)[:160]})")
         if timed[default] <= timed[best] * (1 + MARGIN):
             best = default
     return Measurement(m, shape, best, timed[best], default, timed.get(default), complete)
@@ -295,15 +313,18 @@ def to_json(key: dict, measurements: list[Measurement]) -> str:
     return json.dumps(dict(key=key, plans=rows), indent=1)
 
 
-def save(path: Path, key: dict, measurements: list[Measurement]) -> None:
-    """Add ``measurements`` to the file (replacing entries of the same key; what the file holds now stays, so
-    engines of other models sharing the folder keep theirs; a file that cannot be read is replaced): written to
-    a temporary name in the same folder, flushed to disk, then renamed over ``path`` (atomic). Raises OSError."""
+def save(path: Path, key: dict, measurements: list[Measurement], drop: tuple = ()) -> None:
+    """Add ``measurements`` to the file (replacing entries of the same key) and take out the entries whose key is
+    in ``drop``; what else the file holds now stays, so engines of other models sharing the folder keep theirs (a
+    file that cannot be read is replaced). Written to a temporary name in the same folder, flushed to disk, then
+    renamed over ``path`` (atomic). Raises OSError."""
     try:
         rows = {r.key: r for r in load(path, key)}
     except ValueError:
         rows = {}
     rows.update({r.key: r for r in measurements})
+    for k in drop:
+        rows.pop(k, None)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -334,6 +355,8 @@ def load(path: Path, key: dict, log: Callable[[str], None] = lambda _: None) -> 
     out = []
     for i, row in enumerate(data["plans"]):
         try:
+            if not isinstance(row, dict) or not isinstance(row.get("plan"), dict):
+                raise ValueError("not an object with a 'plan' object")
             if not isinstance(row.get("gated", False), bool):
                 raise ValueError(f"gated must be true or false, got {row['gated']!r}")
             shape = Shape(int(row["n"]), int(row["k"]), int(row["group"]), row.get("gated", False))

@@ -79,7 +79,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     checked = calls.checked = []
 
-    def check(r, weights, dtype):  # a saved plan runs once on the model's weights; BAD fails here
+    def check(r, shape, weights, dtype):  # a saved plan runs once on the model's weights; BAD fails here
+        assert (r.m, shape.n, shape.k, shape.group) == r.key and len(weights) == 3
         checked.append(r.key)
         return "RuntimeError: out of resource" if r.plan == BAD else None
     monkeypatch.setattr(kernel_plans, "_check", check)
@@ -148,6 +149,16 @@ def test_a_saved_plan_that_fails_on_the_weights_is_dropped_and_measured_again(tm
     assert "W4A16 plan for M=16" in caplog.text and "out of resource" in caplog.text
     assert (16, tune.Shape(512, 512, 128), 3, 28) in fake_gpu and len(fake_gpu) == 24
     assert {r.key: r.plan for r in tune.load(path, KEY)}[bad.key] != BAD
+
+
+def test_with_measuring_off_a_failing_saved_plan_leaves_the_file(tmp_path, fake_gpu):
+    path = tmp_path / "plans" / tune.file_name(KEY)
+    bad = tune.Measurement(16, tune.Shape(512, 512, 128), BAD, 3.0, w4a16.Plan("gemv"), 4.0)
+    good = tune.Measurement(1, tune.Shape(512, 512, 128), TC16, 3.0, w4a16.Plan("gemv"), 4.0)
+    tune.save(path, KEY, [bad, good])
+    kernel_plans.prepare(Model(), config(tmp_path, tune_kernels=False), torch.device("cuda"), torch.bfloat16)
+    assert fake_gpu == [] and [r.key for r in tune.load(path, KEY)] == [good.key]
+    assert w4a16.choose_plan(16, 512, 512, 4, 128, 28) != BAD
 
 
 def test_a_pick_the_deadline_cut_short_is_used_but_not_saved(tmp_path, fake_gpu):

@@ -201,13 +201,15 @@ def test_load_drops_bad_entries_and_rejects_bad_files(tmp_path):
     data["plans"].append({**data["plans"][1], "plan": {**data["plans"][1]["plan"], "path": "magic"}})
     data["plans"].append({**data["plans"][1], "plan": {**data["plans"][1]["plan"], "tile": 3}})
     data["plans"].append({**data["plans"][1], "gated": "false"})
+    data["plans"] += [1, {**data["plans"][1], "plan": None}]
     path.write_text(json.dumps(data))
     lines = []
     kept = tune.load(path, KEY, lines.append)
     assert [r.key for r in kept] == [(8, 4096, 11008, 128)]
-    assert len(lines) == 5
+    assert len(lines) == 7
     assert "block_k" in lines[0] and "M bucket" in lines[1] and "magic" in lines[2] and "tile" in lines[3]
     assert "gated must be true or false" in lines[4]
+    assert "not an object with a 'plan' object" in lines[5] and "not an object" in lines[6]
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not a W4A16 plan file"):
         tune.load(path, KEY)
@@ -229,10 +231,26 @@ def test_save_adds_to_what_the_file_holds(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
 
 
-def test_the_key_names_the_kernels_source():
-    v = tune.kernels_version()
-    assert len(v) == 12 and int(v, 16) >= 0
-    assert tune.file_name({**KEY, "kernels": "ffffffffffff"}) == tune.file_name(KEY)  # same file, measured again
+def test_the_key_follows_the_kernels_code_not_the_plan_tables(monkeypatch):
+    before = tune.kernels_version()
+    assert len(before) == 12 and before == tune.kernels_version()
+    monkeypatch.setitem(w4a16.TUNED, (1, 1, 1), w4a16.Plan("gemv"))  # a table entry: the same kernels
+    assert tune.kernels_version() == before
+    kernel = w4a16._dequant_kernel
+
+    def changed(*args):  # a kernel whose source differs
+        return None
+    monkeypatch.setattr(kernel, "fn", changed)
+    changed.__module__ = w4a16.__name__
+    assert tune.kernels_version() != before
+
+
+def test_sticky_errors_are_told_from_recoverable_ones():
+    assert tune._sticky(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert tune._sticky(RuntimeError("Triton Error [CUDA]: misaligned address"))
+    assert not tune._sticky(RuntimeError("CUDA error: operation not permitted when stream is capturing"))
+    assert not tune._sticky(RuntimeError("out of resource: shared memory, Required: 115456"))
+    assert not tune._sticky(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 
 
 def test_plan_json_names_every_plan_field():
