@@ -2,7 +2,15 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field: its description} from a dataclass docstring's "``field``: text" entries, whitespace collapsed
+    (the server's ``--help`` text)."""
+    entries = re.findall(r"``(\w+)``: (.*?)(?=\n\s*``\w+``:|\n\s*\n|\Z)", cls.__doc__ or "", re.S)
+    return {name: " ".join(text.split()) for name, text in entries}
 
 
 @dataclass
@@ -11,7 +19,17 @@ class EngineConfig:
 
     ``model``: a Hugging Face-style folder (config.json, *.safetensors, tokenizer files); unquantized or with a
     ``quantization_config`` (AWQ gemm, GPTQ, compressed-tensors; design.md §5).
+    ``served_model_name``: the model's name in the API (``/v1/models``, the ``model`` field); None = the
+    folder's name.
+    ``tokenizer``: a folder with the tokenizer files; None = ``model``.
     ``device``: "auto" (CUDA when available, else CPU), "cuda" or "cpu".
+    ``dtype``: of activations and unquantized weights: "auto" (float32 on CPU, the exact reference path;
+    bfloat16 on CUDA), "float32", "bfloat16" or "float16".
+    ``gpu_memory_utilization``: the fraction of the GPU's total memory the engine may use (weights, activations
+    and the KV cache, which gets the rest), in (0, 1].
+    ``cpu_kv_cache_gib``: GiB of KV cache on CPU.
+    ``max_num_seqs``: sequences running at once (one step's batch at most).
+    ``block_size``: tokens per KV cache block.
     ``max_model_len``: prompt + completion tokens per sequence; None = the model's ``max_position_embeddings``
     capped at 8192.
     ``num_kv_blocks``: force the KV pool size (tests); None = size it from ``gpu_memory_utilization`` on CUDA or
@@ -19,6 +37,7 @@ class EngineConfig:
     ``max_num_batched_tokens``: token budget of one step (decode tokens + prefill tokens); None =
     max(max_model_len, 2048, max_num_seqs). At least ``max_num_seqs`` (every running sequence can decode in one
     step), and without chunked prefill at least ``max_model_len`` (every prompt fits one step).
+    ``enforce_eager``: no CUDA graphs: every decode step launches its kernels one by one.
     ``enable_chunked_prefill``: decodes first, then prefills split into chunks that fit the rest of the budget,
     in one mixed step (vLLM V1); False: prefill-only or decode-only steps, whole prompts (scheduler.py).
     ``enable_prefix_caching``: reuse the K/V of full blocks whose whole prefix matches (block_manager.py).
@@ -38,6 +57,7 @@ class EngineConfig:
     longer); False: use the plans already in the file, and the built-in ones for the rest.
     ``kernel_plans_dir``: the folder of the plan files (one per GPU and software version); None =
     ``$XDG_CACHE_HOME/appliance/kernel-plans`` (``~/.cache/...``).
+    ``seed``: of the generator that samples requests without a seed of their own.
 
     Raises ValueError("<field>: ...") for a value out of range; :meth:`token_budget` checks the budget against
     ``max_model_len`` once the engine knows it.

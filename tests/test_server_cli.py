@@ -23,3 +23,22 @@ def test_true_by_default_flags_can_be_turned_off_and_others_on():
                  "--max-num-batched-tokens", "512", "--swap-space", "2.5")
     assert args["enable_prefix_caching"] is False and args["enable_chunked_prefill"] is False
     assert args["enforce_eager"] is True and args["max_num_batched_tokens"] == 512 and args["swap_space"] == 2.5
+
+
+def test_every_option_has_the_config_docstrings_help():
+    import dataclasses
+
+    from engine.config import EngineConfig, field_docs
+
+    docs = field_docs(EngineConfig)
+    assert set(docs) >= {f.name for f in dataclasses.fields(EngineConfig)}
+    assert docs["block_size"] == "tokens per KV cache block."
+    parser = argparse.ArgumentParser()
+    _engine_options(parser)
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["tune_kernels"].startswith("on CUDA, time the W4A16 kernel plans of the model's 4-bit products")
+    assert "``" not in helps["model"] and "quantization_config" in helps["model"]
+    assert helps["gpu_memory_utilization"].endswith("in (0, 1].")
+    parser.format_help()  # no stray % in the texts
+    args = parse("--no-tune-kernels", "--kernel-plans-dir", "/tmp/p")
+    assert args["tune_kernels"] is False and args["kernel_plans_dir"] == "/tmp/p"

@@ -11,7 +11,7 @@ import logging
 import typing
 
 from engine.async_engine import DEFAULT_MAX_WAITING
-from engine.config import EngineConfig
+from engine.config import EngineConfig, field_docs
 from engine.server.api_server import run_server
 
 
@@ -19,14 +19,16 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     """Add ``--<field>`` for each ``EngineConfig`` field, typed from its annotation. Bools are flags with a
     ``--no-<field>`` form, as vLLM's (``--no-enable-prefix-caching``), so a default of True can be turned off."""
     hints = typing.get_type_hints(EngineConfig)
+    docs = field_docs(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        text = docs.get(f.name, "").replace("``", "").replace("%", "%%")  # argparse formats help with %
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             parser.add_argument(flag, type=kind, required=f.default is dataclasses.MISSING,
-                                default=None if f.default is dataclasses.MISSING else f.default)
+                                default=None if f.default is dataclasses.MISSING else f.default, help=text)
 
 
 def main(argv: list[str] | None = None) -> None:
