@@ -10,12 +10,15 @@ sweeps. So the engine measures its own model's shapes on its own GPU once (``eng
   at a few K splits, and dequantize-then-cuBLAS (M > 64). Few tile shapes (each is a Triton compile), more splits
   (a runtime argument, no compile).
 * :func:`measure`: each candidate computes the product once and must match dequantize-then-matmul in fp32
-  (relative error < 1e-2: a wrong plan never wins), then is timed as a CUDA graph of calls rotating over the
-  model's own layers of that shape (so weights come from DRAM, not L2, as in a decode step). The default plan
-  stays unless a candidate is more than :data:`MARGIN` faster (timing noise must not churn plans).
+  (:func:`check`; relative error < 1e-2: a wrong plan never wins), then is timed as a CUDA graph of calls rotating
+  over the model's own layers of that shape (so weights come from DRAM, not L2, as in a decode step;
+  :func:`time_graph`, warmed up and captured on a stream of its own). The default plan stays unless a candidate
+  is more than :data:`MARGIN` faster twice, the second time alternating with it (timing noise must not churn
+  plans).
 * :func:`save` / :func:`load`: a JSON file named by :func:`gpu_key` (device name, compute capability,
-  multiprocessor count, activation dtype, Triton and torch versions: a compiler change measures again), written to a
-  temporary name and renamed; entries that do not parse are dropped with the reason.
+  multiprocessor count, activation dtype, Triton and torch versions); the key inside also holds a hash of the
+  kernels' code (:func:`kernels_version`), so a compiler or kernel change measures again. Written to a temporary
+  name, flushed and renamed; entries that do not parse are dropped with the reason.
 * :func:`install`: the plans go to :data:`w4a16.MEASURED`, which ``choose_plan`` reads first.
 
 The M of each measurement is the top of its bucket (:data:`w4a16.M_BUCKETS`: 1, 8, 16, 64, 128, 256), the rows
