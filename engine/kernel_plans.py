@@ -123,7 +123,5 @@ def _check(r, shape, weights: list, dtype: torch.dtype) -> str | None:
     on this model's weights (kernels.w4a16_tune.check), or None."""
     from kernels import w4a16_tune
 
-    gen = torch.Generator(device=weights[0].qweight.device).manual_seed(r.m)
-    x = torch.randn(r.m, shape.k * (2 if shape.gated else 1), generator=gen, device=weights[0].qweight.device,
-                    dtype=dtype)
+    x = w4a16_tune.sample_input(shape, r.m, dtype, weights[0].qweight.device)
     return w4a16_tune.check(x, weights[0], r.plan, shape.gated)

@@ -202,6 +202,13 @@ STICKY = ("illegal memory access", "illegal instruction", "misaligned address", 
           "device-side assert", "an illegal address", "hardware stack error")
 
 
+def sample_input(shape: Shape, m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The x a plan of ``m`` rows is checked and timed with: [m, K] (or [m, 2K] for a gated shape), standard
+    normal in ``dtype``, seeded by ``m`` (the same input every start)."""
+    gen = torch.Generator(device=device).manual_seed(m)
+    return torch.randn(m, shape.k * (2 if shape.gated else 1), generator=gen, device=device, dtype=dtype)
+
+
 def _sticky(exc: Exception) -> bool:
     """Whether ``exc`` is a CUDA error that leaves the context unusable (:data:`STICKY`); out of memory, out of
     shared memory and capture errors are not."""
@@ -242,8 +249,7 @@ def measure(weights: list[QuantizedWeight], shape: Shape, m: int, dtype: torch.d
     per_weight = sum(t.numel() * t.element_size() for t in (w0.qweight, w0.qzeros, w0.scales))
     chain = weights[:max(2, min(len(weights), cdiv(ROTATE_BYTES, per_weight)))]
     calls = [chain[i % len(chain)] for i in range(max(8, len(chain)))]
-    gen = torch.Generator(device=w0.qweight.device).manual_seed(m)
-    x = torch.randn(m, shape.k * (2 if shape.gated else 1), generator=gen, device=w0.qweight.device, dtype=dtype)
+    x = sample_input(shape, m, dtype, w0.qweight.device)
     try:
         ref = _reference(x, w0, shape.gated)
     except torch.OutOfMemoryError:
