@@ -131,6 +131,15 @@ def pdl(t: torch.Tensor) -> bool:
     return _cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
+def hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a CUDA device of compute capability 9.0 or newer, whose PTX has the packed bf16
+    ``sub`` / ``mul`` (``sub.rn.bf16x2``, ``mul.rn.bf16x2``; sm_80 - sm_89 have only ``fma.rn.bf16x2``, so the
+    kernels that use them take a ``HOPPER`` constexpr and write the same values as fma on older GPUs)."""
+    if t.device.type != "cuda":
+        return False
+    return _cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
 def early_trigger(t: torch.Tensor) -> bool:
     """Whether kernels on ``t`` that launch with PDL also let the next kernel launch after their main loop
     (:func:`pdl_trigger`, see the module doc): :func:`pdl` and ``APPLIANCE_PDL_TRIGGER`` is not "0". Read at every

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import activation, w4a16_mma
-from ._triton import cdiv, device_fn, dot_f32, early_trigger, jit, num_sms, pdl, pdl_trigger, pdl_wait, tl
+from ._triton import cdiv, device_fn, dot_f32, early_trigger, hopper, jit, num_sms, pdl, pdl_trigger, pdl_wait, tl
 from .quant_formats import QuantizedWeight
 
 @device_fn
@@ -193,24 +193,49 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
 
 
 @device_fn
-def _fast_pair(q, zero, zz, j: tl.constexpr, IS_BF16: tl.constexpr, DOT_F32: tl.constexpr, dtype: tl.constexpr):
-    """Codes j and j + 4 of the words q [WORDS, BLOCK_N] minus the zeros, exact in x's 16-bit dtype: one ``lop3``
-    with the magic exponent (128 + c in bf16, 1024 + c in fp16) and one packed ``sub`` of (magic + z) ``zz`` per
-    two codes; plain Triton with the same values in the interpreter (its int -> bf16 cast is broken)."""
+def _codes_minus_zeros(qs, zz, IS_BF16: tl.constexpr, HOPPER: tl.constexpr):
+    """Codes c (bits 0-3) and c' (bits 16-19) of the words ``qs`` minus their zeros, exact, as one int32 holding a
+    pair of x's 16-bit dtype (c - z in the low half): one ``lop3`` puts the codes under the magic exponent (128 + c
+    in bf16, 1024 + c in fp16; Kim et al., "Who says elephants can't run", 2022) and one packed subtraction of
+    (magic + z) ``zz`` leaves c - z. PTX before sm_90 (HOPPER false) has no packed bf16 ``sub``: there t * 1 + (-zz)
+    in one ``fma.rn.bf16x2``, the same exact value (found compiling for sm_86, fourteenth session: ptxas refused
+    the tc GEMM, so every RTX card failed its prefill)."""
+    if not IS_BF16:
+        t = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 $0, t, $2; }", "=r,r,r",
+            [qs, zz], dtype=tl.int32, is_pure=True, pack=1)
+    elif HOPPER:
+        t = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 $0, t, $2; }", "=r,r,r",
+            [qs, zz], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        t = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, one, nz; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3F803F80; "
+            "xor.b32 nz, $2, 0x80008000; fma.rn.bf16x2 $0, t, one, nz; }", "=r,r,r", [qs, zz], dtype=tl.int32,
+            is_pure=True, pack=1)
+    return t
+
+
+@device_fn
+def _halves(t, dtype: tl.constexpr):
+    """The two 16-bit values of the int32 pairs ``t`` (low half first) as ``dtype``."""
+    lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [t], dtype=(tl.int16, tl.int16),
+                                       is_pure=True, pack=1)
+    return lo.to(dtype, bitcast=True), hi.to(dtype, bitcast=True)
+
+
+@device_fn
+def _fast_pair(q, zero, zz, j: tl.constexpr, IS_BF16: tl.constexpr, DOT_F32: tl.constexpr, dtype: tl.constexpr,
+               HOPPER: tl.constexpr):
+    """Codes j and j + 4 of the words q [WORDS, BLOCK_N] minus the zeros, exact in x's 16-bit dtype
+    (:func:`_codes_minus_zeros`, ``zz`` = magic + z in both halves); plain Triton with the same values in the
+    interpreter (its int -> bf16 cast is broken)."""
     qs = q >> (4 * j)  # code j in bits 0-3, code j + 4 in bits 16-19
     if DOT_F32:
         lo = ((qs & 15) - zero[None, :]).to(tl.float32).to(dtype)
         hi = (((qs >> 16) & 15) - zero[None, :]).to(tl.float32).to(dtype)
-    elif IS_BF16:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
-            "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
     else:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 t, t, $3; "
-            "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        lo, hi = lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+        lo, hi = _halves(_codes_minus_zeros(qs, zz, IS_BF16, HOPPER), dtype)
     return lo, hi
 
 
@@ -257,7 +282,8 @@ def _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP: tl.constexpr, SPLIT: t
 def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 SWAP: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
+                 SWAP: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr,
+                 HOPPER: tl.constexpr = False):
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits): one [BLOCK_M, BLOCK_N] output tile over one K range.
 
     Default: the weight tile [BLOCK_K, BLOCK_N] is dequantized in registers to x's dtype ((q - z) * s, exact in
@@ -266,6 +292,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
     8w + j), each code pair (j, j + 4) made by one ``lop3`` with the magic exponent (128 + c in bf16, 1024 + c in
     fp16) and one packed ``sub`` of (magic + z) (Kim et al. 2022; Frantar et al., Marlin, 2024), interpreted in
     plain Triton on CPU. SWAP computes the transposed product (weight as the left operand), which suits small M.
+    HOPPER: compute capability >= 9.0 (the packed bf16 ``sub`` of PTX; :func:`_fast_pair`).
     """
     PF: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -293,7 +320,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
             else:
                 zz = ((zero + 0x6400) * 0x10001)[None, :]
             for j in tl.static_range(4):
-                lo, hi = _fast_pair(q, zero, zz, j, IS_BF16, DOT_F32, x_ptr.dtype.element_ty)
+                lo, hi = _fast_pair(q, zero, zz, j, IS_BF16, DOT_F32, x_ptr.dtype.element_ty, HOPPER)
                 a = _load_x(x_ptr, perm_ptr, m, mmask, stride_xm, k0 + w * PF + j, K, HAS_PERM)
                 part = _dot_acc(a, lo, part, SWAP, DOT_F32)
                 a = _load_x(x_ptr, perm_ptr, m, mmask, stride_xm, k0 + w * PF + j + 4, K, HAS_PERM)
@@ -314,34 +341,34 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
 
 
 @device_fn
-def _tc_pair(qs, zz, zero, scale, ss, MODE: tl.constexpr, IS_BF16: tl.constexpr, dtype: tl.constexpr):
+def _tc_pair(qs, zz, zero, scale, ss, MODE: tl.constexpr, IS_BF16: tl.constexpr, dtype: tl.constexpr,
+             HOPPER: tl.constexpr):
     """Codes j and j + 4 of the shifted words ``qs`` [BLOCK_N, WORDS] (code j in bits 0-3, code j + 4 in bits
     16-19) as two weights in x's dtype; ``zero`` / ``scale`` [BLOCK_N, 1] int / fp32. MODE 0 (any dtype; the
-    interpreter): plain Triton, (c - z) * s in fp32 rounded once. MODES 1-3 take bf16 x (magic 0x4300).
-    MODE 1: one ``lop3`` with the magic exponent and one packed ``sub`` of (magic + z) ``zz`` give c - z exact in
-    bf16 (Kim et al. 2022); each half is widened to fp32 (a shift, a mask), multiplied by the fp32 scale and the
-    pair rounded once (``cvt.rn.bf16x2``): the same bits as MODE 0. MODE 2: c - z alone (the scale is applied
-    after the dot). MODE 3: c - z times the scale in packed bf16 ``ss`` (a second rounding for fp16 scales)."""
+    interpreter): plain Triton, (c - z) * s in fp32 rounded once. MODES 1-3 take bf16 x and start from c - z exact
+    in bf16 (:func:`_codes_minus_zeros`). MODE 1: each half widened to fp32 (a shift, a mask), multiplied by the
+    fp32 scale and the pair rounded once (``cvt.rn.bf16x2``): the same bits as MODE 0. MODE 2: c - z alone (the
+    scale is applied after the dot). MODE 3: c - z times the scale in packed bf16 ``ss`` (a second rounding for fp16
+    scales); before sm_90 (HOPPER false), which has no packed bf16 ``mul``, as t * s + (-0) in one
+    ``fma.rn.bf16x2`` (adding -0 changes no product, a +0 one included): the same bits."""
     if MODE == 0:
         lo = (((qs & 15) - zero).to(tl.float32) * scale).to(dtype)
         hi = ((((qs >> 16) & 15) - zero).to(tl.float32) * scale).to(dtype)
     else:
+        t = _codes_minus_zeros(qs, zz, True, HOPPER)
         if MODE == 1:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, a, b; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
-                "shl.b32 a, t, 16; and.b32 b, t, 0xFFFF0000; mul.rn.f32 a, a, $4; mul.rn.f32 b, b, $4; "
-                "cvt.rn.bf16x2.f32 t, b, a; mov.b32 {$0, $1}, t; }", "=h,=h,r,r,r",
-                [qs, zz, scale.to(tl.int32, bitcast=True)], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        elif MODE == 2:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
-                "mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [qs, zz], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
-                "mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }", "=h,=h,r,r,r", [qs, zz, ss],
-                dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        lo, hi = lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
+            t = tl.inline_asm_elementwise(
+                "{ .reg .b32 a, b; shl.b32 a, $1, 16; and.b32 b, $1, 0xFFFF0000; mul.rn.f32 a, a, $2; "
+                "mul.rn.f32 b, b, $2; cvt.rn.bf16x2.f32 $0, b, a; }", "=r,r,r", [t, scale.to(tl.int32, bitcast=True)],
+                dtype=tl.int32, is_pure=True, pack=1)
+        elif MODE == 3 and HOPPER:
+            t = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [t, ss], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+        elif MODE == 3:
+            t = tl.inline_asm_elementwise(
+                "{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }", "=r,r,r", [t, ss],
+                dtype=tl.int32, is_pure=True, pack=1)
+        lo, hi = _halves(t, tl.bfloat16)
     return lo, hi
 
 
@@ -349,7 +376,8 @@ def _tc_pair(qs, zz, zero, scale, ss, MODE: tl.constexpr, IS_BF16: tl.constexpr,
 def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, k_per_split,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
-                    SWAP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
+                    SWAP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr,
+                    HOPPER: tl.constexpr = False):
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits), 4-bit weights, no act-order (the caller permutes x):
     one [BLOCK_M, BLOCK_N] output tile over one K range. x's tile [BLOCK_M, BLOCK_K] is read contiguously (16-byte
     loads the compiler pipelines into shared memory). The weight tile is built transposed, [BLOCK_N, BLOCK_K]: the
@@ -358,7 +386,8 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
     the weight tile is the left operand of ``tl.dot`` (wgmma reads it from registers, x's tile from shared memory,
     and with MODE 1 / 3 the next tile is unpacked while the previous product runs); else x's tile is, and the
     weight tile goes through shared memory. MODE 2 scales the product of each tile (BLOCK_K divides GROUP, or
-    GROUP >= K: one scale per column per tile); the others multiply the weights."""
+    GROUP >= K: one scale per column per tile); the others multiply the weights. HOPPER: compute capability >= 9.0
+    (:func:`_tc_pair`)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     IS_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     dtype: tl.constexpr = x_ptr.dtype.element_ty
@@ -398,10 +427,10 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
         sb = scale.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         ss = (sb | (sb << 16))[:, None]
         zc, sc = zero[:, None], scale[:, None]
-        lo0, hi0 = _tc_pair(q, zz, zc, sc, ss, MODE, IS_BF16, dtype)
-        lo1, hi1 = _tc_pair(q >> 4, zz, zc, sc, ss, MODE, IS_BF16, dtype)
-        lo2, hi2 = _tc_pair(q >> 8, zz, zc, sc, ss, MODE, IS_BF16, dtype)
-        lo3, hi3 = _tc_pair(q >> 12, zz, zc, sc, ss, MODE, IS_BF16, dtype)
+        lo0, hi0 = _tc_pair(q, zz, zc, sc, ss, MODE, IS_BF16, dtype, HOPPER)
+        lo1, hi1 = _tc_pair(q >> 4, zz, zc, sc, ss, MODE, IS_BF16, dtype, HOPPER)
+        lo2, hi2 = _tc_pair(q >> 8, zz, zc, sc, ss, MODE, IS_BF16, dtype, HOPPER)
+        lo3, hi3 = _tc_pair(q >> 12, zz, zc, sc, ss, MODE, IS_BF16, dtype, HOPPER)
         even = tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2))  # codes 0, 2, 4, 6 at [.., t, u]: 4t + 2u
         odd = tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3))
         bt = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))  # [n, 8w + j]
@@ -550,8 +579,9 @@ M_BUCKETS = (1, 8, 16, 64, 128, 256)
 #: The fastest plans measured on an H200 for Llama-7B shapes, by (M bucket, N, K) (:data:`M_BUCKETS`), group size
 #: 128 (bench/gpu_suite.py --sweep, 2026-11-30; the M = 1 splits retuned in the fourth session's probes so the grid
 #: fills whole waves; the "mma" plans from the fifth session's probes, against the best other plan in the same run;
-#: ratios in bench/RESULTS.md). Used on GPUs of :data:`TUNED_SMS` multiprocessors only (their 128-deep tc tiles need
-#: more shared memory than an RTX 30/40 has); other GPUs and shapes use choose_plan's rules, or measure their own.
+#: ratios in bench/RESULTS.md). Used on GPUs of :data:`TUNED_SMS` multiprocessors only (their splits and tiles were
+#: timed there; the 128-deep tc tiles take 115 KB of shared memory on sm_90, 91 KB on sm_86 / sm_89, whose blocks
+#: get 99 KB: tests/compile_targets.py); other GPUs and shapes use choose_plan's rules, or measure their own.
 #: The "tc" plans use mode 3 (the scale multiplied in packed bf16): 5-10% faster than the exact mode 1 at M = 16
 #: and 64 (same sweep); with fp16 scales each weight is rounded twice (scale to bf16, then the product).
 TUNED = {
@@ -626,8 +656,8 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int, mma: bo
     if fits and (mma or tuned.path != "mma"):
         return tuned
     block_k = _pow2_divisor(group, 128)
-    if m > 64:  # 128 x 64 x 64 tensor-core tiles (about 60 KB of shared memory in 3 stages: every GPU from sm_80;
-        # 128-deep K tiles need 115 KB, more than an RTX 30/40 has), K split when the tiles leave SMs idle
+    if m > 64:  # 128 x 64 x 64 tensor-core tiles (46-62 KB of shared memory in 3 stages from sm_80 to sm_90, well
+        # inside any GPU's block limit; tests/compile_targets.py), K split when the tiles leave SMs idle
         if bits != 4 or block_k < 64:
             return Plan("dequant")
         tiles = cdiv(m, 128) * cdiv(n, 64)
@@ -777,7 +807,8 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             xk, qw.qweight, qw.scales, qw.qzeros, bias_arg, target, m, n, k, xk.stride(0), plan.k_per_split,
             GROUP=qw.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
             HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % plan.block_k == 0, MODE=mode, SWAP=plan.swap,
-            DOT_F32=dot_f32(x), PDL=pdl(x), TRIG=early_trigger(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
+            DOT_F32=dot_f32(x), PDL=pdl(x), TRIG=early_trigger(x), HOPPER=hopper(x), num_warps=plan.num_warps,
+            num_stages=plan.num_stages)
     elif plan.path == "gemv":
         if m != 1:
             raise ValueError(f"the gemv path takes one row, got {m}")
@@ -795,7 +826,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
         _gemm_kernel[(cdiv(m, plan.block_m), cdiv(n, plan.block_n), splits)](
             x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, target, m, n, k, x.stride(0), plan.k_per_split,
             BLOCK_M=plan.block_m, SWAP=plan.swap, FAST=fast, DOT_F32=dot_f32(x), PDL=pdl(x),
-            TRIG=early_trigger(x), **common)
+            TRIG=early_trigger(x), HOPPER=hopper(x), **common)
     if splits > 1:
         block = 1024
         _splitk_reduce_kernel[(cdiv(m * n, block),)](target, bias_arg, out, m * n, n, splits,

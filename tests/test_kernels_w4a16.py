@@ -273,6 +273,7 @@ def test_split_k_counters_are_never_allocated_inside_a_graph_capture(monkeypatch
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: GPU only")
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # the capture that raises records nothing
 def test_split_k_gemv_in_graphs_captured_one_after_another():
     """A stream's first split-K GEMV inside a capture raises (its counters would come from the graph pool);
     warmed up on the stream first, graphs captured, freed and captured again replay the eager result."""
@@ -399,3 +400,18 @@ def test_tc_path_ragged_k_act_order_every_mode(dtype, swap):
         w4a16.run_plan(x[:, :128], qw8, None, w4a16.Plan("tc", block_m=16, block_n=64, block_k=64))
     with pytest.raises(ValueError, match="k_per_split a multiple of block_k"):  # splits would overlap
         w4a16.run_plan(x, qw, None, w4a16.Plan("tc", block_m=16, block_n=64, block_k=64, k_per_split=96))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled PTX: GPU only")
+@pytest.mark.parametrize("plan", ["tc", "tc_split_swap", "tc_bf16_scale", "gemm_fast"])
+def test_pre_hopper_packed_bf16_gives_the_same_bits(plan, monkeypatch):
+    """Before sm_90 the tc GEMM (modes 1-3) and the fast GEMM write their packed bf16 sub / mul as fma (no such
+    PTX there; tests/test_compile_targets.py): forced on this GPU, the fma forms give the very same output."""
+    p = PLANS[plan]
+    qw, w = make_weight("awq", 256, 128, 128, False, scale_dtype=torch.bfloat16)
+    x = torch.randn(24, 256, dtype=torch.bfloat16)
+    want = w4a16.run_plan(x, qw, None, p)
+    monkeypatch.setattr(w4a16, "hopper", lambda t: False)
+    got = w4a16.run_plan(x, qw, None, p)
+    assert torch.equal(got, want)
+    check_product(got, x, w)
