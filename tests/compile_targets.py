@@ -1,0 +1,173 @@
+"""Compile the engine's Triton kernels for GPUs we have no machine of: the product's RTX 30 / 40 cards.
+
+The CI machine has no GPU and the benchmark GPU is an H200 (sm_90), so nothing else ever compiled the kernels for
+the GPUs the appliance is for (RTX 3060 / 3090: sm_86; RTX 4060 Ti / 4090: sm_89; A100: sm_80). Triton's wheel
+carries ptxas, and compiling needs no GPU: :func:`compile_only` stands in a driver that names the target, makes
+every launch a compile (``JITFunction.run(warmup=True)``), and gives the ops meta tensors (shapes without memory),
+so each op runs its host code (plan choice, grid, constexprs) as on that GPU and Triton compiles what it would
+launch. :func:`model_launches` drives one model's decode and prefill ops through ``kernels.ops``' Triton side.
+
+What it catches: PTX that the target lacks (ptxas refuses it: the packed bf16 ``sub`` / ``mul`` of the tc GEMM
+were sm_90-only), and kernels needing more shared memory than the target has per block (:data:`SHARED_LIMIT`).
+Register spills are not checked (the count comes from loading the binary, which needs the GPU).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+#: Shared memory a block may use (bytes, opt-in maximum; CUDA C Programming Guide, "Technical Specifications per
+#: Compute Capability"): 163 KB on sm_80, 99 KB on sm_86 and sm_89.
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024}
+
+#: The GPUs checked: (compute capability as 86, multiprocessors); the count changes the plans (K splits, tiles).
+TARGETS = {"RTX 3060": (86, 28), "RTX 3090": (86, 82), "RTX 4060 Ti": (89, 34), "RTX 4090": (89, 128),
+           "A100": (80, 108)}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One kernel variant Triton compiled: name, shared memory in bytes, and what it was compiled for."""
+
+    kernel: str
+    shared: int
+    num_warps: int
+    num_stages: int
+
+
+class _Driver:
+    """What ``JITFunction.run`` asks the active driver for when it only compiles: the target, a device id (the
+    capability, so each target keeps its own kernel cache) and a stream."""
+
+    def __init__(self, capability: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", capability, 32)
+        self.capability = capability
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return self.capability
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+@contextlib.contextmanager
+def compile_only(capability: int, sms: int):
+    """While it lasts, Triton launches compile for compute capability ``capability`` (86 for sm_86) and launch
+    nothing, the kernel modules see a GPU of ``sms`` multiprocessors without Hopper's PTX (no PDL, no packed bf16
+    sub), and each compiled variant is appended to the yielded list. Launch with meta tensors."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from kernels import paged_attention, w4a16
+
+    seen: list[Compiled] = []
+    run = JITFunction.run
+
+    def compile_run(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        seen.append(Compiled(self.fn.__name__, kernel.metadata.shared, kernel.metadata.num_warps,
+                             kernel.metadata.num_stages))
+        return kernel
+
+    patches = [(JITFunction, "run", compile_run), (w4a16, "num_sms", lambda device: sms),
+               (paged_attention, "num_sms", lambda device: sms),
+               (w4a16, "hopper", lambda t: capability >= 90)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    driver.set_active(_Driver(capability))
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    w4a16.choose_plan.cache_clear()
+    try:
+        yield seen
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        driver.reset_active() if driver._default is not None else setattr(driver, "_active", None)
+        w4a16.choose_plan.cache_clear()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a decoder that pick kernels: hidden, intermediate, q / kv heads, head dim; qkv bias (Qwen)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+
+
+MODELS = {
+    "Llama-2-7B": Shape(4096, 11008, 32, 32, 128),
+    "Llama-3-8B": Shape(4096, 14336, 32, 8, 128),
+    "Qwen2.5-7B": Shape(3584, 18944, 28, 4, 128, qkv_bias=True),
+    "Qwen2.5-1.5B": Shape(1536, 8960, 12, 2, 128, qkv_bias=True),
+    "Phi-3-mini": Shape(3072, 8192, 32, 32, 96),
+    "SmolLM2-135M": Shape(576, 1536, 9, 3, 64),
+}
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _weight(k: int, n: int, group: int, act_order: bool, scale_dtype: torch.dtype):
+    from kernels.quant_formats import QuantizedWeight
+    g = -(-k // group)
+    perm = _meta(k, dtype=torch.int32) if act_order else None
+    return QuantizedWeight(_meta(k // 8, n, dtype=torch.int32), _meta(g, n // 8, dtype=torch.int32),
+                           _meta(g, n, dtype=scale_dtype), perm, 4, group, k, n, "meta")
+
+
+def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int = 128, act_order: bool = False,
+                   kv_dtype: torch.dtype | None = None, rows=(1, 8, 16, 64, 128, 256, 512), batches=(1, 8, 64),
+                   max_model_len: int = 4096, block_size: int = 16) -> None:
+    """Run the Triton side of every op of one decoder layer on meta tensors: the four W4A16 products at each M
+    of ``rows`` (decode batches and prefill chunks; SiLU fused into the down projection's GEMV at M = 1 as the
+    model does), RMSNorm, rotary with the KV write, SiLU-and-mul, the KV write, decode attention for each of
+    ``batches`` over a ``max_model_len`` block table, and prefill attention. Inside :func:`compile_only`."""
+    from kernels import activation, kv_cache, norm, paged_attention, rotary, w4a16
+
+    kv_dtype = kv_dtype or dtype
+    h, d = shape.hidden, shape.head_dim
+    qkv_n = (shape.heads + 2 * shape.kv_heads) * d
+    weights = {"qkv": _weight(h, qkv_n, group, act_order, dtype),
+               "o": _weight(shape.heads * d, h, group, act_order, dtype),
+               "gate_up": _weight(h, 2 * shape.intermediate, group, act_order, dtype),
+               "down": _weight(shape.intermediate, h, group, act_order, dtype)}
+    bias = _meta(qkv_n, dtype=dtype) if shape.qkv_bias else None
+    for m in rows:
+        w4a16.w4a16_linear(_meta(m, h, dtype=dtype), weights["qkv"], bias)
+        w4a16.w4a16_linear(_meta(m, shape.heads * d, dtype=dtype), weights["o"])
+        w4a16.w4a16_linear(_meta(m, h, dtype=dtype), weights["gate_up"])
+        gated = m == 1  # as the model: SiLU-and-mul fused into the down projection's GEMV loads at one row
+        w4a16.w4a16_linear(_meta(m, shape.intermediate * (2 if gated else 1), dtype=dtype), weights["down"],
+                           silu_gated=gated)
+        norm.rms_norm(_meta(m, h, dtype=dtype), _meta(h, dtype=dtype), 1e-5, _meta(m, h, dtype=dtype))
+        activation.silu_and_mul(_meta(m, 2 * shape.intermediate, dtype=dtype))
+    blocks = 64
+    caches = [_meta(blocks, block_size, shape.kv_heads, d, dtype=kv_dtype) for _ in range(2)]
+    scales = ([_meta(blocks, shape.kv_heads, block_size, dtype=torch.float32) for _ in range(2)]
+              if kv_dtype == torch.int8 else [None, None])
+    cos_sin = _meta(max_model_len, d, dtype=torch.float32)
+    for tokens in (1, 64):
+        q = _meta(tokens, shape.heads, d, dtype=dtype)
+        kv = _meta(tokens, shape.kv_heads, d, dtype=dtype)
+        rotary.rotary_write_kv(_meta(tokens, dtype=torch.int64), q, kv, kv, cos_sin, *caches,
+                               _meta(tokens, dtype=torch.int64), *scales)
+        kv_cache.write_kv_cache(kv, kv, *caches, _meta(tokens, dtype=torch.int64), *scales)
+    table_width = -(-max_model_len // block_size)
+    for batch in batches:
+        paged_attention.paged_attention_decode(
+            _meta(batch, shape.heads, d, dtype=dtype), *caches, _meta(batch, table_width, dtype=torch.int32),
+            _meta(batch, dtype=torch.int32), d ** -0.5, *scales)
+    paged_attention.paged_attention_prefill(
+        _meta(512, shape.heads, d, dtype=dtype), *caches, _meta(4, table_width, dtype=torch.int32),
+        _meta(5, dtype=torch.int32), _meta(4, dtype=torch.int32), d ** -0.5, *scales)

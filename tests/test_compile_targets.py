@@ -1,0 +1,82 @@
+"""Every kernel the engine launches compiles for the RTX 30 / 40 GPUs (and an A100) and fits their shared memory.
+
+No GPU needed: Triton compiles for a named target with the ptxas in its wheel (tests/compile_targets.py). Run
+on the H200 too, these would check Triton 3.6's code generation for the same targets.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import compile_targets as ct  # noqa: E402
+from kernels import w4a16  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _check(seen: list, capability: int, what: str) -> None:
+    assert seen, f"{what}: nothing compiled"
+    too_big = sorted({c for c in seen if c.shared > ct.SHARED_LIMIT[capability]}, key=lambda c: -c.shared)
+    assert not too_big, f"{what}: over sm_{capability}'s {ct.SHARED_LIMIT[capability]} bytes: {too_big}"
+
+
+@pytest.mark.parametrize("gpu", list(ct.TARGETS))
+def test_every_model_compiles(gpu):
+    """The decode and prefill kernels of each model in MODELS (AWQ, group 128, bf16, bf16 KV cache)."""
+    capability, sms = ct.TARGETS[gpu]
+    with ct.compile_only(capability, sms) as seen:
+        for name, shape in ct.MODELS.items():
+            ct.model_launches(shape)
+    _check(seen, capability, gpu)
+    names = {c.kernel for c in seen}
+    assert {"_gemv_mma_kernel", "_gemm_tc_kernel", "_decode_kernel", "_prefill_kernel", "_rotary_kernel",
+            "_rms_norm_kernel", "_silu_and_mul_kernel", "_write_kv_kernel"} <= names, names
+
+
+VARIANTS = {
+    "fp16": dict(dtype=torch.float16),
+    "act-order, group 64": dict(act_order=True, group=64),
+    "group 32": dict(group=32),
+    "int8 KV cache": dict(kv_dtype=torch.int8),
+    "fp8 KV cache": dict(kv_dtype=torch.float8_e4m3fn),  # sm_89 only: the engine refuses it on older GPUs
+}
+
+
+@pytest.mark.parametrize("gpu", ["RTX 3090", "RTX 4090"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_compile(gpu, variant):
+    capability, sms = ct.TARGETS[gpu]
+    if variant == "fp8 KV cache" and capability < 89:
+        pytest.skip("fp8 KV needs sm_89 (engine.model_runner refuses it before any kernel runs)")
+    with ct.compile_only(capability, sms) as seen:
+        ct.model_launches(ct.MODELS["Llama-3-8B"], **VARIANTS[variant], rows=(1, 16, 64, 256), batches=(1, 64))
+    _check(seen, capability, f"{gpu}, {variant}")
+
+
+def test_hopper_ptx_is_refused_before_sm90():
+    """What made the tc GEMM fail on every RTX card: its packed bf16 sub / mul are sm_90 PTX. Forced on for
+    sm_86, ptxas refuses the kernel; the engine's own choice (HOPPER from the device) compiles."""
+    plan = w4a16.Plan("tc", 64, 64, 64, swap=True, mode=3)
+    qw = ct._weight(4096, 4096, 128, False, torch.bfloat16)
+    x = ct._meta(64, 4096)
+    with ct.compile_only(86, 82) as seen:
+        w4a16.run_plan(x, qw, None, plan)
+        assert seen[-1].kernel == "_gemm_tc_kernel"
+        w4a16.hopper = lambda t: True
+        with pytest.raises(Exception, match="sm_90"):
+            w4a16.run_plan(x, qw, None, plan)
+
+
+def test_shared_memory_check_flags_large_tiles():
+    """The shared-memory check has teeth: a tc tile set no rule picks (256 x 128 x 128, 4 stages) needs more than
+    sm_86 has per block and is flagged; the rules' pick for the same product fits."""
+    qw = ct._weight(4096, 12288, 128, False, torch.bfloat16)
+    x = ct._meta(256, 4096)
+    with ct.compile_only(86, 82) as seen:
+        w4a16.run_plan(x, qw, None, w4a16.Plan("tc", 256, 128, 128, num_warps=8, num_stages=4, swap=True, mode=3))
+        w4a16.run_plan(x, qw, None, w4a16.choose_plan(256, 12288, 4096, 4, 128, 82))
+    assert seen[0].shared > ct.SHARED_LIMIT[86] >= seen[1].shared
+    with pytest.raises(AssertionError, match="over sm_86"):
+        _check(seen, 86, "large tiles")
