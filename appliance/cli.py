@@ -291,7 +291,7 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
         g = hw.gpu
         checks.append((True, f"GPU {g.name}, driver {hw.driver}", ""))
     else:
-        checks.append((True, f"no GPU ({hw.reason}): serving on the CPU", ""))
+        checks.append((True, f"{'no usable GPU' if hw.gpus else 'no GPU'} ({hw.reason}): serving on the CPU", ""))
     try:
         conf = cfgmod.load(conf_path)
     except ApplianceError as exc:

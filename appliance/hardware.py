@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 import psutil
 
+from engine.config import MIN_CAPABILITY
+
 
 @dataclass
 class GPU:
@@ -100,6 +102,11 @@ def detect(nvml=None) -> Hardware:
     if not gpus:
         return Hardware(kind="cpu", driver=driver, cuda_driver=cuda_driver, reason="the driver reports no GPU",
                         **host())
+    first = gpus[0]
+    if tuple(int(v) for v in first.compute_capability.split(".")) < MIN_CAPABILITY:
+        return Hardware(kind="cpu", gpus=gpus, driver=driver, cuda_driver=cuda_driver,
+                        reason=f"{first.name} has compute capability {first.compute_capability}; the engine's "
+                               f"kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (Ampere or newer)", **host())
     return Hardware(kind="cuda", gpus=gpus, driver=driver, cuda_driver=cuda_driver, **host())
 
 

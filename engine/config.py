@@ -13,6 +13,11 @@ def field_docs(cls) -> dict[str, str]:
     return {name: " ".join(text.split()) for name, text in entries}
 
 
+#: The oldest GPUs the engine runs on: Ampere (compute capability 8.0). Its Triton kernels use bf16 and the
+#: ``mma.sync`` shapes of sm_80 PTX, which ptxas refuses for Turing's sm_75 (tests/compile_targets.py).
+MIN_CAPABILITY = (8, 0)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start.

@@ -17,7 +17,7 @@ import torch
 
 from engine import kernel_plans
 from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
+from engine.config import MIN_CAPABILITY, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
 from engine.sampler import needs_host_tokens, sample, sample_tokens, to_device
@@ -26,11 +26,21 @@ from engine.sequence import Sequence
 
 
 def resolve_device(name: str) -> torch.device:
+    """The engine's device for ``name`` ("auto", "cuda", "cuda:N", "cpu"): "auto" takes the first CUDA device if it
+    is an Ampere or newer GPU (:data:`MIN_CAPABILITY`), else the CPU. Raises RuntimeError for a CUDA device that
+    torch does not see or that is older than Ampere."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        ok = torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= MIN_CAPABILITY
+        return torch.device("cuda" if ok else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' but torch sees no CUDA device: use device='cpu' or 'auto'")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise RuntimeError(f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; the "
+                           f"kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (Ampere or newer): use "
+                           "device='cpu'")
+    return device
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -81,3 +81,19 @@ def test_gpu_fields_from_nvml():
 def test_driver_without_gpu_is_cpu():
     hw = hardware.detect(FakeNVML(count=0))
     assert hw.kind == "cpu" and hw.driver == "580.65.06" and "no GPU" in hw.reason
+
+
+class TuringNVML(FakeNVML):
+    def nvmlDeviceGetName(self, h):
+        return b"Tesla T4"
+
+    def nvmlDeviceGetCudaComputeCapability(self, h):
+        return (7, 5)
+
+
+def test_gpu_older_than_ampere_is_cpu_with_the_reason():
+    """The kernels need compute capability 8.0 (tests/compile_targets.py): a Turing GPU is listed, but the
+    machine serves on the CPU, and the report says why."""
+    hw = hardware.detect(TuringNVML())
+    assert hw.kind == "cpu" and hw.gpu.name == "Tesla T4"
+    assert hw.reason == "Tesla T4 has compute capability 7.5; the engine's kernels need 8.0+ (Ampere or newer)"
