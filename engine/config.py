@@ -14,7 +14,8 @@ def field_docs(cls) -> dict[str, str]:
 
 
 #: The oldest GPUs the engine runs on: Ampere (compute capability 8.0). Its Triton kernels use bf16 and the
-#: ``mma.sync`` shapes of sm_80 PTX, which ptxas refuses for Turing's sm_75 (tests/compile_targets.py).
+#: ``mma.sync`` shapes of sm_80 PTX, which ptxas refuses for Turing's sm_75
+#: (tests/test_compile_targets.py::test_turing_is_refused_by_ptxas).
 MIN_CAPABILITY = (8, 0)
 
 

@@ -8,12 +8,17 @@ so each op runs its host code (plan choice, grid, constexprs) as on that GPU and
 launch. :func:`model_launches` drives one model's decode and prefill ops through ``kernels.ops``' Triton side.
 
 What it catches: PTX that the target lacks (ptxas refuses it: the packed bf16 ``sub`` / ``mul`` of the tc GEMM
-were sm_90-only), and kernels needing more shared memory than the target has per block (:data:`SHARED_LIMIT`).
-Register spills are not checked (the count comes from loading the binary, which needs the GPU).
+were sm_90-only), kernels needing more shared memory than the target has per block (:data:`SHARED_LIMIT`), and,
+with ``ptxas_stats``, register spills (:func:`ptxas_stats`: Triton keeps no ptxas log, so the PTX goes through the
+bundled ptxas once more). Speed on those GPUs it cannot tell.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +40,26 @@ class Compiled:
     shared: int
     num_warps: int
     num_stages: int
+    registers: int = -1  # per thread, from ptxas -v (-1: not asked for)
+    spill_bytes: int = -1  # spill stores + loads
+
+
+def ptxas_stats(ptx: str, capability: int) -> tuple[int, int]:
+    """(registers per thread, spill store + load bytes) of ``ptx`` assembled for sm_<capability> by the ptxas in
+    Triton's wheel with ``-v``. Raises RuntimeError if ptxas fails or its report lacks either count."""
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{capability}", src, "-o", src + ".o"],
+                              capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", done.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
+    if done.returncode or regs is None or spills is None:
+        raise RuntimeError(f"ptxas sm_{capability}: {done.stderr[-500:]}")
+    return int(regs.group(1)), int(spills.group(1)) + int(spills.group(2))
 
 
 class _Driver:
@@ -57,38 +82,46 @@ class _Driver:
 
 
 @contextlib.contextmanager
-def compile_only(capability: int, sms: int):
+def compile_only(capability: int, sms: int, stats: bool = False):
     """While it lasts, Triton launches compile for compute capability ``capability`` (86 for sm_86) and launch
     nothing, the kernel modules see a GPU of ``sms`` multiprocessors without Hopper's PTX (no PDL, no packed bf16
-    sub), and each compiled variant is appended to the yielded list. Launch with meta tensors."""
+    sub), and each compiled variant is appended to the yielded list (with its registers and spills when ``stats``:
+    :func:`ptxas_stats`, once per variant). Launch with meta tensors."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
     from kernels import paged_attention, w4a16
 
     seen: list[Compiled] = []
+    counted: dict[str, tuple[int, int]] = {}
     run = JITFunction.run
 
     def compile_run(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        regs = spills = -1
+        if stats:
+            if kernel.hash not in counted:
+                counted[kernel.hash] = ptxas_stats(kernel.asm["ptx"], capability)
+            regs, spills = counted[kernel.hash]
         seen.append(Compiled(self.fn.__name__, kernel.metadata.shared, kernel.metadata.num_warps,
-                             kernel.metadata.num_stages))
+                             kernel.metadata.num_stages, regs, spills))
         return kernel
 
     patches = [(JITFunction, "run", compile_run), (w4a16, "num_sms", lambda device: sms),
                (paged_attention, "num_sms", lambda device: sms),
                (w4a16, "hopper", lambda t: capability >= 90)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    driver.set_active(_Driver(capability))
-    for obj, name, value in patches:
-        setattr(obj, name, value)
-    w4a16.choose_plan.cache_clear()
+    active = driver._active  # None until something asked for it (a CPU-only process never does)
     try:
+        driver.set_active(_Driver(capability))
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        w4a16.choose_plan.cache_clear()
         yield seen
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
-        driver.reset_active() if driver._default is not None else setattr(driver, "_active", None)
+        driver._active = active
         w4a16.choose_plan.cache_clear()
 
 
@@ -118,30 +151,31 @@ def _meta(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def _weight(k: int, n: int, group: int, act_order: bool, scale_dtype: torch.dtype):
+def _weight(k: int, n: int, group: int, act_order: bool, scale_dtype: torch.dtype, bits: int = 4):
     from kernels.quant_formats import QuantizedWeight
-    g = -(-k // group)
+    g, pf = -(-k // group), 32 // bits
     perm = _meta(k, dtype=torch.int32) if act_order else None
-    return QuantizedWeight(_meta(k // 8, n, dtype=torch.int32), _meta(g, n // 8, dtype=torch.int32),
-                           _meta(g, n, dtype=scale_dtype), perm, 4, group, k, n, "meta")
+    return QuantizedWeight(_meta(k // pf, n, dtype=torch.int32), _meta(g, n // pf, dtype=torch.int32),
+                           _meta(g, n, dtype=scale_dtype), perm, bits, group, k, n, "meta")
 
 
 def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int = 128, act_order: bool = False,
                    kv_dtype: torch.dtype | None = None, rows=(1, 8, 16, 64, 128, 256, 512), batches=(1, 8, 64),
-                   max_model_len: int = 4096, block_size: int = 16) -> None:
-    """Run the Triton side of every op of one decoder layer on meta tensors: the four W4A16 products at each M
-    of ``rows`` (decode batches and prefill chunks; SiLU fused into the down projection's GEMV at M = 1 as the
-    model does), RMSNorm, rotary with the KV write, SiLU-and-mul, the KV write, decode attention for each of
-    ``batches`` over a ``max_model_len`` block table, and prefill attention. Inside :func:`compile_only`."""
+                   max_model_len: int = 4096, block_size: int = 16, bits: int = 4) -> None:
+    """Run the Triton side of every op of one decoder layer on meta tensors: the four W{bits}A16 products at each
+    M of ``rows`` (decode batches and prefill chunks; SiLU fused into the down projection's GEMV at M = 1 as the
+    model does), RMSNorm with and without the residual (the first layer has none), rotary with the KV write,
+    SiLU-and-mul, the KV write, decode attention for each of ``batches`` over a ``max_model_len`` block table, and
+    prefill attention. Inside :func:`compile_only`."""
     from kernels import activation, kv_cache, norm, paged_attention, rotary, w4a16
 
     kv_dtype = kv_dtype or dtype
     h, d = shape.hidden, shape.head_dim
     qkv_n = (shape.heads + 2 * shape.kv_heads) * d
-    weights = {"qkv": _weight(h, qkv_n, group, act_order, dtype),
-               "o": _weight(shape.heads * d, h, group, act_order, dtype),
-               "gate_up": _weight(h, 2 * shape.intermediate, group, act_order, dtype),
-               "down": _weight(shape.intermediate, h, group, act_order, dtype)}
+    weights = {"qkv": _weight(h, qkv_n, group, act_order, dtype, bits),
+               "o": _weight(shape.heads * d, h, group, act_order, dtype, bits),
+               "gate_up": _weight(h, 2 * shape.intermediate, group, act_order, dtype, bits),
+               "down": _weight(shape.intermediate, h, group, act_order, dtype, bits)}
     bias = _meta(qkv_n, dtype=dtype) if shape.qkv_bias else None
     for m in rows:
         w4a16.w4a16_linear(_meta(m, h, dtype=dtype), weights["qkv"], bias)
@@ -151,6 +185,7 @@ def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int
         w4a16.w4a16_linear(_meta(m, shape.intermediate * (2 if gated else 1), dtype=dtype), weights["down"],
                            silu_gated=gated)
         norm.rms_norm(_meta(m, h, dtype=dtype), _meta(h, dtype=dtype), 1e-5, _meta(m, h, dtype=dtype))
+        norm.rms_norm(_meta(m, h, dtype=dtype), _meta(h, dtype=dtype), 1e-5)
         activation.silu_and_mul(_meta(m, 2 * shape.intermediate, dtype=dtype))
     blocks = 64
     caches = [_meta(blocks, block_size, shape.kv_heads, d, dtype=kv_dtype) for _ in range(2)]

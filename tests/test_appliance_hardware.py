@@ -92,8 +92,8 @@ class TuringNVML(FakeNVML):
 
 
 def test_gpu_older_than_ampere_is_cpu_with_the_reason():
-    """The kernels need compute capability 8.0 (tests/compile_targets.py): a Turing GPU is listed, but the
-    machine serves on the CPU, and the report says why."""
+    """The kernels need compute capability 8.0 (ptxas refuses them for sm_75: tests/test_compile_targets.py): a
+    Turing GPU is listed, but the machine serves on the CPU, and the report says why."""
     hw = hardware.detect(TuringNVML())
     assert hw.kind == "cpu" and hw.gpu.name == "Tesla T4"
     assert hw.reason == "Tesla T4 has compute capability 7.5; the engine's kernels need 8.0+ (Ampere or newer)"
