@@ -357,7 +357,8 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
 
 def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
     """Greedy GPU tokens vs the CPU reference's (fp32) on the SmolLM2 AWQ checkpoint, when it was brought over
-    (``expected.json`` beside it: {"prompts": [...], "tokens": [[...]]}), and vs the torch references run on the
+    (``expected.json`` beside it: {"prompts": [...], "tokens": [[...]]}; ``bench/smollm2_parts.py`` makes both, in
+    two parts for two device calls), and vs the torch references run on the
     GPU in bf16 (``APPLIANCE_KERNELS=torch``, eager). The rows' numbers are counts.
 
     At a divergence it reports the gap between the GPU's two best log-probabilities at that step: a gap within

@@ -1,0 +1,73 @@
+"""Ready the SmolLM2 demo checkpoint for the GPU suite's ``smollm2_rows``: the CPU engine's greedy tokens
+(``expected.json``) and the checkpoint in two parts, each small enough for one device call (64 MiB a call).
+
+    python bench/smollm2_parts.py [AWQ_DIR]   # default: the checkpoint `appliance install` quantized last
+
+AWQ_DIR is a quantized checkpoint folder (``appliance install --yes`` leaves one under
+``$XDG_DATA_HOME/appliance/models/``). Writes ``.cache/smolA`` and ``.cache/smolB`` (git-ignored) and prints the
+two device commands: the first carries part A to ``/tmp/smol`` on the GPU machine, the second (within the
+machine's idle window) carries part B, joins the weights and runs the rows (bench/RESULTS.md, run 62).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: The prompts of the rows (8 x 32 greedy tokens, issue 3).
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+           "Explain what a GPU does in one sentence.", "List three colors:", "Once upon a time,",
+           "The quick brown fox", "What is 12 times 7?"]
+PART_BYTES = 57_000_000  # part A's share of model.safetensors; part B takes the rest and tokenizer.json
+
+
+def latest_checkpoint() -> Path:
+    """The newest ``*-awq-*`` folder the installer wrote. Raises SystemExit when there is none."""
+    base = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "appliance" / "models"
+    found = sorted(base.glob("SmolLM2-*-awq-*"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"no SmolLM2 AWQ checkpoint under {base}: run `appliance install --yes` first, or pass one")
+    return found[-1]
+
+
+def expected_tokens(model: Path) -> dict:
+    """The CPU engine's (fp32) greedy tokens for :data:`PROMPTS`, 32 each."""
+    from engine import LLM, SamplingParams
+    llm = LLM(str(model), device="cpu")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    return {"prompts": PROMPTS, "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def main() -> None:
+    model = Path(sys.argv[1]) if len(sys.argv) > 1 else latest_checkpoint()
+    weights = (model / "model.safetensors").read_bytes()
+    part_a, part_b = ROOT / ".cache" / "smolA", ROOT / ".cache" / "smolB"
+    for part in (part_a, part_b):
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir(parents=True)
+    (part_a / "model.safetensors.part0").write_bytes(weights[:PART_BYTES])
+    (part_b / "model.safetensors.part1").write_bytes(weights[PART_BYTES:])
+    for f in model.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "tokenizer.json", "quant_log.csv"):
+            shutil.copy(f, part_a / f.name)
+    shutil.copy(model / "tokenizer.json", part_b / "tokenizer.json")
+    (part_a / "expected.json").write_text(json.dumps(expected_tokens(model)))
+    md5 = hashlib.md5(weights).hexdigest()
+    print(f"{model} -> {part_a}, {part_b} (model.safetensors md5 {md5})\n"
+          f"device call 1 (carry .cache/smolA): mkdir -p /tmp/smol/awq && cp .cache/smolA/* /tmp/smol/awq/ && "
+          f"mv /tmp/smol/awq/expected.json /tmp/smol/\n"
+          f"device call 2 (carry .cache/smolB, within 30 s): cat /tmp/smol/awq/model.safetensors.part0 "
+          f".cache/smolB/model.safetensors.part1 > /tmp/smol/awq/model.safetensors && rm "
+          f"/tmp/smol/awq/model.safetensors.part0 && cp .cache/smolB/tokenizer.json /tmp/smol/awq/ && "
+          f"md5sum /tmp/smol/awq/model.safetensors && ENGINE_ROWS=smollm2_rows python bench/gpu_suite.py --only "
+          f"engine --skip-tests")
+
+
+if __name__ == "__main__":
+    main()
