@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -202,6 +203,9 @@ def serve(
     if conf.max_waiting < 0:
         raise ApplianceError(f"max_waiting: must be at least 0, got {conf.max_waiting}",
                              "fix it in the config file, APPLIANCE_MAX_WAITING or --max-waiting")
+    # CUDA numbers GPUs fastest first, NVML (`appliance detect`, the tuner's plan) in PCI bus order: serve in the
+    # order the plan was made in (read when CUDA starts, so before the engine touches it; the env file may override)
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     try:
         from engine.server.api_server import run_server
     except ImportError as exc:

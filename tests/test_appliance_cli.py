@@ -1,6 +1,7 @@
 """The command line on bad input (one line, exit 1, no traceback), detect/tune output, and the installer's
 model resolution and checkpoint keys."""
 import json
+import os
 
 import pytest
 from appliance_testenv import isolate
@@ -142,6 +143,20 @@ def test_serve_passes_swap_space_to_the_engine(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert [(c.model, c.swap_space) for c in started] == [(model, 3.0)]
     one_line_error(runner.invoke(app, ["serve", model, "--swap-space", "-1"]), "swap_space: must be at least 0 GiB")
+
+
+def test_serve_numbers_gpus_as_nvml_does(tmp_path, monkeypatch):
+    """appliance detect and the tuner see GPUs in PCI bus order (NVML); CUDA's default is fastest first, so the
+    server asks CUDA for bus order before the engine starts CUDA, unless the environment already chose."""
+    from engine.server import api_server
+
+    order = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: order.append(os.environ["CUDA_DEVICE_ORDER"]))
+    model = str(make_model(tmp_path / "m"))
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    assert order == ["PCI_BUS_ID", "FASTEST_FIRST"]
 
 
 def test_serve_passes_max_waiting_to_the_server(tmp_path, monkeypatch):
