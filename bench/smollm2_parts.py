@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -25,12 +24,18 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibo
            "Explain what a GPU does in one sentence.", "List three colors:", "Once upon a time,",
            "The quick brown fox", "What is 12 times 7?"]
 PART_BYTES = 57_000_000  # part A's share of model.safetensors; part B takes the rest and tokenizer.json
+CALL_BYTES = 62 << 20  # what one part may take: a device call carries 64 MiB, the repository's files included
 
 
 def latest_checkpoint() -> Path:
-    """The newest ``*-awq-*`` folder the installer wrote. Raises SystemExit when there is none."""
-    base = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "appliance" / "models"
-    found = sorted(base.glob("SmolLM2-*-awq-*"), key=lambda p: p.stat().st_mtime)
+    """The newest SmolLM2 ``*-awq-*`` folder the installer wrote (its data folder: ``appliance.config.data_dir``,
+    the user's or the system's). Raises SystemExit when there is none."""
+    from appliance import config as cfgmod
+    found = []
+    for base in {cfgmod.data_dir() / "models", cfgmod.data_dir(system=True) / "models"}:
+        found += base.glob("SmolLM2-*-awq-*")
+    found.sort(key=lambda p: p.stat().st_mtime)
+    base = cfgmod.data_dir() / "models"
     if not found:
         raise SystemExit(f"no SmolLM2 AWQ checkpoint under {base}: run `appliance install --yes` first, or pass one")
     return found[-1]
@@ -46,7 +51,11 @@ def expected_tokens(model: Path) -> dict:
 
 def main() -> None:
     model = Path(sys.argv[1]) if len(sys.argv) > 1 else latest_checkpoint()
+    if not (model / "model.safetensors").is_file():
+        raise SystemExit(f"{model}: no model.safetensors (a sharded checkpoint is not handled)")
     weights = (model / "model.safetensors").read_bytes()
+    if len(weights) - PART_BYTES + (model / "tokenizer.json").stat().st_size > CALL_BYTES:
+        raise SystemExit(f"{model}: {len(weights)} bytes of weights do not fit two device calls of {CALL_BYTES}")
     part_a, part_b = ROOT / ".cache" / "smolA", ROOT / ".cache" / "smolB"
     for part in (part_a, part_b):
         shutil.rmtree(part, ignore_errors=True)

@@ -53,8 +53,8 @@ def ptxas_stats(ptx: str, capability: int) -> tuple[int, int]:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        done = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{capability}", src, "-o", src + ".o"],
-                              capture_output=True, text=True)
+        done = subprocess.run([ptxas, "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{capability}", src, "-o",
+                               src + ".o"], capture_output=True, text=True)  # Triton 3.9's register flag
     regs = re.search(r"Used (\d+) registers", done.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
     if done.returncode or regs is None or spills is None:

@@ -38,7 +38,7 @@ def test_every_model_compiles(gpu):
     _check(seen, capability, gpu)
     if stats:
         assert all(c.registers > 0 for c in seen)
-        spilling = sorted({c for c in seen if c.spill_bytes})
+        spilling = sorted({c for c in seen if c.spill_bytes}, key=lambda c: -c.spill_bytes)
         assert not spilling, f"{gpu}: kernels spill registers: {spilling}"
     names = {c.kernel for c in seen}
     assert {"_gemv_mma_kernel", "_gemm_tc_kernel", "_decode_kernel", "_prefill_kernel", "_rotary_kernel",
@@ -95,9 +95,13 @@ def test_shared_memory_check_flags_large_tiles():
 
 
 def test_ptxas_stats_reads_registers_and_refuses_bad_ptx():
+    from triton.runtime import driver
+
+    before = driver._active
     with ct.compile_only(86, 82, stats=True) as seen:
         w4a16.run_plan(ct._meta(1, 4096), ct._weight(4096, 4096, 128, False, torch.bfloat16), None,
                        w4a16.Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1))
+    assert driver._active is before  # the process's driver comes back as it was
     assert seen[0].kernel == "_gemv_mma_kernel" and 64 < seen[0].registers <= 255 and seen[0].spill_bytes == 0
     with pytest.raises(RuntimeError, match="ptxas sm_86"):
         ct.ptxas_stats(".version 8.0\n.target sm_86\n.address_size 64\nnot ptx", 86)
