@@ -84,16 +84,31 @@ class Kernel:
 
 @contextlib.contextmanager
 def _interpreting():
-    """While it lasts, a compiled-mode ``@triton.jit`` function called from interpreted code is interpreted too."""
-    from triton.runtime.interpreter import InterpretedFunction
+    """While it lasts, a compiled-mode ``@triton.jit`` function called from interpreted code is interpreted too.
+
+    Triton's interpreter swaps interpreted versions into ``triton.language`` while a kernel runs, and puts them back
+    after, except those a device function's call swaps in (``InterpretedFunction.__call__`` keeps no record, Triton
+    3.9): ``triton.language.core``'s builtins stayed swapped, and every later compile in the process failed (a CPU
+    test run that interpreted kernels, then compiled for a GPU target: tests/compile_targets.py). So this puts back
+    whatever changed in those modules and classes too."""
     from triton.runtime.jit import JITFunction
 
     original = JITFunction.__call__  # outside a kernel it only raises, so compiled launches are unaffected
+    spaces = (tl, tl.core, tl.math, tl.core.tensor, tl.core.tensor_descriptor_base)
+    saved = [(space, dict(vars(space))) for space in spaces]
     JITFunction.__call__ = lambda self, *args, **kwargs: _interpreted(self.fn)(*args, **kwargs)
     try:
         yield
     finally:
         JITFunction.__call__ = original
+        for space, before in saved:
+            for name, value in list(vars(space).items()):
+                if name.startswith("__"):
+                    continue
+                if name not in before:
+                    delattr(space, name)
+                elif before[name] is not value:
+                    setattr(space, name, before[name])
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,22 +137,20 @@ def dot_f32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def pdl(t: torch.Tensor) -> bool:
-    """Whether kernels on ``t`` launch with programmatic dependent launch (see the module doc): a CUDA device of
-    compute capability 9.0 or newer, and ``APPLIANCE_PDL`` is not "0". Read at every launch: eager launches
-    follow the environment of the moment, a captured CUDA graph keeps the launches of its capture."""
-    if t.device.type != "cuda" or os.environ.get("APPLIANCE_PDL", "1") == "0":
-        return False
-    return _cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0)
-
-
 def hopper(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on a CUDA device of compute capability 9.0 or newer, whose PTX has the packed bf16
-    ``sub`` / ``mul`` (``sub.rn.bf16x2``, ``mul.rn.bf16x2``; sm_80 - sm_89 have only ``fma.rn.bf16x2``, so the
+    """Whether ``t`` lives on a CUDA device of compute capability 9.0 or newer: PDL (:func:`pdl`), and PTX's packed
+    bf16 ``sub`` / ``mul`` (``sub.rn.bf16x2``, ``mul.rn.bf16x2``; sm_80 - sm_89 have only ``fma.rn.bf16x2``, so the
     kernels that use them take a ``HOPPER`` constexpr and write the same values as fma on older GPUs)."""
     if t.device.type != "cuda":
         return False
     return _cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t`` launch with programmatic dependent launch (see the module doc): :func:`hopper`,
+    and ``APPLIANCE_PDL`` is not "0". Read at every launch: eager launches follow the environment of the moment, a
+    captured CUDA graph keeps the launches of its capture."""
+    return os.environ.get("APPLIANCE_PDL", "1") != "0" and hopper(t)
 
 
 def early_trigger(t: torch.Tensor) -> bool:

@@ -135,3 +135,16 @@ def test_turing_is_refused_by_ptxas():
         with pytest.raises(Exception, match="sm_80 or higher"):
             w4a16.run_plan(ct._meta(1, 4096, dtype=torch.float16), qw, None,
                            w4a16.Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1))
+
+
+def test_compiles_after_an_interpreted_kernel():
+    """The CPU tests interpret kernels in the same process; Triton's interpreter left triton.language.core's
+    builtins swapped after a device function's call, and compiling failed after it (kernels._triton._interpreting
+    puts them back)."""
+    from kernels import norm
+
+    x = torch.randn(2, 64)
+    norm.rms_norm(x, torch.ones(64), 1e-5, x)  # interpreted: tl.sum is a device function
+    with ct.compile_only(86, 82) as seen:
+        norm.rms_norm(ct._meta(2, 64), ct._meta(64), 1e-5, ct._meta(2, 64))
+    assert [c.kernel for c in seen] == ["_rms_norm_kernel"]
