@@ -22,6 +22,12 @@ class GPU:
     free_memory: int  # bytes
     compute_capability: str  # "9.0"
 
+    @property
+    def capability(self) -> tuple[int, int]:
+        """``compute_capability`` as (major, minor), comparable with ``engine.config.MIN_CAPABILITY``."""
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
 
 @dataclass
 class Hardware:
@@ -103,7 +109,7 @@ def detect(nvml=None) -> Hardware:
         return Hardware(kind="cpu", driver=driver, cuda_driver=cuda_driver, reason="the driver reports no GPU",
                         **host())
     first = gpus[0]
-    if tuple(int(v) for v in first.compute_capability.split(".")) < MIN_CAPABILITY:
+    if first.capability < MIN_CAPABILITY:
         return Hardware(kind="cpu", gpus=gpus, driver=driver, cuda_driver=cuda_driver,
                         reason=f"{first.name} has compute capability {first.compute_capability}; the engine's "
                                f"kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (Ampere or newer)", **host())

@@ -115,7 +115,7 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
     elif kv_cache_dtype not in ("auto", "fp8", "int8"):
         raise TuneError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}", "pick one of those")
     elif kv_cache_dtype == "fp8" and hw.kind == "cuda" and hw.gpu is not None and \
-            tuple(int(v) for v in hw.gpu.compute_capability.split(".")) < (8, 9):
+            hw.gpu.capability < (8, 9):
         raise TuneError(f"--kv-cache-dtype fp8 needs compute capability 8.9+ (Ada or Hopper); {hw.gpu.name} has "
                         f"{hw.gpu.compute_capability}", "use --kv-cache-dtype int8 (any GPU) or auto")
     else:

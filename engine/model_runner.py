@@ -35,8 +35,8 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' but torch sees no CUDA device: use device='cpu' or 'auto'")
     device = torch.device(name)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(device)
+    if device.type == "cuda" and (capability := torch.cuda.get_device_capability(device)) < MIN_CAPABILITY:
+        major, minor = capability
         raise RuntimeError(f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; the "
                            f"kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (Ampere or newer): use "
                            "device='cpu'")

@@ -147,16 +147,18 @@ MODELS = {
 }
 
 
-def _meta(*shape, dtype=torch.bfloat16):
+def meta(*shape, dtype=torch.bfloat16):
+    """A tensor of ``shape`` without memory (device "meta"): ops run their host code on it, kernels only compile."""
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def _weight(k: int, n: int, group: int, act_order: bool, scale_dtype: torch.dtype, bits: int = 4):
+def weight(k: int, n: int, group: int, act_order: bool, scale_dtype: torch.dtype, bits: int = 4):
+    """A [k -> n] QuantizedWeight of meta tensors in the internal layout (act-order: with a permutation)."""
     from kernels.quant_formats import QuantizedWeight
     g, pf = -(-k // group), 32 // bits
-    perm = _meta(k, dtype=torch.int32) if act_order else None
-    return QuantizedWeight(_meta(k // pf, n, dtype=torch.int32), _meta(g, n // pf, dtype=torch.int32),
-                           _meta(g, n, dtype=scale_dtype), perm, bits, group, k, n, "meta")
+    perm = meta(k, dtype=torch.int32) if act_order else None
+    return QuantizedWeight(meta(k // pf, n, dtype=torch.int32), meta(g, n // pf, dtype=torch.int32),
+                           meta(g, n, dtype=scale_dtype), perm, bits, group, k, n, "meta")
 
 
 def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int = 128, act_order: bool = False,
@@ -172,37 +174,37 @@ def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int
     kv_dtype = kv_dtype or dtype
     h, d = shape.hidden, shape.head_dim
     qkv_n = (shape.heads + 2 * shape.kv_heads) * d
-    weights = {"qkv": _weight(h, qkv_n, group, act_order, dtype, bits),
-               "o": _weight(shape.heads * d, h, group, act_order, dtype, bits),
-               "gate_up": _weight(h, 2 * shape.intermediate, group, act_order, dtype, bits),
-               "down": _weight(shape.intermediate, h, group, act_order, dtype, bits)}
-    bias = _meta(qkv_n, dtype=dtype) if shape.qkv_bias else None
+    weights = {"qkv": weight(h, qkv_n, group, act_order, dtype, bits),
+               "o": weight(shape.heads * d, h, group, act_order, dtype, bits),
+               "gate_up": weight(h, 2 * shape.intermediate, group, act_order, dtype, bits),
+               "down": weight(shape.intermediate, h, group, act_order, dtype, bits)}
+    bias = meta(qkv_n, dtype=dtype) if shape.qkv_bias else None
     for m in rows:
-        w4a16.w4a16_linear(_meta(m, h, dtype=dtype), weights["qkv"], bias)
-        w4a16.w4a16_linear(_meta(m, shape.heads * d, dtype=dtype), weights["o"])
-        w4a16.w4a16_linear(_meta(m, h, dtype=dtype), weights["gate_up"])
+        w4a16.w4a16_linear(meta(m, h, dtype=dtype), weights["qkv"], bias)
+        w4a16.w4a16_linear(meta(m, shape.heads * d, dtype=dtype), weights["o"])
+        w4a16.w4a16_linear(meta(m, h, dtype=dtype), weights["gate_up"])
         gated = m == 1  # as the model: SiLU-and-mul fused into the down projection's GEMV loads at one row
-        w4a16.w4a16_linear(_meta(m, shape.intermediate * (2 if gated else 1), dtype=dtype), weights["down"],
+        w4a16.w4a16_linear(meta(m, shape.intermediate * (2 if gated else 1), dtype=dtype), weights["down"],
                            silu_gated=gated)
-        norm.rms_norm(_meta(m, h, dtype=dtype), _meta(h, dtype=dtype), 1e-5, _meta(m, h, dtype=dtype))
-        norm.rms_norm(_meta(m, h, dtype=dtype), _meta(h, dtype=dtype), 1e-5)
-        activation.silu_and_mul(_meta(m, 2 * shape.intermediate, dtype=dtype))
+        norm.rms_norm(meta(m, h, dtype=dtype), meta(h, dtype=dtype), 1e-5, meta(m, h, dtype=dtype))
+        norm.rms_norm(meta(m, h, dtype=dtype), meta(h, dtype=dtype), 1e-5)
+        activation.silu_and_mul(meta(m, 2 * shape.intermediate, dtype=dtype))
     blocks = 64
-    caches = [_meta(blocks, block_size, shape.kv_heads, d, dtype=kv_dtype) for _ in range(2)]
-    scales = ([_meta(blocks, shape.kv_heads, block_size, dtype=torch.float32) for _ in range(2)]
+    caches = [meta(blocks, block_size, shape.kv_heads, d, dtype=kv_dtype) for _ in range(2)]
+    scales = ([meta(blocks, shape.kv_heads, block_size, dtype=torch.float32) for _ in range(2)]
               if kv_dtype == torch.int8 else [None, None])
-    cos_sin = _meta(max_model_len, d, dtype=torch.float32)
+    cos_sin = meta(max_model_len, d, dtype=torch.float32)
     for tokens in (1, 64):
-        q = _meta(tokens, shape.heads, d, dtype=dtype)
-        kv = _meta(tokens, shape.kv_heads, d, dtype=dtype)
-        rotary.rotary_write_kv(_meta(tokens, dtype=torch.int64), q, kv, kv, cos_sin, *caches,
-                               _meta(tokens, dtype=torch.int64), *scales)
-        kv_cache.write_kv_cache(kv, kv, *caches, _meta(tokens, dtype=torch.int64), *scales)
+        q = meta(tokens, shape.heads, d, dtype=dtype)
+        kv = meta(tokens, shape.kv_heads, d, dtype=dtype)
+        rotary.rotary_write_kv(meta(tokens, dtype=torch.int64), q, kv, kv, cos_sin, *caches,
+                               meta(tokens, dtype=torch.int64), *scales)
+        kv_cache.write_kv_cache(kv, kv, *caches, meta(tokens, dtype=torch.int64), *scales)
     table_width = -(-max_model_len // block_size)
     for batch in batches:
         paged_attention.paged_attention_decode(
-            _meta(batch, shape.heads, d, dtype=dtype), *caches, _meta(batch, table_width, dtype=torch.int32),
-            _meta(batch, dtype=torch.int32), d ** -0.5, *scales)
+            meta(batch, shape.heads, d, dtype=dtype), *caches, meta(batch, table_width, dtype=torch.int32),
+            meta(batch, dtype=torch.int32), d ** -0.5, *scales)
     paged_attention.paged_attention_prefill(
-        _meta(512, shape.heads, d, dtype=dtype), *caches, _meta(4, table_width, dtype=torch.int32),
-        _meta(5, dtype=torch.int32), _meta(4, dtype=torch.int32), d ** -0.5, *scales)
+        meta(512, shape.heads, d, dtype=dtype), *caches, meta(4, table_width, dtype=torch.int32),
+        meta(5, dtype=torch.int32), meta(4, dtype=torch.int32), d ** -0.5, *scales)

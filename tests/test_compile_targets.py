@@ -71,8 +71,8 @@ def test_hopper_ptx_is_refused_before_sm90():
     """What made the tc GEMM fail on every RTX card: its packed bf16 sub / mul are sm_90 PTX. Forced on for
     sm_86, ptxas refuses the kernel; the engine's own choice (HOPPER from the device) compiles."""
     plan = w4a16.Plan("tc", 64, 64, 64, swap=True, mode=3)
-    qw = ct._weight(4096, 4096, 128, False, torch.bfloat16)
-    x = ct._meta(64, 4096)
+    qw = ct.weight(4096, 4096, 128, False, torch.bfloat16)
+    x = ct.meta(64, 4096)
     with ct.compile_only(86, 82) as seen:
         w4a16.run_plan(x, qw, None, plan)
         assert seen[-1].kernel == "_gemm_tc_kernel"
@@ -84,8 +84,8 @@ def test_hopper_ptx_is_refused_before_sm90():
 def test_shared_memory_check_flags_large_tiles():
     """The shared-memory check has teeth: a tc tile set no rule picks (256 x 128 x 128, 4 stages) needs more than
     sm_86 has per block and is flagged; the rules' pick for the same product fits."""
-    qw = ct._weight(4096, 12288, 128, False, torch.bfloat16)
-    x = ct._meta(256, 4096)
+    qw = ct.weight(4096, 12288, 128, False, torch.bfloat16)
+    x = ct.meta(256, 4096)
     with ct.compile_only(86, 82) as seen:
         w4a16.run_plan(x, qw, None, w4a16.Plan("tc", 256, 128, 128, num_warps=8, num_stages=4, swap=True, mode=3))
         w4a16.run_plan(x, qw, None, w4a16.choose_plan(256, 12288, 4096, 4, 128, 82))
@@ -99,7 +99,7 @@ def test_ptxas_stats_reads_registers_and_refuses_bad_ptx():
 
     before = driver._active
     with ct.compile_only(86, 82, stats=True) as seen:
-        w4a16.run_plan(ct._meta(1, 4096), ct._weight(4096, 4096, 128, False, torch.bfloat16), None,
+        w4a16.run_plan(ct.meta(1, 4096), ct.weight(4096, 4096, 128, False, torch.bfloat16), None,
                        w4a16.Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1))
     assert driver._active is before  # the process's driver comes back as it was
     assert seen[0].kernel == "_gemv_mma_kernel" and 64 < seen[0].registers <= 255 and seen[0].spill_bytes == 0
@@ -116,11 +116,11 @@ def test_plans_the_start_up_tuner_times_compile(gpu):
     capability, sms = ct.TARGETS[gpu]
     with ct.compile_only(capability, sms) as seen:
         for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
-            qw = ct._weight(k, n, 128, False, torch.bfloat16)
+            qw = ct.weight(k, n, 128, False, torch.bfloat16)
             for m in w4a16.M_BUCKETS:
                 for plan in w4a16_tune.candidates(m, n, k, 128, sms):
-                    w4a16.run_plan(ct._meta(m, k), qw, None, plan)
-        w4a16.run_plan(ct._meta(16, 4096), ct._weight(4096, 4096, 128, False, torch.bfloat16), None,
+                    w4a16.run_plan(ct.meta(m, k), qw, None, plan)
+        w4a16.run_plan(ct.meta(16, 4096), ct.weight(4096, 4096, 128, False, torch.bfloat16), None,
                        w4a16.Plan("gemm", 16, 64, 128, swap=True, fast=True))
     _check(seen, capability, gpu)
     assert {"_gemv_mma_kernel", "_gemv_kernel", "_gemm_tc_kernel", "_gemm_kernel", "_dequant_kernel"} <= {
@@ -130,10 +130,10 @@ def test_plans_the_start_up_tuner_times_compile(gpu):
 def test_turing_is_refused_by_ptxas():
     """Why engine.config.MIN_CAPABILITY is 8.0: for sm_75 ptxas refuses the kernels (bf16, and the m16n8k16 mma
     shape even in fp16)."""
-    qw = ct._weight(4096, 4096, 128, False, torch.float16)
+    qw = ct.weight(4096, 4096, 128, False, torch.float16)
     with ct.compile_only(75, 40):
         with pytest.raises(Exception, match="sm_80 or higher"):
-            w4a16.run_plan(ct._meta(1, 4096, dtype=torch.float16), qw, None,
+            w4a16.run_plan(ct.meta(1, 4096, dtype=torch.float16), qw, None,
                            w4a16.Plan("mma", 8, 64, 128, 512, num_warps=1, num_stages=1))
 
 
@@ -146,5 +146,5 @@ def test_compiles_after_an_interpreted_kernel():
     x = torch.randn(2, 64)
     norm.rms_norm(x, torch.ones(64), 1e-5, x)  # interpreted: tl.sum is a device function
     with ct.compile_only(86, 82) as seen:
-        norm.rms_norm(ct._meta(2, 64), ct._meta(64), 1e-5, ct._meta(2, 64))
+        norm.rms_norm(ct.meta(2, 64), ct.meta(64), 1e-5, ct.meta(2, 64))
     assert [c.kernel for c in seen] == ["_rms_norm_kernel"]
