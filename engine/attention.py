@@ -46,7 +46,8 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] before rotation, positions int64 [T], cos_sin the rotary table
+        """q [T, Hq, D], k/v [T, Hkv, D] before rotation (tensors, or views of one ``kernels.split_k.SplitK``: the
+        q/k/v projection's split-K sums, added by the rotary kernel), positions int64 [T], cos_sin the rotary table
         (``kernels.rotary.rope_cos_sin``) → [T, Hq, D]."""
         scales = (self.k_scales, self.v_scales)
         q = ops.rotary_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping, *scales)

@@ -126,10 +126,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up_prefill(max_model_len)
 
-    #: Prompt lengths of the start-up prefills: in each W4A16 plan bucket (1, <= 8, <= 16, <= 64, <= 256, above)
-    #: a count that is a multiple of 16 and one that is not (Triton specializes integer arguments on that), so
-    #: that every kernel variant a prompt can need compiles at start-up, not at a user's first prompt.
-    WARM_UP_TOKENS = (1, 7, 8, 15, 16, 63, 64, 255, 256, 257)
+    #: Prompt lengths of the start-up prefills: in each W4A16 plan bucket (``w4a16.M_BUCKETS``: 1, <= 8, <= 16,
+    #: <= 64, <= 128, <= 256, above) a count that is a multiple of 16 and one that is not (Triton specializes
+    #: integer arguments on that; rotary and SiLU-and-mul on the split count of the product before them, which
+    #: each bucket's plan sets), so that every kernel variant a prompt can need compiles at start-up, not at a
+    #: user's first prompt.
+    WARM_UP_TOKENS = (1, 7, 8, 15, 16, 63, 64, 127, 128, 255, 256, 257)
 
     @torch.inference_mode()
     def warm_up_prefill(self, max_model_len: int) -> None:

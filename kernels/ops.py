@@ -5,7 +5,7 @@ up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA
 | op | Triton | reference |
 |---|---|---|
 | ``linear(x, weight, bias)`` | (cuBLAS, ``F.linear``) | ``linear.linear_ref`` |
-| ``w4a16_linear(x, qw, bias, silu_gated)`` | ``w4a16.w4a16_linear`` | ``reference_linear`` (of ``silu_and_mul_ref(x)`` when gated) |
+| ``w4a16_linear(x, qw, bias, silu_gated, defer_sum)`` | ``w4a16.w4a16_linear`` | ``reference_linear`` (of ``silu_and_mul_ref(x)`` when gated) |
 | ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)`` | ``kv_cache.write_kv_cache`` | ``write_kv_cache_ref`` |
 | ``paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales)`` | ``paged_attention`` | ``_ref`` |
 | ``paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales, v_scales)`` | idem | idem |
@@ -13,6 +13,9 @@ up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA
 | ``rotary(positions, q, k, cos_sin)`` | ``rotary.rotary`` | ``rotary.rotary_ref`` |
 | ``rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales, v_scales)`` | ``rotary.rotary_write_kv`` | ``rotary_write_kv_ref`` |
 | ``silu_and_mul(x)`` | ``activation.silu_and_mul`` | ``activation.silu_and_mul_ref`` |
+
+A product run with ``defer_sum`` may come back as a ``split_k.SplitK`` (its split-K partial sums, not yet added:
+Triton only); ``rotary_write_kv`` and ``silu_and_mul`` add them as they load, the other ops take tensors.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from . import activation, kv_cache, linear as linear_mod, norm, paged_attention, quant_formats, rotary as rotary_mod, w4a16
 from ._triton import HAS_TRITON
+from .split_k import SplitK, as_tensor
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -35,11 +39,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias) if x.is_cuda else linear_mod.linear_ref(x, weight, bias)
 
 
-def w4a16_linear(x: torch.Tensor, qw: quant_formats.QuantizedWeight, bias: torch.Tensor | None = None,
-                 silu_gated: bool = False) -> torch.Tensor:
-    """x [..., K] (or cat(gate, up) [..., 2K] with ``silu_gated``, the input then being silu(gate) * up)."""
+def w4a16_linear(x: torch.Tensor | SplitK, qw: quant_formats.QuantizedWeight, bias: torch.Tensor | None = None,
+                 silu_gated: bool = False, defer_sum: bool = False) -> torch.Tensor | SplitK:
+    """x [..., K] (or cat(gate, up) [..., 2K] with ``silu_gated``, the input then being silu(gate) * up).
+    ``defer_sum``: a product that splits K may return its partial sums (a ``SplitK``; Triton only)."""
     if use_triton(x):
-        return w4a16.w4a16_linear(x, qw, bias, silu_gated)
+        return w4a16.w4a16_linear(x, qw, bias, silu_gated, defer_sum)
+    x = as_tensor(x)
     return quant_formats.reference_linear(activation.silu_and_mul_ref(x) if silu_gated else x, qw, bias)
 
 
@@ -73,9 +79,12 @@ def rotary(positions, q, k, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
 def rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales=None,
                     v_scales=None) -> torch.Tensor:
     """Rotate q and k, write the rotated k and v to the caches through the slot mapping; returns the rotated q."""
-    fn = rotary_mod.rotary_write_kv if use_triton(q) else rotary_mod.rotary_write_kv_ref
-    return fn(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+    if use_triton(q):
+        return rotary_mod.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales,
+                                          v_scales)
+    return rotary_mod.rotary_write_kv_ref(positions, as_tensor(q), as_tensor(k), as_tensor(v), cos_sin, k_cache,
+                                          v_cache, slot_mapping, k_scales, v_scales)
 
 
 def silu_and_mul(x) -> torch.Tensor:
-    return activation.silu_and_mul(x) if use_triton(x) else activation.silu_and_mul_ref(x)
+    return activation.silu_and_mul(x) if use_triton(x) else activation.silu_and_mul_ref(as_tensor(x))

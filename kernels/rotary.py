@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import device_fn, early_trigger, jit, next_pow2, pdl, pdl_trigger, pdl_wait, tl
+from ._triton import cdiv, device_fn, early_trigger, jit, next_pow2, pdl, pdl_trigger, pdl_wait, tl
 from .kv_cache import int8_codes, int8_row_stats, int8_scale, scale_args, to_cache, write_kv_cache_ref
+from .split_k import SplitK, add_pair, load_pair
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, base: float, device=None) -> torch.Tensor:
@@ -67,15 +68,19 @@ def _store_halves(out, x1, x2, half, mask, s_ptrs, s_mask, INT8: tl.constexpr):
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_heads, half,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
                    v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
-                   ks_ptr, vs_ptr, stride_sb, stride_sh,
+                   ks_ptr, vs_ptr, stride_sb, stride_sh, stride_split, bq_ptr, bk_ptr, bv_ptr,
                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_KV: tl.constexpr, INT8: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
-    """Grid (T,): all q and k heads of one token share one cos/sin row. Outputs are contiguous [T, H, D].
+                   BLOCK_SIZE: tl.constexpr, SPLITK: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   PDL: tl.constexpr, TRIG: tl.constexpr):
+    """Grid (T, cdiv(max(Hq, Hkv), BLOCK_H)): heads h0 .. h0 + BLOCK_H of q and of k (and v) of one token, which
+    share one cos/sin row. Outputs are contiguous [T, H, D].
 
     Rounds like the reference in x's dtype: cos and sin, each product, then the sum. WRITE_KV: the rotated k and
     the token's v go straight to its KV-cache slot (``kv_cache`` layout; slot -1 writes nothing) instead of
     ``ko`` (the caches share strides). INT8: the caches are int8, each head's scale goes to ks / vs
-    [num_blocks, Hkv, BLOCK_SIZE] (strides stride_sb, stride_sh, 1).
+    [num_blocks, Hkv, BLOCK_SIZE] (strides stride_sb, stride_sh, 1). SPLITK: q, k, v are split 0 of a
+    ``split_k.SplitK`` (fp32, ``SPLITS`` of them ``stride_split`` apart; with HAS_BIAS its bias [H, D] per
+    tensor, contiguous), every split loaded before any is added.
     """
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)  # a step input and a table: read before the previous kernel ends
@@ -85,7 +90,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(dt).to(tl.float32)[None, :]
     sin = tl.load(cs_ptr + pos * stride_cs + half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)[None, :]
     pdl_wait(PDL)
-    h = tl.arange(0, BLOCK_H)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     if WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         cache_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
@@ -94,17 +99,19 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
     # read, but the compiler cannot know that and would otherwise keep each load behind the stores before it)
     qm = (h < q_heads)[:, None] & dmask[None, :]
     km = (h < k_heads)[:, None] & dmask[None, :]
-    q_base = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
-    k_base = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
-    q1 = tl.load(q_base, mask=qm, other=0.0).to(tl.float32)
-    q2 = tl.load(q_base + half, mask=qm, other=0.0).to(tl.float32)
-    k1 = tl.load(k_base, mask=km, other=0.0).to(tl.float32)
-    k2 = tl.load(k_base + half, mask=km, other=0.0).to(tl.float32)
+    qs = load_pair(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], half, qm, stride_split, SPLITS,
+                   SPLITK)
+    ks = load_pair(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], half, km, stride_split, SPLITS,
+                   SPLITK)
     if WRITE_KV:
-        vbase = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
-        v1 = tl.load(vbase, mask=kv_mask, other=0.0).to(tl.float32)
-        v2 = tl.load(vbase + half, mask=kv_mask, other=0.0).to(tl.float32)
+        vs = load_pair(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], half, kv_mask, stride_split,
+                       SPLITS, SPLITK)
     pdl_trigger(TRIG)
+    b_heads = h[:, None] * 2 * half + d[None, :]  # a SplitK's bias [H, D]
+    q1, q2 = add_pair(qs, bq_ptr + b_heads, half, qm, SPLITK, HAS_BIAS, dt)
+    k1, k2 = add_pair(ks, bk_ptr + b_heads, half, km, SPLITK, HAS_BIAS, dt)
+    if WRITE_KV:
+        v1, v2 = add_pair(vs, bv_ptr + b_heads, half, kv_mask, SPLITK, HAS_BIAS, dt)
     out = qo_ptr + t * q_heads * 2 * half + h[:, None] * 2 * half + d[None, :]
     o1, o2 = _rotate_halves(q1, q2, cos, sin, dt)
     _store_halves(out, o1, o2, half, qm, out, qm, False)
@@ -121,8 +128,24 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, q_heads, k_hea
         _store_halves(out, o1, o2, half, km, out, km, False)
 
 
+def _splits_of(q, k, v) -> tuple[int | None, int, tuple, tuple, torch.dtype]:
+    """(splits, split stride, (q, k, v) as kernel arguments, their biases, x's dtype) of the inputs: all tensors
+    (splits None), or all views of one ``SplitK`` (split 0 of each; ValueError for a mix)."""
+    given = [x for x in (q, k, v) if x is not None]
+    if not any(isinstance(x, SplitK) for x in given):
+        return None, 0, (q, k, v), (None, None, None), q.dtype
+    if not all(isinstance(x, SplitK) for x in given) or len({(x.splits, x.part.stride(0), x.dtype) for x in given}) > 1:
+        raise ValueError("rotary: q, k (and v) must all be tensors or all views of one SplitK")
+    biases = tuple(x.bias.contiguous() if x is not None and x.bias is not None else None for x in (q, k, v))
+    if len({b is None for b in biases[:len(given)]}) > 1:
+        raise ValueError("rotary: q, k and v views of one SplitK have a bias each or none")
+    return (q.splits, q.part.stride(0), tuple(x.part[0] if x is not None else None for x in (q, k, v)), biases,
+            q.dtype)
+
+
 def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_mapping=None, k_scales=None,
             v_scales=None):
+    splits, stride_split, (q, k, v), biases, dtype = _splits_of(q, k, v)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -131,33 +154,40 @@ def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_m
     if write_kv and v.stride(-1) != 1:
         v = v.contiguous()
     tokens, q_heads, dim = q.shape
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = qo if write_kv else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    qo = torch.empty(q.shape, dtype=dtype, device=q.device)
+    ko = qo if write_kv else torch.empty(k.shape, dtype=dtype, device=k.device)
     if tokens:
         half = dim // 2
         cache = k_cache if write_kv else qo
         extra = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1)) if write_kv else (q, qo, qo, positions,
                                                                                             0, 0)
         scales = scale_args(k_cache, k_scales, v_cache, v_scales) if write_kv else (qo, qo, 0, 0)
-        block_h, block_half = next_pow2(max(q_heads, k.shape[1])), next_pow2(half)
-        # q, k and v are all in registers at once: 4 warps up to 32 heads x 64 (measured), more warps beyond (64
-        # heads of 128 spilled with 4: 255 registers, offline ptxas for sm_90)
-        warps = min(16, max(4, block_h * block_half // 512))
-        _rotary_kernel[(tokens,)](positions, q, k, qo, ko, cos_sin, q_heads, k.shape[1], half, q.stride(0), q.stride(1),
-                                  k.stride(0), k.stride(1), cos_sin.stride(0), *extra, cache.stride(0),
-                                  cache.stride(1), cache.stride(2) if write_kv else 0, *scales,
-                                  BLOCK_H=block_h, BLOCK_HALF=block_half, WRITE_KV=write_kv,
-                                  INT8=write_kv and k_cache.dtype == torch.int8,
-                                  BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, PDL=pdl(q),
-                                  TRIG=early_trigger(q), num_warps=warps,
-                                  enable_fp_fusion=False)  # no FMA: round each product like torch
+        heads, block_half = max(q_heads, k.shape[1]), next_pow2(half)
+        if splits is None:
+            # one program per token: q, k and v are all in registers at once: 4 warps up to 32 heads x 64
+            # (measured), more warps beyond (64 heads of 128 spilled with 4: 255 registers, offline ptxas for sm_90)
+            block_h = next_pow2(heads)
+            warps = min(16, max(4, block_h * block_half // 512))
+        else:  # S partial sums per value to read: about 256 programs (32 at one token of 32 heads), 2 values of
+            # each tensor per thread (S x 6 x 2 registers for the loads)
+            block_h = min(next_pow2(heads), next_pow2(max(1, tokens * heads // 256)))
+            warps = min(16, max(1, block_h * block_half // 64))
+        _rotary_kernel[(tokens, cdiv(heads, block_h))](
+            positions, q, k, qo, ko, cos_sin, q_heads, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), cos_sin.stride(0), *extra, cache.stride(0), cache.stride(1),
+            cache.stride(2) if write_kv else 0, *scales, stride_split, *[b if b is not None else qo for b in biases],
+            BLOCK_H=block_h, BLOCK_HALF=block_half, WRITE_KV=write_kv, INT8=write_kv and k_cache.dtype == torch.int8,
+            BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, SPLITK=splits is not None, SPLITS=splits or 1,
+            HAS_BIAS=biases[0] is not None, PDL=pdl(q), TRIG=early_trigger(q), num_warps=warps,
+            enable_fp_fusion=False)  # no FMA: round each product like torch
     return qo, ko
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`rotary_ref`: rotate q [T, Hq, D] and k [T, Hkv, D] (views are fine: last dim contiguous) by
-    positions (int64 [T]) in one launch; returns new contiguous tensors, equal to the reference's. With PDL the
+    positions (int64 [T]) in one launch (q and k may be views of one ``split_k.SplitK``, see
+    :func:`rotary_write_kv`); returns new contiguous tensors, equal to the reference's. With PDL the
     kernel reads ``positions`` and ``cos_sin`` before the previous kernel has finished: the kernel launched just
     before must not write them (the engine copies positions in before the forward pass)."""
     return _launch(positions, q, k, cos_sin)
@@ -182,7 +212,9 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     """Triton :func:`rotary_write_kv_ref` in one launch (a decode step's rotary and KV write, fused): the same
     values in q and in the caches (an int8 cache's codes and scales included). The two caches must share dtype
     and strides (as the model runner allocates them), and so must two int8 caches' scales (ValueError).
-    ``positions`` and ``cos_sin``: as for :func:`rotary`."""
+    ``positions`` and ``cos_sin``: as for :func:`rotary`. q, k and v may be views of one ``split_k.SplitK`` (the
+    q/k/v projection with its split-K sums left to this kernel): each value's splits are added as it is loaded,
+    giving the bits the summed product would have given; the rotated q comes in the SplitK's dtype."""
     if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
         raise ValueError("rotary_write_kv: k_cache and v_cache must have the same dtype and strides")
     return _launch(positions, q, k, cos_sin, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)[0]

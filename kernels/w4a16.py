@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import activation, w4a16_mma
+from .split_k import MAX_SPLITS, SplitK, sum_splits
 from ._triton import cdiv, device_fn, dot_f32, early_trigger, hopper, jit, num_sms, pdl, pdl_trigger, pdl_wait, tl
 from .quant_formats import QuantizedWeight
 
@@ -155,7 +156,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
     Without SPLIT it writes y + bias in out's dtype. With SPLIT each program writes fp32 partial sums
     ``part[split, n]``; with SERIAL the last program of a column block to finish (an atomic counter in
     ``lock[pid_n]``, which that program resets to 0) adds them in split order and writes y + bias: deterministic,
-    one launch. Without SERIAL, ``_splitk_reduce_kernel`` adds them."""
+    one launch. Without SERIAL, ``split_k._reduce_kernel`` or the next kernel (``split_k.SplitK``) adds them."""
     PF: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,7 +182,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
             tl.debug_barrier()  # every thread's partial sums are written before the counter moves
             arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == splits - 1:
-                y = _sum_splits(part_ptr + n, N, nmask, splits)
+                y = sum_splits(part_ptr + n, N, nmask, splits)
                 if HAS_BIAS:
                     y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
                 tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
@@ -449,38 +450,6 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
     _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, SWAP, SPLIT, HAS_BIAS)
 
 
-@device_fn
-def _sum_splits(ptrs, stride, mask, splits):
-    """The fp32 split-K partial sums at ``ptrs + s * stride`` for s < splits (where ``mask``), added in split
-    order from 0. The loads of four splits are issued together (one at a time, each would wait a full L2 round
-    trip), through L2 (``.cg``: other programs of the same launch may have written them)."""
-    acc = tl.zeros(ptrs.shape, tl.float32)
-    zero = tl.zeros(ptrs.shape, tl.int32)  # the split index as a tensor: a scalar mask term is refused
-    for s0 in range(0, splits, 4):
-        got = ()
-        for u in tl.static_range(4):
-            live = mask & (zero + s0 + u < splits)
-            got = got + (tl.load(ptrs + (s0 + u) * stride, mask=live, other=0.0, cache_modifier=".cg"),)
-        for u in tl.static_range(4):
-            acc += got[u]
-    return acc
-
-
-@jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr, TRIG: tl.constexpr):
-    """Grid (cdiv(M*N, BLOCK),): out = sum over splits of part[split] (+ bias), added in split order
-    (:func:`_sum_splits`)."""
-    pdl_wait(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = _sum_splits(part_ptr + offs, MN, mask, splits)
-    pdl_trigger(TRIG)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, BITS: tl.constexpr, GROUP: tl.constexpr,
                     BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, PDL: tl.constexpr,
@@ -685,15 +654,18 @@ def choose_plan(m: int, n: int, k: int, bits: int, group: int, sms: int, mma: bo
     return Plan("gemm", block_m=block_m, block_n=128, block_k=block_k, k_per_split=k_per_split, swap=True)
 
 
-def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-                 silu_gated: bool = False) -> torch.Tensor:
+def w4a16_linear(x: torch.Tensor | SplitK, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                 silu_gated: bool = False, defer_sum: bool = False) -> torch.Tensor | SplitK:
     """Triton ``quant_formats.reference_linear``: y [..., N] = x [..., K] @ dequantize(qw).T (+ bias), in x's dtype.
 
-    x: fp16/bf16 on the weight's device, last dim K; bias [N] or None. ``silu_gated``: x is cat(gate, up)
-    [..., 2K] and the product takes ``activation.silu_and_mul(x)`` (fused into the GEMV's loads at M = 1, where
-    the separate kernel would be a launch of its own). No host sync: graph-safe once the kernels for the shape
-    are compiled (warm up before capture). GEMVs on different streams may run concurrently (their split-K
-    counters are per stream, see ``_locks``). The path is :func:`choose_plan`'s.
+    x: fp16/bf16 on the weight's device, last dim K (or a :class:`~kernels.split_k.SplitK`, the product before;
+    added as it is read where SiLU-and-mul comes first, else summed first); bias [N] or None. ``silu_gated``: x is
+    cat(gate, up) [..., 2K] and the product takes ``activation.silu_and_mul(x)`` (fused into the GEMV's loads at
+    M = 1, where the separate kernel would be a launch of its own). ``defer_sum``: when the plan splits K, return
+    the fp32 partial sums as a ``SplitK`` for the next kernel to add (``split_k`` module doc), else y. No host
+    sync: graph-safe once the kernels for the shape are compiled (warm up before capture). GEMVs on different
+    streams may run concurrently (their split-K counters are per stream, see ``_locks``). The path is
+    :func:`choose_plan`'s.
     """
     width = qw.in_features * (2 if silu_gated else 1)
     if x.shape[-1] != width:
@@ -701,9 +673,11 @@ def w4a16_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     x2 = x.reshape(-1, width)
     plan = choose_plan(x2.shape[0], qw.out_features, qw.in_features, qw.bits, qw.group_size, num_sms(x.device),
                        x.dtype in (torch.float16, torch.bfloat16))
-    if silu_gated and plan.path != "gemv":  # the mma path measured 28% slower with it fused (8 lanes repeat it)
+    if silu_gated and (plan.path != "gemv" or isinstance(x2, SplitK)):
+        # the mma path measured 28% slower with it fused (8 lanes repeat it); the SiLU kernel adds a SplitK's splits
         x2, silu_gated = activation.silu_and_mul(x2), False
-    return run_plan(x2, qw, bias, plan, silu_gated).reshape(*x.shape[:-1], qw.out_features)
+    y = run_plan(x2.sum() if isinstance(x2, SplitK) else x2, qw, bias, plan, silu_gated, defer_sum)
+    return y.reshape(*x.shape[:-1], qw.out_features)
 
 
 _LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -736,8 +710,9 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
 
 
 def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, plan: Plan,
-             silu_gated: bool = False) -> torch.Tensor:
-    """Run one :class:`Plan` on x [M, K] (the benchmark sweeps plans through this). Returns [M, N] in x's dtype.
+             silu_gated: bool = False, defer_sum: bool = False) -> torch.Tensor | SplitK:
+    """Run one :class:`Plan` on x [M, K] (the benchmark sweeps plans through this). Returns [M, N] in x's dtype,
+    or with ``defer_sum`` and a plan that splits K the :class:`~kernels.split_k.SplitK` of it (no sum taken).
     ``silu_gated`` (the gemv path only): x is [1, 2K], see :func:`w4a16_linear`."""
     if silu_gated and plan.path != "gemv":
         raise ValueError("silu_gated inputs run on the gemv path only")
@@ -755,11 +730,15 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
     if plan.path == "dequant":
         y = x @ dequantize_triton(qw, x.dtype)
         return y if bias is None else y + bias.to(y.dtype)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
     splits = cdiv(k, plan.k_per_split)
+    defer_sum = defer_sum and splits <= MAX_SPLITS
+    # the GEMVs add their own partial sums (plan.serial) unless told to leave them to the next kernel
+    serial = splits > 1 and plan.serial and not defer_sum and plan.path in ("mma", "gemv")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if splits == 1 or serial else None
     target = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    out = x if out is None else out  # an argument the launch does not write (x's dtype: the same compiled kernel)
     perm = qw.perm if qw.perm is not None else qw.qweight
     bias_arg = bias if bias is not None else qw.scales
     common = dict(BITS=qw.bits, GROUP=qw.group_size, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
@@ -783,7 +762,6 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             raise ValueError(f"the mma path takes {', '.join(problems)}")
         if qw.perm is not None:  # act-order: kernel row k reads x[:, perm[k]]
             x = x[:, qw.perm.long()].contiguous()
-        serial = splits > 1 and plan.serial
         locks = _locks(x.device, cdiv(n, plan.block_n)) if serial else target
         w4a16_mma._gemv_mma_kernel[(cdiv(n, plan.block_n), splits)](
             x.view(torch.int32), qw.qweight, qw.scales, qw.qzeros, bias_arg, out, target, locks, m, n, k,
@@ -812,7 +790,6 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
     elif plan.path == "gemv":
         if m != 1:
             raise ValueError(f"the gemv path takes one row, got {m}")
-        serial = splits > 1 and plan.serial
         locks = _locks(x.device, cdiv(n, plan.block_n)) if serial else target
         _gemv_kernel[(cdiv(n, plan.block_n), splits)](x, qw.qweight, qw.scales, qw.qzeros, perm, bias_arg, out,
                                                       target, locks, n, k, plan.k_per_split, splits, 0x3F000000,
@@ -828,8 +805,6 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             BLOCK_M=plan.block_m, SWAP=plan.swap, FAST=fast, DOT_F32=dot_f32(x), PDL=pdl(x),
             TRIG=early_trigger(x), HOPPER=hopper(x), **common)
     if splits > 1:
-        block = 1024
-        _splitk_reduce_kernel[(cdiv(m * n, block),)](target, bias_arg, out, m * n, n, splits,
-                                                     HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl(x),
-                                                     TRIG=early_trigger(x), num_warps=4)
+        sums = SplitK(target, bias, x.dtype)
+        return sums if defer_sum else sums.sum()
     return out

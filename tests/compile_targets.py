@@ -165,9 +165,10 @@ def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int
                    kv_dtype: torch.dtype | None = None, rows=(1, 8, 16, 64, 128, 256, 512), batches=(1, 8, 64),
                    max_model_len: int = 4096, block_size: int = 16, bits: int = 4) -> None:
     """Run the Triton side of every op of one decoder layer on meta tensors: the four W{bits}A16 products at each
-    M of ``rows`` (decode batches and prefill chunks; SiLU fused into the down projection's GEMV at M = 1 as the
-    model does), RMSNorm with and without the residual (the first layer has none), rotary with the KV write,
-    SiLU-and-mul, the KV write, decode attention for each of ``batches`` over a ``max_model_len`` block table, and
+    M of ``rows`` (decode batches and prefill chunks) as the model runs them (q/k/v and gate/up with
+    ``defer_sum``, rotary with the KV write and SiLU-and-mul adding their splits), and the unsplit forms too
+    (SiLU fused into the down projection's GEMV loads at M = 1), RMSNorm with and without the residual (the
+    first layer has none), rotary with the KV write, SiLU-and-mul, the KV write, decode attention for each of ``batches`` over a ``max_model_len`` block table, and
     prefill attention. Inside :func:`compile_only`."""
     from kernels import activation, kv_cache, norm, paged_attention, rotary, w4a16
 
@@ -179,21 +180,25 @@ def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int
                "gate_up": weight(h, 2 * shape.intermediate, group, act_order, dtype, bits),
                "down": weight(shape.intermediate, h, group, act_order, dtype, bits)}
     bias = meta(qkv_n, dtype=dtype) if shape.qkv_bias else None
-    for m in rows:
-        w4a16.w4a16_linear(meta(m, h, dtype=dtype), weights["qkv"], bias)
-        w4a16.w4a16_linear(meta(m, shape.heads * d, dtype=dtype), weights["o"])
-        w4a16.w4a16_linear(meta(m, h, dtype=dtype), weights["gate_up"])
-        gated = m == 1  # as the model: SiLU-and-mul fused into the down projection's GEMV loads at one row
-        w4a16.w4a16_linear(meta(m, shape.intermediate * (2 if gated else 1), dtype=dtype), weights["down"],
-                           silu_gated=gated)
-        norm.rms_norm(meta(m, h, dtype=dtype), meta(h, dtype=dtype), 1e-5, meta(m, h, dtype=dtype))
-        norm.rms_norm(meta(m, h, dtype=dtype), meta(h, dtype=dtype), 1e-5)
-        activation.silu_and_mul(meta(m, 2 * shape.intermediate, dtype=dtype))
     blocks = 64
     caches = [meta(blocks, block_size, shape.kv_heads, d, dtype=kv_dtype) for _ in range(2)]
     scales = ([meta(blocks, shape.kv_heads, block_size, dtype=torch.float32) for _ in range(2)]
               if kv_dtype == torch.int8 else [None, None])
     cos_sin = meta(max_model_len, d, dtype=torch.float32)
+    q_size, kv_size = shape.heads * d, shape.kv_heads * d
+    for m in rows:  # as the model: the q/k/v and gate/up sums left to rotary and SiLU where the product splits K
+        qkv = w4a16.w4a16_linear(meta(m, h, dtype=dtype), weights["qkv"], bias, defer_sum=True)
+        q, k, v = (t.reshape(m, -1, d) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+        rotary.rotary_write_kv(meta(m, dtype=torch.int64), q, k, v, cos_sin, *caches, meta(m, dtype=torch.int64),
+                               *scales)
+        w4a16.w4a16_linear(meta(m, shape.heads * d, dtype=dtype), weights["o"])
+        gate_up = w4a16.w4a16_linear(meta(m, h, dtype=dtype), weights["gate_up"], defer_sum=True)
+        w4a16.w4a16_linear(gate_up, weights["down"], silu_gated=True)
+        norm.rms_norm(meta(m, h, dtype=dtype), meta(h, dtype=dtype), 1e-5, meta(m, h, dtype=dtype))
+        norm.rms_norm(meta(m, h, dtype=dtype), meta(h, dtype=dtype), 1e-5)
+        activation.silu_and_mul(meta(m, 2 * shape.intermediate, dtype=dtype))
+        # SiLU fused into the down projection's GEMV loads (an unsplit gate/up product at one row)
+        w4a16.w4a16_linear(meta(m, 2 * shape.intermediate, dtype=dtype), weights["down"], silu_gated=True)
     for tokens in (1, 64):
         q = meta(tokens, shape.heads, d, dtype=dtype)
         kv = meta(tokens, shape.kv_heads, d, dtype=dtype)

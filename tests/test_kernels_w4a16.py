@@ -13,7 +13,7 @@ import torch
 from kernels_testenv import DEVICE, on_device  # noqa: F401 (autouse fixture)
 
 from kernels import quant_formats as qf
-from kernels import w4a16
+from kernels import split_k, w4a16
 
 FORMATS = ["awq", "gptq", "gptq_v2", "ct_sym", "ct_asym"]
 
@@ -231,8 +231,8 @@ def test_splitk_reduce_adds_in_split_order(splits):
     part = torch.randn(splits, 3, 70)
     bias = torch.randn(70, dtype=torch.bfloat16)
     out = torch.empty(3, 70)
-    w4a16._splitk_reduce_kernel[(4,)](part, bias, out, 210, 70, splits, HAS_BIAS=True, BLOCK=64, PDL=False,
-                                      TRIG=False, num_warps=4)
+    split_k._reduce_kernel[(4,)](part, bias, out, 210, 70, splits, HAS_BIAS=True, BLOCK=64, PDL=False, TRIG=False,
+                                 num_warps=4)
     ref = torch.zeros(3, 70)
     for s in range(splits):
         ref = ref + part[s]

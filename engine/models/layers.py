@@ -7,6 +7,7 @@ from torch import nn
 from kernels import ops
 from kernels.quant_formats import QuantizedWeight, concat_out_features, dequantize
 from kernels.rotary import rope_cos_sin
+from kernels.split_k import SplitK, as_tensor
 
 
 def _out_features(w: torch.Tensor | QuantizedWeight) -> int:
@@ -35,12 +36,15 @@ class Linear(nn.Module):
             parts = [b if b is not None else torch.zeros(_out_features(w)) for b, w in zip(biases, weights)]
             self.bias = nn.Parameter(torch.cat(parts).to(device=device, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, silu_gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | SplitK, silu_gated: bool = False,
+                defer_sum: bool = False) -> torch.Tensor | SplitK:
         """x [T, K] -> [T, N]; ``silu_gated``: x is an MLP's cat(gate, up) [T, 2K] and the input is
-        silu(gate) * up (on the W4A16 GEMV the activation runs inside the product's loads)."""
+        silu(gate) * up (on the W4A16 GEMV the activation runs inside the product's loads). ``defer_sum``: a
+        W4A16 product that splits K may return its partial sums (``kernels.split_k.SplitK``), for a next op that
+        adds them as it loads (rotary with the KV write, SiLU-and-mul); x may be such a SplitK."""
         if self.qweight is not None:
-            return ops.w4a16_linear(x, self.qweight, self.bias, silu_gated)
-        return ops.linear(ops.silu_and_mul(x) if silu_gated else x, self.weight, self.bias)
+            return ops.w4a16_linear(x, self.qweight, self.bias, silu_gated, defer_sum)
+        return ops.linear(ops.silu_and_mul(x) if silu_gated else as_tensor(x), self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -46,13 +46,14 @@ class LlamaDecoderLayer(nn.Module):
         """hidden, residual: [T, hidden_size] → the same, after attention and MLP."""
         x, residual = self.input_layernorm(hidden, residual)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        # the split-K sums of q/k/v and of gate/up are added by the next kernel as it loads them (kernels/split_k.py)
+        q, k, v = self.qkv_proj(x, defer_sum=True).split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta, positions, rotary.cos_sin)
         hidden = self.o_proj(o.reshape(-1, q_size))
         x, residual = self.post_attention_layernorm(hidden, residual)
-        return self.down_proj(self.gate_up_proj(x), silu_gated=True), residual
+        return self.down_proj(self.gate_up_proj(x, defer_sum=True), silu_gated=True), residual
 
 
 class LlamaForCausalLM(nn.Module):
