@@ -17,3 +17,19 @@ def test_warm_up_prefill_writes_nothing_and_changes_no_answer(demo_model):
     runner.warm_up_prefill(64)  # prompts of 1, 7, 15 and 63 tokens
     assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches))  # every slot was -1: nothing written
     assert llm.generate([prompt], greedy)[0].outputs[0].token_ids == before
+
+
+def test_warm_up_covers_every_plan_bucket_with_and_without_a_multiple_of_16():
+    """Each W4A16 M bucket (its plan, and the split count rotary and SiLU-and-mul specialize on) gets a start-up
+    prompt, and from 9 rows to the last bucket one whose length is a multiple of 16 and one whose length is not
+    (Triton specializes integer arguments on that); so do the rows past the last bucket (dequantize-then-cuBLAS)."""
+    from engine.model_runner import ModelRunner
+    from kernels import w4a16
+
+    tokens = ModelRunner.WARM_UP_TOKENS
+    edges = (0,) + w4a16.M_BUCKETS + (w4a16.M_BUCKETS[-1] + 16,)
+    for lo, hi in zip(edges, edges[1:]):
+        inside = [t for t in tokens if lo < t <= hi]
+        assert inside, f"no warm-up prompt of {lo + 1}-{hi} tokens"
+        if 16 <= hi <= w4a16.M_BUCKETS[-1]:
+            assert {t % 16 == 0 for t in inside} == {True, False}, f"{lo + 1}-{hi}: {inside}"
