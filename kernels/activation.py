@@ -41,6 +41,8 @@ def silu_and_mul(x: torch.Tensor | SplitK) -> torch.Tensor:
     tokens, inter, dtype, split = x.shape[0], x.shape[-1] // 2, x.dtype, isinstance(x, SplitK)
     splits, stride_split, bias = (x.splits, x.part.stride(0), x.bias) if split else (1, 0, None)
     x = x.part[0] if split else x
+    if split and x.stride(-1) != 1:
+        raise ValueError("silu_and_mul: a SplitK's last dim must be contiguous")  # a copy would take split 0 alone
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(tokens, inter, dtype=dtype, device=x.device)

@@ -15,7 +15,8 @@ up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA
 | ``silu_and_mul(x)`` | ``activation.silu_and_mul`` | ``activation.silu_and_mul_ref`` |
 
 A product run with ``defer_sum`` may come back as a ``split_k.SplitK`` (its split-K partial sums, not yet added:
-Triton only); ``rotary_write_kv`` and ``silu_and_mul`` add them as they load, the other ops take tensors.
+Triton only); ``rotary``, ``rotary_write_kv`` and ``silu_and_mul`` add them as they load, the other ops take
+tensors. Given one, the references take its sum (``SplitK.sum``, a Triton launch).
 """
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ def rms_norm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.
 
 
 def rotary(positions, q, k, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
-    fn = rotary_mod.rotary if use_triton(q) else rotary_mod.rotary_ref
-    return fn(positions, q, k, cos_sin)
+    if use_triton(q):
+        return rotary_mod.rotary(positions, q, k, cos_sin)
+    return rotary_mod.rotary_ref(positions, as_tensor(q), as_tensor(k), cos_sin)
 
 
 def rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales=None,

@@ -146,6 +146,8 @@ def _splits_of(q, k, v) -> tuple[int | None, int, tuple, tuple, torch.dtype]:
 def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_mapping=None, k_scales=None,
             v_scales=None):
     splits, stride_split, (q, k, v), biases, dtype = _splits_of(q, k, v)
+    if splits is not None and any(x.stride(-1) != 1 for x in (q, k, v) if x is not None):
+        raise ValueError("rotary: a SplitK's last dim must be contiguous")  # a copy would take split 0 alone
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -168,10 +170,11 @@ def _launch(positions, q, k, cos_sin, v=None, k_cache=None, v_cache=None, slot_m
             # (measured), more warps beyond (64 heads of 128 spilled with 4: 255 registers, offline ptxas for sm_90)
             block_h = next_pow2(heads)
             warps = min(16, max(4, block_h * block_half // 512))
-        else:  # S partial sums per value to read: about 256 programs (32 at one token of 32 heads), 2 values of
-            # each tensor per thread (S x 6 x 2 registers for the loads)
-            block_h = min(next_pow2(heads), next_pow2(max(1, tokens * heads // 256)))
-            warps = min(16, max(1, block_h * block_half // 64))
+        else:  # S partial sums per value to read: one head per program (32 programs at one token of 32 heads),
+            # up to 2 values of each tensor per thread (S x 6 x 2 registers for the loads). Nothing here depends
+            # on the token count: the compiled variant is the same for every batch of one plan's split count
+            block_h = 1
+            warps = max(1, block_half // 64)
         _rotary_kernel[(tokens, cdiv(heads, block_h))](
             positions, q, k, qo, ko, cos_sin, q_heads, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), cos_sin.stride(0), *extra, cache.stride(0), cache.stride(1),

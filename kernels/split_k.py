@@ -68,18 +68,24 @@ class SplitK:
         return tuple(SplitK(p, b, self.dtype) for p, b in zip(parts, biases))
 
     def reshape(self, *shape: int) -> SplitK:
-        """The same sums seen as ``shape`` (-1 allowed in the first dim, the rows); the last dim is split or
-        merged, never the rows (the bias follows it)."""
+        """The same sums seen as ``shape`` (like ``Tensor.reshape``, -1 allowed). The bias takes the trailing dims
+        that hold as many values as it has (ValueError if none do: a reshape that splits a row across the
+        columns' boundary)."""
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         part = self.part.reshape(self.splits, *shape)
-        bias = self.bias.reshape(part.shape[2:]) if self.bias is not None else None
-        return SplitK(part, bias, self.dtype)
+        if self.bias is None:
+            return SplitK(part, None, self.dtype)
+        dims = part.shape[1:]
+        tail = next((dims[i:] for i in range(len(dims) - 1, -1, -1) if dims[i:].numel() >= self.bias.numel()), None)
+        if tail is None or tail.numel() != self.bias.numel():
+            raise ValueError(f"SplitK.reshape: no trailing dims of {tuple(dims)} hold the bias's {self.bias.numel()}")
+        return SplitK(part, self.bias.reshape(tail), self.dtype)
 
     def sum(self) -> torch.Tensor:
         """The product itself: [*shape] in ``dtype`` (one launch of :data:`_reduce_kernel`)."""
         part = self.part.contiguous()
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        n = out.numel() // max(self.shape[0], 1)  # the bias repeats every row
+        n = self.bias.numel() if self.bias is not None else max(out.numel(), 1)  # the bias's period in out
         bias = self.bias.reshape(n) if self.bias is not None else part
         if out.numel():
             block = 1024

@@ -27,7 +27,8 @@ Plans measured on the GPU at hand (``w4a16_tune``, at the engine's first start) 
 an H200 for the Llama-2-7B shapes (:data:`TUNED`), then rules that follow the H200 sweeps.
 
 Split-K partial sums (fp32) are added in a fixed order, by a second small kernel for the GEMM (and the GEMV with
-``serial=False``), in the same launch for the GEMV: results are deterministic on every path. The GEMV's in-launch
+``serial=False``), in the same launch for the GEMV, or, asked for with ``defer_sum``, by the kernel that reads the
+product next (``split_k.SplitK``): results are deterministic, and the same bits, on every path. The GEMV's in-launch
 reduction keeps arrival counters in a buffer per (device, stream), touched only after the kernel's PDL wait,
 when the kernel before it on the stream (maybe another GEMV) has finished.
 Errors: ``ValueError`` for a QuantizedWeight / x mismatch; shapes the fused kernels cannot tile (a group size
@@ -501,7 +502,7 @@ class Plan:
     block_k, and of block_k x k_warps for the mma path; >= K means no split); ``swap`` computes the transposed
     product in the GEMM; ``fast`` its scale-after-the-dot dequantization (4-bit, block_k >= 128, fp16/bf16
     activations; see ``_gemm_kernel``); ``serial``: the GEMV adds its split-K partial sums in the same launch (see
-    ``_gemv_kernel``), else in a second kernel. ``tc``
+    ``_gemv_kernel``; unless the call defers them, ``run_plan``'s ``defer_sum``), else in a second kernel. ``tc``
     (4-bit): ``_gemm_tc_kernel``, ``swap`` as for the GEMM, ``mode`` its dequantization (``_tc_pair``; bf16 x on a
     GPU only, else 0)."""
 

@@ -168,8 +168,8 @@ def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int
     M of ``rows`` (decode batches and prefill chunks) as the model runs them (q/k/v and gate/up with
     ``defer_sum``, rotary with the KV write and SiLU-and-mul adding their splits), and the unsplit forms too
     (SiLU fused into the down projection's GEMV loads at M = 1), RMSNorm with and without the residual (the
-    first layer has none), rotary with the KV write, SiLU-and-mul, the KV write, decode attention for each of ``batches`` over a ``max_model_len`` block table, and
-    prefill attention. Inside :func:`compile_only`."""
+    first layer has none), rotary with the KV write, SiLU-and-mul, the KV write, decode attention for each of
+    ``batches`` over a ``max_model_len`` block table, and prefill attention. Inside :func:`compile_only`."""
     from kernels import activation, kv_cache, norm, paged_attention, rotary, w4a16
 
     kv_dtype = kv_dtype or dtype

@@ -63,7 +63,7 @@ def _qkv(s: SplitK, q_heads: int, kv_heads: int, dim: int):
 CASES = [(dtype, splits, bias, 1, 4, 2, 64, None) for dtype in DTYPES for splits, bias in ((2, False), (6, True),
                                                                                            (9, False))]
 CASES += [(torch.float16, 9, True, 9, 9, 3, 64, None), (torch.bfloat16, 5, False, 5, 4, 2, 64, torch.int8),
-          (torch.bfloat16, 3, True, 64, 8, 8, 32, None)]  # 64 tokens: 2 heads per program
+          (torch.float32, 3, True, 3, 4, 2, 64, None)]
 
 
 @pytest.mark.parametrize("dtype,splits,bias,tokens,q_heads,kv_heads,dim,cache_dtype", CASES)
@@ -144,3 +144,73 @@ def test_more_splits_than_a_consumer_takes_are_added_by_the_product():
                        defer_sum=True)
     assert isinstance(y, torch.Tensor)
     check_product(y, x, w)
+
+
+def test_rotary_alone_adds_the_splits():
+    s = make_split(4, 3, (4 + 2 * 2) * 64, torch.float16, True)
+    q, k, _ = _qkv(s, 4, 2, 64)
+    cos_sin = rotary.rope_cos_sin(64, 4096, 10000.0, device=DEVICE)
+    positions = torch.randint(0, 4096, (3,))
+    got = rotary.rotary(positions, q, k, cos_sin)
+    want = rotary.rotary(positions, q.sum(), k.sum(), cos_sin)
+    assert all(a.dtype == torch.float16 and torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_split_with_a_strided_last_dim_is_refused():
+    """A consumer cannot copy a SplitK to make it contiguous (the copy would hold split 0 alone)."""
+    s = SplitK(torch.randn(2, 3, 128, 2)[..., 0], None, torch.float16)
+    with pytest.raises(ValueError, match="contiguous"):
+        activation.silu_and_mul(s)
+    q, k, v = _qkv(SplitK(torch.randn(2, 1, 3 * 64, 2)[..., 0], None, torch.float16), 1, 1, 64)
+    caches = torch.zeros(2, 1, 16, 1, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="contiguous"):
+        rotary.rotary_write_kv(torch.zeros(1, dtype=torch.int64), q, k, v, rotary.rope_cos_sin(64, 16, 1e4),
+                               caches[0], caches[1], torch.zeros(1, dtype=torch.int64))
+
+
+def test_reshape_gives_the_bias_the_columns_dims():
+    s = make_split(2, 6, 8, torch.float16, True)
+    assert s.reshape(2, 3, 8).bias.shape == (8,) and s.reshape(6, 2, 4).bias.shape == (2, 4)
+    assert torch.equal(s.reshape(2, 3, 8).sum(), s.sum().reshape(2, 3, 8))
+    with pytest.raises(ValueError, match="trailing dims"):
+        s.reshape(4, 12)
+
+
+def test_a_deferred_product_of_three_dim_x_with_a_bias(monkeypatch):
+    qw, _ = make_weight("awq", 256, 128, 64, False)
+    x = torch.randn(1, 1, 256, dtype=torch.float16)
+    bias = torch.randn(128, dtype=torch.float16)
+    monkeypatch.setattr(w4a16, "choose_plan", lambda *a: GEMV)
+    s = w4a16.w4a16_linear(x, qw, bias, defer_sum=True)
+    assert isinstance(s, SplitK) and s.shape == (1, 1, 128) and s.bias.shape == (128,)
+    assert torch.equal(s.sum()[0], w4a16.run_plan(x[0], qw, bias, GEMV))
+
+
+class _Launches:
+    """Stands in for a kernel: records its launches' keyword arguments, then runs the real one."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append(kw)
+            return self.real[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("plan,rows,kernel", [(GEMV, 1, "_gemv_kernel"), (MMA, 3, "mma")], ids=["gemv", "mma"])
+def test_a_deferred_gemv_skips_its_own_sum(monkeypatch, plan, rows, kernel):
+    """defer_sum: the GEMV launches without its in-launch sum (SERIAL false) and nothing else runs after it."""
+    from kernels import split_k as sk
+    from kernels import w4a16_mma
+    owner = w4a16_mma if kernel == "mma" else w4a16
+    name = "_gemv_mma_kernel" if kernel == "mma" else kernel
+    gemv, reduce = _Launches(getattr(owner, name)), _Launches(sk._reduce_kernel)
+    monkeypatch.setattr(owner, name, gemv)
+    monkeypatch.setattr(sk, "_reduce_kernel", reduce)
+    qw, _ = make_weight("awq", 256, 128, 64, False)
+    x = torch.randn(rows, 256, dtype=torch.float16)
+    w4a16.run_plan(x, qw, None, plan, defer_sum=True)
+    w4a16.run_plan(x, qw, None, plan)
+    assert [c["SERIAL"] for c in gemv.calls] == [False, True] and reduce.calls == []

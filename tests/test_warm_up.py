@@ -14,7 +14,7 @@ def test_warm_up_prefill_writes_nothing_and_changes_no_answer(demo_model):
     prompt, greedy = list(range(200, 237)), SamplingParams(temperature=0, max_tokens=6)
     before = llm.generate([prompt], greedy)[0].outputs[0].token_ids
     caches = [kv.clone() for kv in runner.kv_caches]
-    runner.warm_up_prefill(64)  # prompts of 1, 7, 15 and 63 tokens
+    runner.warm_up_prefill(64)  # prompts of 1, 7, 8, 15, 16, 63 and 64 tokens
     assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches))  # every slot was -1: nothing written
     assert llm.generate([prompt], greedy)[0].outputs[0].token_ids == before
 
