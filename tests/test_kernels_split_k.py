@@ -214,3 +214,62 @@ def test_a_deferred_gemv_skips_its_own_sum(monkeypatch, plan, rows, kernel):
     w4a16.run_plan(x, qw, None, plan, defer_sum=True)
     w4a16.run_plan(x, qw, None, plan)
     assert [c["SERIAL"] for c in gemv.calls] == [False, True] and reduce.calls == []
+
+
+class _Checkpoint:
+    """Just enough of ``engine.models.loader.CheckpointReader`` for one decoder layer: AWQ weights, a q/k/v bias."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int]], hidden: int):
+        self.weights = {name: make_weight("awq", k, n, 32, False)[0] for name, (k, n) in shapes.items()}
+        self.biases = {name: torch.randn(n, dtype=torch.float16) for name, (_, n) in shapes.items()
+                       if name.endswith(("q_proj", "k_proj", "v_proj"))}
+        self.norms = {"input_layernorm": torch.rand(hidden) + 0.5, "post_attention_layernorm": torch.rand(hidden) + 0.5}
+
+    def linear(self, prefix):
+        return self.weights[prefix.split(".")[-1]]
+
+    def bias(self, prefix):
+        return self.biases.get(prefix.split(".")[-1])
+
+    def tensor(self, name):
+        return self.norms[name.split(".")[-2]]
+
+
+def test_a_decoder_layer_gives_the_same_bits_with_deferred_sums(monkeypatch):
+    """The Llama layer on the Triton kernels (interpreted here; ``ops.use_triton`` forced), every product split in
+    two: q/k/v and gate/up leave their sums to rotary and SiLU-and-mul, or (``defer_sum`` dropped) add them
+    themselves. Hidden state, residual and KV cache come out the same, bit for bit."""
+    from engine.attention import AttentionMetadata
+    from engine.models.layers import RotaryEmbedding
+    from engine.models.llama import LlamaDecoderLayer
+    from kernels.quant_formats import concat_out_features
+
+    hidden, heads, kv_heads, dim, inter = 128, 4, 2, 32, 128
+    shapes = {"q_proj": (hidden, heads * dim), "k_proj": (hidden, kv_heads * dim), "v_proj": (hidden, kv_heads * dim),
+              "o_proj": (heads * dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    ckpt = _Checkpoint(shapes, hidden)
+    cfg = {"hidden_size": hidden, "rms_norm_eps": 1e-5, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    layer = LlamaDecoderLayer(cfg, ckpt, "model.layers.0", torch.float16, torch.device(DEVICE))
+    for lin, parts in ((layer.qkv_proj, ("q_proj", "k_proj", "v_proj")), (layer.o_proj, ("o_proj",)),
+                       (layer.gate_up_proj, ("gate_proj", "up_proj")), (layer.down_proj, ("down_proj",))):
+        lin.qweight, lin.weight = concat_out_features([ckpt.weights[p] for p in parts]), None  # as on CUDA
+    monkeypatch.setattr(ops, "use_triton", lambda t: True)
+    monkeypatch.setattr(w4a16, "choose_plan", lambda *a: MMA)  # K = 128: two splits everywhere
+    rotary_emb = RotaryEmbedding(dim, 64, 10000.0, torch.device(DEVICE))
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([4, 24]),
+                             block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
+                             context_lens=torch.tensor([5, 9], dtype=torch.int32))
+    x, residual = torch.randn(2, hidden, dtype=torch.float16), torch.randn(2, hidden, dtype=torch.float16)
+    caches = torch.randn(2, 2, 16, kv_heads, dim, dtype=torch.float16)
+    outs = []
+    for defer in (True, False):
+        if not defer:
+            real = w4a16.w4a16_linear
+            monkeypatch.setattr(w4a16, "w4a16_linear", lambda x, qw, bias=None, silu_gated=False, defer_sum=False:
+                                real(x, qw, bias, silu_gated))
+        layer.attn.k_cache, layer.attn.v_cache = caches.clone()
+        out = layer(torch.tensor([4, 8]), x, residual, meta, rotary_emb)
+        outs.append((*out, layer.attn.k_cache, layer.attn.v_cache))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert not torch.equal(outs[0][2], caches[0])  # the step's k was written
