@@ -101,18 +101,18 @@ def as_tensor(x: torch.Tensor | SplitK) -> torch.Tensor:
 
 
 @device_fn
-def sum_splits(ptrs, stride, mask, splits):
+def sum_splits(ptrs, stride, mask, splits, AHEAD: tl.constexpr):
     """The fp32 split-K partial sums at ``ptrs + s * stride`` for s < splits (where ``mask``), added in split
-    order from 0. The loads of four splits are issued together (one at a time, each would wait a full L2 round
+    order from 0. The loads of AHEAD splits are issued together (one at a time, each would wait a full L2 round
     trip), through L2 (``.cg``: other programs of the same launch may have written them)."""
     acc = tl.zeros(ptrs.shape, tl.float32)
     zero = tl.zeros(ptrs.shape, tl.int32)  # the split index as a tensor: a scalar mask term is refused
-    for s0 in range(0, splits, 4):
+    for s0 in range(0, splits, AHEAD):
         got = ()
-        for u in tl.static_range(4):
+        for u in tl.static_range(AHEAD):
             live = mask & (zero + s0 + u < splits)
             got = got + (tl.load(ptrs + (s0 + u) * stride, mask=live, other=0.0, cache_modifier=".cg"),)
-        for u in tl.static_range(4):
+        for u in tl.static_range(AHEAD):
             acc += got[u]
     return acc
 
@@ -171,7 +171,7 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.cons
     pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
-    acc = sum_splits(part_ptr + offs, MN, mask, splits)
+    acc = sum_splits(part_ptr + offs, MN, mask, splits, 4)
     pdl_trigger(TRIG)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)

@@ -147,7 +147,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
                  splits, exp_byte, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
                  EVEN_K: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
-                 TRIG: tl.constexpr):
+                 TRIG: tl.constexpr, AHEAD: tl.constexpr = 4):
     """Grid (cdiv(N, BLOCK_N), splits): y[n] for one block of outputs over one K range (a multiple of BLOCK_K;
     BLOCK_K divides GROUP, or GROUP >= K (per channel), so a tile has one scale and one zero per column). The next
     tile is loaded before this one is multiplied (a second tile in flight; a third measured no faster on an H200).
@@ -183,7 +183,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
             tl.debug_barrier()  # every thread's partial sums are written before the counter moves
             arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == splits - 1:
-                y = sum_splits(part_ptr + n, N, nmask, splits)
+                y = sum_splits(part_ptr + n, N, nmask, splits, AHEAD)
                 if HAS_BIAS:
                     y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
                 tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
@@ -681,6 +681,14 @@ def w4a16_linear(x: torch.Tensor | SplitK, qw: QuantizedWeight, bias: torch.Tens
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
+#: Splits whose partial sums the GEMVs' in-launch sum loads at once (``_gemv_kernel``: one value per thread and
+#: split; ``_gemv_mma_kernel``: 16). 7B engine on an H200, µs per step at batch 1 / 8 sequences (bench/RESULTS.md,
+#: fifteenth session): 4 / 4 1,994-2,002 / 2,537-2,539; 16 / 4 1,996 / 2,537-2,541; 16 / 8 1,971-1,973 /
+#: 2,532-2,533; 16 / 16 1,981-1,983 / 2,560-2,561. The CUDA-core GEMV's count changed nothing; the mma GEMV's 22-split
+#: down projection at batch 1 waits for three rounds of loads instead of six.
+GEMV_SUM_AHEAD = 4
+MMA_SUM_AHEAD = 8
+
 _LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _MAX_LOCKS = 1 << 16  # column blocks of one GEMV: N up to 65536 x BLOCK_N
 
@@ -771,8 +779,8 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             HAS_BIAS=bias is not None, SPLIT=splits > 1, SERIAL=serial, IS_BF16=x.dtype == torch.bfloat16,
             ASM=not dot_f32(x), WARPS=plan.num_warps,
             EVEN=k % (plan.block_k * plan.k_warps) == 0 and n % plan.block_n == 0,
-            SETS=1 if m <= 8 else 2, PDL=pdl(x), TRIG=early_trigger(x), KW=plan.k_warps, num_warps=plan.num_warps,
-            num_stages=plan.num_stages)
+            SETS=1 if m <= 8 else 2, PDL=pdl(x), TRIG=early_trigger(x), KW=plan.k_warps, AHEAD=MMA_SUM_AHEAD,
+            num_warps=plan.num_warps, num_stages=plan.num_stages)
         if serial or splits == 1:
             return out
     elif plan.path == "tc":
@@ -797,7 +805,7 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
                                                       SERIAL=serial,
                                                       EVEN_K=k % plan.block_k == 0, ASM=not dot_f32(x),
                                                       GATED=silu_gated, PDL=pdl(x), TRIG=early_trigger(x),
-                                                      **common)
+                                                      AHEAD=GEMV_SUM_AHEAD, **common)
         if serial or splits == 1:
             return out
     else:

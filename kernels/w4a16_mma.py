@@ -240,25 +240,25 @@ def _store(ptr, rows, row0: tl.constexpr, col_lo, col_hi, tg, M, N, HAS_BIAS: tl
 
 
 @device_fn
-def _read_parts(part_ptr, row0: tl.constexpr, col_lo, col_hi, tg, M, N, splits):
+def _read_parts(part_ptr, row0: tl.constexpr, col_lo, col_hi, tg, M, N, splits, AHEAD: tl.constexpr):
     """The sums over splits of the lane's partial outputs for rows row0 .. in ``part`` [splits, M, N] fp32
-    (:func:`_rows` order), added in split order; the loads of four splits are issued together (one at a time,
+    (:func:`_rows` order), added in split order; the loads of AHEAD splits are issued together (one at a time,
     each would wait a full L2 round trip)."""
     ar = tl.arange(0, 4)[None, :]
     lo, hi = col_lo[:, None] + ar, col_hi[:, None] + ar
     m0, m1 = (row0 + 2 * tg)[:, None], (row0 + 2 * tg + 1)[:, None]
     z = tl.zeros([col_lo.shape[0], 4], tl.float32)
     r0, r1, r2, r3 = z, z, z, z
-    for s0 in range(0, splits, 4):
+    for s0 in range(0, splits, AHEAD):
         got = ()
-        for u in tl.static_range(4):
+        for u in tl.static_range(AHEAD):
             base = part_ptr + (s0 + u) * M * N
             ok = (s0 + u + tg * 0 < splits)[:, None]
             got = got + ((tl.load(base + m0 * N + lo, mask=(m0 < M) & (lo < N) & ok, other=0.0, cache_modifier=".cg"),
                           tl.load(base + m1 * N + lo, mask=(m1 < M) & (lo < N) & ok, other=0.0, cache_modifier=".cg"),
                           tl.load(base + m0 * N + hi, mask=(m0 < M) & (hi < N) & ok, other=0.0, cache_modifier=".cg"),
                           tl.load(base + m1 * N + hi, mask=(m1 < M) & (hi < N) & ok, other=0.0, cache_modifier=".cg")),)
-        for u in tl.static_range(4):
+        for u in tl.static_range(AHEAD):
             r0 += got[u][0]
             r1 += got[u][1]
             r2 += got[u][2]
@@ -332,7 +332,7 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
                      k_per_split, splits, magic, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SPLIT: tl.constexpr, SERIAL: tl.constexpr, IS_BF16: tl.constexpr,
                      ASM: tl.constexpr, WARPS: tl.constexpr, SETS: tl.constexpr, EVEN: tl.constexpr,
-                     PDL: tl.constexpr, TRIG: tl.constexpr, KW: tl.constexpr = 1):
+                     PDL: tl.constexpr, TRIG: tl.constexpr, KW: tl.constexpr = 1, AHEAD: tl.constexpr = 4):
     """Grid (cdiv(N, 64 CW), splits), ``WARPS`` = CW KW warps per program (num_warps must equal it): warp v of
     program p computes y[:M, 64 (CW p + v % CW) ..][:64] (M <= 8 SETS; SETS 1 or 2) over the K tiles v // CW,
     v // CW + KW, ... of rows k_per_split p1 .. (a multiple of BLOCK_K KW, the caller checks); the KW warps of a
@@ -396,6 +396,6 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
         arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == splits - 1:
             for b in tl.static_range(SETS):
-                rows = _read_parts(part_ptr, 8 * b, col_lo, col_hi, tg, M, N, splits)
+                rows = _read_parts(part_ptr, 8 * b, col_lo, col_hi, tg, M, N, splits, AHEAD)
                 _store(out_ptr, rows, 8 * b, col_lo, col_hi, tg, M, N, HAS_BIAS, bias_ptr)
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")

@@ -418,3 +418,22 @@ def test_pre_hopper_packed_bf16_gives_the_same_bits(plan, monkeypatch):
     got = w4a16.run_plan(x, qw, None, p)
     assert torch.equal(got, want)
     check_product(got, x, w)
+
+
+@pytest.mark.parametrize("ahead", [8, 16])
+def test_in_launch_split_sums_loading_more_splits_at_once_give_the_same_bits(monkeypatch, ahead):
+    """The GEMVs' in-launch sums with AHEAD splits' loads in flight (a short last round: 9 splits) add in split
+    order like AHEAD = 4: the same bits."""
+    qw, w = make_weight("awq", 288, 128, 32, False)
+    bias = torch.randn(128, dtype=torch.float16)
+    plans = [(w4a16.Plan("gemv", block_m=1, block_n=64, block_k=32, k_per_split=32), 1),
+             (w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, k_per_split=32, num_warps=1, num_stages=1), 3)]
+    for plan, rows in plans:
+        x = torch.randn(rows, 288, dtype=torch.float16)
+        runs = []
+        for n in (4, ahead):
+            monkeypatch.setattr(w4a16, "GEMV_SUM_AHEAD", n)
+            monkeypatch.setattr(w4a16, "MMA_SUM_AHEAD", n)
+            runs.append(w4a16.run_plan(x, qw, bias, plan))
+        assert torch.equal(*runs)
+        check_product(runs[0], x, w, bias)
