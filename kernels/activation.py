@@ -37,7 +37,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, stride_split
 def silu_and_mul(x: torch.Tensor | SplitK) -> torch.Tensor:
     """Triton :func:`silu_and_mul_ref`: x [T, 2I] (last dim contiguous) -> silu(gate) * up [T, I] in x's dtype.
     x may be a ``split_k.SplitK`` (the gate/up projection with its split-K sums left to this kernel): each value's
-    splits are added as it is loaded, giving the bits the summed product would have given."""
+    splits are added as it is loaded, giving the bits the summed product would have given (ValueError if its last
+    dim is not contiguous)."""
     tokens, inter, dtype, split = x.shape[0], x.shape[-1] // 2, x.dtype, isinstance(x, SplitK)
     splits, stride_split, bias = (x.splits, x.part.stride(0), x.bias) if split else (1, 0, None)
     x = x.part[0] if split else x

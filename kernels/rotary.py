@@ -217,7 +217,9 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     and strides (as the model runner allocates them), and so must two int8 caches' scales (ValueError).
     ``positions`` and ``cos_sin``: as for :func:`rotary`. q, k and v may be views of one ``split_k.SplitK`` (the
     q/k/v projection with its split-K sums left to this kernel): each value's splits are added as it is loaded,
-    giving the bits the summed product would have given; the rotated q comes in the SplitK's dtype."""
+    giving the bits the summed product would have given; the rotated q comes in the SplitK's dtype. ValueError for
+    a mix of tensors and SplitK views, views of which only some have a bias, or a SplitK whose last dim is not
+    contiguous."""
     if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
         raise ValueError("rotary_write_kv: k_cache and v_cache must have the same dtype and strides")
     return _launch(positions, q, k, cos_sin, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)[0]

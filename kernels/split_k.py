@@ -2,15 +2,16 @@
 
 A split-K product (``kernels/w4a16.py``) cuts K into S ranges; each program writes the fp32 sum of its range to
 ``part[s]``. Someone must then add the S partial sums (and the bias) and round the result to the activation
-dtype. The GEMV can do it itself (the last program of a column block to arrive), which costs it about 1.5 us of
-its 7-13 at batch 1 on an H200 (a store, an atomic, then the loads of every split: three L2 round trips after its
-last tile); the GEMM leaves it to :data:`_reduce_kernel`, a launch of its own. Asked to (``defer_sum``), the product
+dtype. The GEMV can do it itself (the last program of a column block to arrive), which cost it about 1.5 us of
+its 7-13 at batch 1 on an H200 (a store, an atomic, then the loads of every split, four at a time then: at least
+three L2 round trips after its last tile); the GEMM leaves it to :data:`_reduce_kernel`, a launch of its own. Asked to (``defer_sum``), the product
 returns a :class:`SplitK` instead, and the kernel that reads the product next adds the splits as it loads them:
 RoPE with the KV write after the q/k/v projection (``kernels/rotary.py``), SiLU-and-mul after the gate/up
 projection (``kernels/activation.py``). Both have enough programs to read S partial sums in parallel; RMSNorm
 (one program per token) does not, so the o and down projections add their own. The consumer knows S at compile
 time (``SPLITS``) and issues every split's load at once (:func:`load_pair`). On an H200, 7B-shaped engine: 1.8%
-per batch-1 decode step, 3.6% at 8 sequences, 1.6% at 64 (bench/RESULTS.md, fifteenth session).
+per batch-1 decode step, 3.6% at 8 sequences, 1-1.6% at 64 (bench/RESULTS.md, fifteenth session; the spread
+between two builds of one variant is 10-75 us per step, so the batch-1 and 64-sequence figures are near it).
 
 Every path adds in the same order, from 0.0 in split order, then the bias in fp32, then rounds to the dtype once
 (:func:`sum_splits`, :func:`add_splits`): a consumer that reads a :class:`SplitK` computes the same bits as one
@@ -35,8 +36,9 @@ class SplitK:
     """y = sum over s of ``part[s]`` (+ ``bias``), rounded to ``dtype``: a product whose split-K sums are not
     added yet. Shaped like a tensor for the few views a layer takes (``split`` along the last dim, ``reshape``).
 
-    part: float32 [S, *shape] (S >= 2; a view whose last dim is contiguous); bias: [*shape[1:]] or None (a view of
-    the product's bias, any dtype); dtype: the activation dtype y is rounded to.
+    part: float32 [S, *shape] (S >= 2; a view whose last dim is contiguous); bias: the values of one row, over the
+    trailing dims of ``shape`` ([N] for [M, N] or [B, T, N]; [H, D] after ``reshape(-1, H, D)``), any dtype, or None;
+    dtype: the activation dtype y is rounded to.
     """
 
     part: torch.Tensor
@@ -68,15 +70,15 @@ class SplitK:
         return tuple(SplitK(p, b, self.dtype) for p, b in zip(parts, biases))
 
     def reshape(self, *shape: int) -> SplitK:
-        """The same sums seen as ``shape`` (like ``Tensor.reshape``, -1 allowed). The bias takes the trailing dims
-        that hold as many values as it has (ValueError if none do: a reshape that splits a row across the
-        columns' boundary)."""
+        """The same sums seen as ``shape`` (like ``Tensor.reshape``, -1 allowed). The bias takes the trailing dims,
+        never the first (the rows: consumers read the bias once per row), that hold as many values as it has
+        (ValueError if none do: a reshape that moves values between rows and columns)."""
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         part = self.part.reshape(self.splits, *shape)
         if self.bias is None:
             return SplitK(part, None, self.dtype)
         dims = part.shape[1:]
-        tail = next((dims[i:] for i in range(len(dims) - 1, -1, -1) if dims[i:].numel() >= self.bias.numel()), None)
+        tail = next((dims[i:] for i in range(len(dims) - 1, 0, -1) if dims[i:].numel() >= self.bias.numel()), None)
         if tail is None or tail.numel() != self.bias.numel():
             raise ValueError(f"SplitK.reshape: no trailing dims of {tuple(dims)} hold the bias's {self.bias.numel()}")
         return SplitK(part, self.bias.reshape(tail), self.dtype)
@@ -103,8 +105,9 @@ def as_tensor(x: torch.Tensor | SplitK) -> torch.Tensor:
 @device_fn
 def sum_splits(ptrs, stride, mask, splits, AHEAD: tl.constexpr):
     """The fp32 split-K partial sums at ``ptrs + s * stride`` for s < splits (where ``mask``), added in split
-    order from 0. The loads of AHEAD splits are issued together (one at a time, each would wait a full L2 round
-    trip), through L2 (``.cg``: other programs of the same launch may have written them)."""
+    order from 0: fp32, shaped like ``ptrs`` (0 where not ``mask``). The loads of AHEAD splits are issued together
+    (one at a time, each would wait a full L2 round trip), through L2 (``.cg``: other programs of the same launch
+    may have written them)."""
     acc = tl.zeros(ptrs.shape, tl.float32)
     zero = tl.zeros(ptrs.shape, tl.int32)  # the split index as a tensor: a scalar mask term is refused
     for s0 in range(0, splits, AHEAD):

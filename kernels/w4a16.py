@@ -147,7 +147,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
                  splits, exp_byte, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
                  EVEN_K: tl.constexpr, ASM: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
-                 TRIG: tl.constexpr, AHEAD: tl.constexpr = 4):
+                 TRIG: tl.constexpr, AHEAD: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), splits): y[n] for one block of outputs over one K range (a multiple of BLOCK_K;
     BLOCK_K divides GROUP, or GROUP >= K (per channel), so a tile has one scale and one zero per column). The next
     tile is loaded before this one is multiplied (a second tile in flight; a third measured no faster on an H200).
@@ -157,7 +157,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
     Without SPLIT it writes y + bias in out's dtype. With SPLIT each program writes fp32 partial sums
     ``part[split, n]``; with SERIAL the last program of a column block to finish (an atomic counter in
     ``lock[pid_n]``, which that program resets to 0) adds them in split order and writes y + bias: deterministic,
-    one launch. Without SERIAL, ``split_k._reduce_kernel`` or the next kernel (``split_k.SplitK``) adds them."""
+    one launch (the loads of AHEAD splits in flight at a time). Without SERIAL, ``split_k._reduce_kernel`` or the
+    next kernel (``split_k.SplitK``) adds them."""
     PF: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -684,9 +685,9 @@ def w4a16_linear(x: torch.Tensor | SplitK, qw: QuantizedWeight, bias: torch.Tens
 #: Splits whose partial sums the GEMVs' in-launch sum loads at once (``_gemv_kernel``: one value per thread and
 #: split; ``_gemv_mma_kernel``: 16). 7B engine on an H200, µs per step at batch 1 / 8 sequences (bench/RESULTS.md,
 #: fifteenth session): 4 / 4 1,994-2,002 / 2,537-2,539; 16 / 4 1,996 / 2,537-2,541; 16 / 8 1,971-1,973 /
-#: 2,532-2,533; 16 / 16 1,981-1,983 / 2,560-2,561. The CUDA-core GEMV's count changed nothing; the mma GEMV's 22-split
-#: down projection at batch 1 waits for three rounds of loads instead of six.
-GEMV_SUM_AHEAD = 4
+#: 2,532-2,533; 16 / 16 1,981-1,983 / 2,560-2,561 (16 / 8 shipped). The CUDA-core GEMV's count changed nothing
+#: measurable; the mma GEMV's 22-split down projection at batch 1 waits for three rounds of loads instead of six.
+GEMV_SUM_AHEAD = 16
 MMA_SUM_AHEAD = 8
 
 _LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}

@@ -332,7 +332,7 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
                      k_per_split, splits, magic, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SPLIT: tl.constexpr, SERIAL: tl.constexpr, IS_BF16: tl.constexpr,
                      ASM: tl.constexpr, WARPS: tl.constexpr, SETS: tl.constexpr, EVEN: tl.constexpr,
-                     PDL: tl.constexpr, TRIG: tl.constexpr, KW: tl.constexpr = 1, AHEAD: tl.constexpr = 4):
+                     PDL: tl.constexpr, TRIG: tl.constexpr, AHEAD: tl.constexpr, KW: tl.constexpr = 1):
     """Grid (cdiv(N, 64 CW), splits), ``WARPS`` = CW KW warps per program (num_warps must equal it): warp v of
     program p computes y[:M, 64 (CW p + v % CW) ..][:64] (M <= 8 SETS; SETS 1 or 2) over the K tiles v // CW,
     v // CW + KW, ... of rows k_per_split p1 .. (a multiple of BLOCK_K KW, the caller checks); the KW warps of a
@@ -342,7 +342,7 @@ def _gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     rows: one step each) divides GROUP, or GROUP >= K: one scale per column per K tile, applied to the tile's fp32
     mma sums. SPLIT / SERIAL: as
     :func:`kernels.w4a16._gemv_kernel` (fp32 partials in part [splits, M, N]; the last program of a column block to
-    arrive adds them in split order)."""
+    arrive adds them in split order, the loads of AHEAD splits in flight at a time)."""
     T: tl.constexpr = WARPS * 32
     CW: tl.constexpr = WARPS // KW  # warps side by side over the columns; KW of each share them, splitting K
     STEPS: tl.constexpr = BLOCK_K // 32

@@ -63,7 +63,7 @@ def _qkv(s: SplitK, q_heads: int, kv_heads: int, dim: int):
 CASES = [(dtype, splits, bias, 1, 4, 2, 64, None) for dtype in DTYPES for splits, bias in ((2, False), (6, True),
                                                                                            (9, False))]
 CASES += [(torch.float16, 9, True, 9, 9, 3, 64, None), (torch.bfloat16, 5, False, 5, 4, 2, 64, torch.int8),
-          (torch.float32, 3, True, 3, 4, 2, 64, None)]
+          (torch.float32, 3, True, 3, 4, 2, 64, None), (torch.bfloat16, 8, True, 4, 8, 2, 128, None)]  # Llama's 128
 
 
 @pytest.mark.parametrize("dtype,splits,bias,tokens,q_heads,kv_heads,dim,cache_dtype", CASES)
@@ -154,6 +154,9 @@ def test_rotary_alone_adds_the_splits():
     got = rotary.rotary(positions, q, k, cos_sin)
     want = rotary.rotary(positions, q.sum(), k.sum(), cos_sin)
     assert all(a.dtype == torch.float16 and torch.equal(a, b) for a, b in zip(got, want))
+    ref = ops.rotary(positions, q, k, cos_sin) if DEVICE == "cpu" else None  # CPU tensors: the reference of the sums
+    assert ref is None or all(torch.equal(a, b) for a, b in zip(ref, rotary.rotary_ref(positions, q.sum(), k.sum(),
+                                                                                       cos_sin)))
 
 
 def test_a_split_with_a_strided_last_dim_is_refused():
@@ -174,16 +177,18 @@ def test_reshape_gives_the_bias_the_columns_dims():
     assert torch.equal(s.reshape(2, 3, 8).sum(), s.sum().reshape(2, 3, 8))
     with pytest.raises(ValueError, match="trailing dims"):
         s.reshape(4, 12)
+    with pytest.raises(ValueError, match="trailing dims"):  # the bias would span two rows
+        make_split(2, 1, 8, torch.float16, True).reshape(2, 4)
 
 
 def test_a_deferred_product_of_three_dim_x_with_a_bias(monkeypatch):
     qw, _ = make_weight("awq", 256, 128, 64, False)
-    x = torch.randn(1, 1, 256, dtype=torch.float16)
+    x = torch.randn(3, 2, 256, dtype=torch.float16)
     bias = torch.randn(128, dtype=torch.float16)
-    monkeypatch.setattr(w4a16, "choose_plan", lambda *a: GEMV)
+    monkeypatch.setattr(w4a16, "choose_plan", lambda *a: MMA)
     s = w4a16.w4a16_linear(x, qw, bias, defer_sum=True)
-    assert isinstance(s, SplitK) and s.shape == (1, 1, 128) and s.bias.shape == (128,)
-    assert torch.equal(s.sum()[0], w4a16.run_plan(x[0], qw, bias, GEMV))
+    assert isinstance(s, SplitK) and s.shape == (3, 2, 128) and s.bias.shape == (128,)
+    assert torch.equal(s.sum(), w4a16.run_plan(x.reshape(6, 256), qw, bias, MMA).reshape(3, 2, 128))
 
 
 class _Launches:
@@ -262,6 +267,11 @@ def test_a_decoder_layer_gives_the_same_bits_with_deferred_sums(monkeypatch):
                              context_lens=torch.tensor([5, 9], dtype=torch.int32))
     x, residual = torch.randn(2, hidden, dtype=torch.float16), torch.randn(2, hidden, dtype=torch.float16)
     caches = torch.randn(2, 2, 16, kv_heads, dim, dtype=torch.float16)
+    deferred = []  # what rotary and SiLU-and-mul were given: SplitKs when the sums are deferred
+    for owner, name in ((ops.rotary_mod, "rotary_write_kv"), (ops.activation, "silu_and_mul")):
+        real_fn = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, real_fn=real_fn, name=name:
+                            deferred.append((name, any(isinstance(v, SplitK) for v in a))) or real_fn(*a))
     outs = []
     for defer in (True, False):
         if not defer:
@@ -273,3 +283,5 @@ def test_a_decoder_layer_gives_the_same_bits_with_deferred_sums(monkeypatch):
         outs.append((*out, layer.attn.k_cache, layer.attn.v_cache))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     assert not torch.equal(outs[0][2], caches[0])  # the step's k was written
+    assert deferred == [("rotary_write_kv", True), ("silu_and_mul", True), ("rotary_write_kv", False),
+                        ("silu_and_mul", False)]
