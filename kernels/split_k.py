@@ -1,17 +1,17 @@
 """Split-K partial sums handed to the next kernel instead of being added by the product that made them.
 
 A split-K product (``kernels/w4a16.py``) cuts K into S ranges; each program writes the fp32 sum of its range to
-``part[s]``. Someone must then add the S partial sums (and the bias) and round the result to the activation
-dtype. The GEMV can do it itself (the last program of a column block to arrive), which cost it about 1.5 us of
-its 7-13 at batch 1 on an H200 (a store, an atomic, then the loads of every split, four at a time then: at least
-three L2 round trips after its last tile); the GEMM leaves it to :data:`_reduce_kernel`, a launch of its own. Asked to (``defer_sum``), the product
-returns a :class:`SplitK` instead, and the kernel that reads the product next adds the splits as it loads them:
-RoPE with the KV write after the q/k/v projection (``kernels/rotary.py``), SiLU-and-mul after the gate/up
-projection (``kernels/activation.py``). Both have enough programs to read S partial sums in parallel; RMSNorm
-(one program per token) does not, so the o and down projections add their own. The consumer knows S at compile
-time (``SPLITS``) and issues every split's load at once (:func:`load_pair`). On an H200, 7B-shaped engine: 1.8%
-per batch-1 decode step, 3.6% at 8 sequences, 1-1.6% at 64 (bench/RESULTS.md, fifteenth session; the spread
-between two builds of one variant is 10-75 us per step, so the batch-1 and 64-sequence figures are near it).
+``part[s]``. Someone must then add the S partial sums (and the bias) and round the result to the activation dtype.
+The GEMV can do it itself (the last program of a column block to arrive), which cost it about 1.5 us of its 7-13 at
+batch 1 on an H200 (a store, an atomic, then the loads of every split, four at a time then: at least three L2 round
+trips after its last tile); the GEMM leaves it to :data:`_reduce_kernel`, a launch of its own. Asked to
+(``defer_sum``), the product returns a :class:`SplitK` instead, and the kernel that reads the product next adds the
+splits as it loads them: RoPE with the KV write after the q/k/v projection (``kernels/rotary.py``), SiLU-and-mul
+after the gate/up projection (``kernels/activation.py``). Both have enough programs to read S partial sums in
+parallel; RMSNorm (one program per token) does not, so the o and down projections add their own. The consumer knows
+S at compile time (``SPLITS``) and issues every split's load at once (:func:`load_pair`). On an H200, 7B-shaped
+engine: 1.8% per batch-1 decode step, 3.6% at 8 sequences, 1-1.6% at 64 (bench/RESULTS.md, fifteenth session; the
+spread between two builds of one variant is 10-75 us per step, so the batch-1 and 64-sequence figures are near it).
 
 Every path adds in the same order, from 0.0 in split order, then the bias in fp32, then rounds to the dtype once
 (:func:`sum_splits`, :func:`add_splits`): a consumer that reads a :class:`SplitK` computes the same bits as one
