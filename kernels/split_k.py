@@ -77,11 +77,12 @@ class SplitK:
         part = self.part.reshape(self.splits, *shape)
         if self.bias is None:
             return SplitK(part, None, self.dtype)
-        dims = part.shape[1:]
-        tail = next((dims[i:] for i in range(len(dims) - 1, 0, -1) if dims[i:].numel() >= self.bias.numel()), None)
-        if tail is None or tail.numel() != self.bias.numel():
-            raise ValueError(f"SplitK.reshape: no trailing dims of {tuple(dims)} hold the bias's {self.bias.numel()}")
-        return SplitK(part, self.bias.reshape(tail), self.dtype)
+        dims, want, have, i = part.shape[1:], self.bias.numel(), 1, part.dim() - 1
+        while have < want and i > 1:  # trailing dims of the view, never the rows (part dim 1)
+            have, i = have * part.shape[i], i - 1
+        if have != want:
+            raise ValueError(f"SplitK.reshape: no trailing dims of {tuple(dims)} hold the bias's {want}")
+        return SplitK(part, self.bias.reshape(part.shape[i + 1:]), self.dtype)
 
     def sum(self) -> torch.Tensor:
         """The product itself: [*shape] in ``dtype`` (one launch of :data:`_reduce_kernel`)."""
