@@ -134,7 +134,8 @@ def _splits_of(q, k, v) -> tuple[int | None, int, tuple, tuple, torch.dtype]:
     given = [x for x in (q, k, v) if x is not None]
     if not any(isinstance(x, SplitK) for x in given):
         return None, 0, (q, k, v), (None, None, None), q.dtype
-    if not all(isinstance(x, SplitK) for x in given) or len({(x.splits, x.part.stride(0), x.dtype) for x in given}) > 1:
+    if not all(isinstance(x, SplitK) for x in given) or \
+            len({(x.splits, x.part.stride(0), x.dtype) for x in given}) > 1:
         raise ValueError("rotary: q, k (and v) must all be tensors or all views of one SplitK")
     biases = tuple(x.bias.contiguous() if x is not None and x.bias is not None else None for x in (q, k, v))
     if len({b is None for b in biases[:len(given)]}) > 1:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from . import activation, w4a16_mma
-from .split_k import MAX_SPLITS, SplitK, sum_splits
+from .split_k import MAX_SPLITS, SplitK, as_tensor, sum_splits
 from ._triton import cdiv, device_fn, dot_f32, early_trigger, hopper, jit, num_sms, pdl, pdl_trigger, pdl_wait, tl
 from .quant_formats import QuantizedWeight
 
@@ -678,7 +678,7 @@ def w4a16_linear(x: torch.Tensor | SplitK, qw: QuantizedWeight, bias: torch.Tens
     if silu_gated and (plan.path != "gemv" or isinstance(x2, SplitK)):
         # the mma path measured 28% slower with it fused (8 lanes repeat it); the SiLU kernel adds a SplitK's splits
         x2, silu_gated = activation.silu_and_mul(x2), False
-    y = run_plan(x2.sum() if isinstance(x2, SplitK) else x2, qw, bias, plan, silu_gated, defer_sum)
+    y = run_plan(as_tensor(x2), qw, bias, plan, silu_gated, defer_sum)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 

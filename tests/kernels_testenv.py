@@ -28,3 +28,17 @@ def on_device():
     torch.manual_seed(0)
     with torch.device(DEVICE):
         yield
+
+
+class Launches:
+    """Stands in for a Triton kernel in a test: appends each launch's keyword arguments to ``calls``, then runs the
+    real kernel."""
+
+    def __init__(self, real, calls: list | None = None):
+        self.real, self.calls = real, [] if calls is None else calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append(kw)
+            return self.real[grid](*args, **kw)
+        return launch

@@ -4,7 +4,7 @@ give on ``SplitK.sum()``, the product the GEMV would have stored. On CPU through
 KERNEL_TEST_DEVICE=cuda runs them compiled."""
 import pytest
 import torch
-from kernels_testenv import DEVICE, on_device  # noqa: F401 (autouse fixture)
+from kernels_testenv import DEVICE, Launches, on_device  # noqa: F401 (autouse fixture)
 from test_kernels_w4a16 import check_product, make_weight
 
 from kernels import activation, ops, rotary, split_k, w4a16
@@ -191,19 +191,6 @@ def test_a_deferred_product_of_three_dim_x_with_a_bias(monkeypatch):
     assert torch.equal(s.sum(), w4a16.run_plan(x.reshape(6, 256), qw, bias, MMA).reshape(3, 2, 128))
 
 
-class _Launches:
-    """Stands in for a kernel: records its launches' keyword arguments, then runs the real one."""
-
-    def __init__(self, real):
-        self.real, self.calls = real, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.calls.append(kw)
-            return self.real[grid](*args, **kw)
-        return launch
-
-
 @pytest.mark.parametrize("plan,rows,kernel", [(GEMV, 1, "_gemv_kernel"), (MMA, 3, "mma")], ids=["gemv", "mma"])
 def test_a_deferred_gemv_skips_its_own_sum(monkeypatch, plan, rows, kernel):
     """defer_sum: the GEMV launches without its in-launch sum (SERIAL false) and nothing else runs after it."""
@@ -211,7 +198,7 @@ def test_a_deferred_gemv_skips_its_own_sum(monkeypatch, plan, rows, kernel):
     from kernels import w4a16_mma
     owner = w4a16_mma if kernel == "mma" else w4a16
     name = "_gemv_mma_kernel" if kernel == "mma" else kernel
-    gemv, reduce = _Launches(getattr(owner, name)), _Launches(sk._reduce_kernel)
+    gemv, reduce = Launches(getattr(owner, name)), Launches(sk._reduce_kernel)
     monkeypatch.setattr(owner, name, gemv)
     monkeypatch.setattr(sk, "_reduce_kernel", reduce)
     qw, _ = make_weight("awq", 256, 128, 64, False)

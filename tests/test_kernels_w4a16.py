@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from kernels_testenv import DEVICE, on_device  # noqa: F401 (autouse fixture)
+from kernels_testenv import DEVICE, Launches, on_device  # noqa: F401 (autouse fixture)
 
 from kernels import quant_formats as qf
 from kernels import split_k, w4a16, w4a16_mma
@@ -431,7 +431,7 @@ def test_in_launch_split_sums_loading_more_splits_at_once_give_the_same_bits(mon
     launched = []
     for owner, name in ((w4a16, "_gemv_kernel"), (w4a16_mma, "_gemv_mma_kernel")):
         real = getattr(owner, name)
-        monkeypatch.setattr(owner, name, _Spy(real, launched))
+        monkeypatch.setattr(owner, name, Launches(real, launched))
     for plan, rows in plans:
         x = torch.randn(rows, 288, dtype=torch.float16)
         runs = []
@@ -441,17 +441,4 @@ def test_in_launch_split_sums_loading_more_splits_at_once_give_the_same_bits(mon
             runs.append(w4a16.run_plan(x, qw, bias, plan))
         assert torch.equal(*runs)
         check_product(runs[0], x, w, bias)
-    assert launched == [4, ahead, 4, ahead]  # the setting reaches the launch
-
-
-class _Spy:
-    """Stands in for a kernel: records each launch's AHEAD, then runs the real one."""
-
-    def __init__(self, real, seen: list):
-        self.real, self.seen = real, seen
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.seen.append(kw["AHEAD"])
-            return self.real[grid](*args, **kw)
-        return launch
+    assert [kw["AHEAD"] for kw in launched] == [4, ahead, 4, ahead]  # the setting reaches the launch
