@@ -405,7 +405,13 @@ class AsyncLLMEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Route each output to the stream of the request the engine holds under its id: only while that stream is
-        live (an aborted one gets nothing more); a finished output ends the route and the stream."""
+        live (an aborted one gets nothing more); a finished output ends the route and the stream. The listeners
+        (the Prometheus metrics) see the step's outputs first, so a client that has its output finds it counted."""
+        for fn in list(self._listeners):
+            try:
+                fn(outputs)
+            except Exception:  # noqa: BLE001 - a broken listener must not kill serving
+                logger.exception("output listener failed")
         for out in outputs:
             if out.finished:
                 stream = self._routes.pop(out.request_id, None)
@@ -415,11 +421,6 @@ class AsyncLLMEngine:
                 live = stream is not None and self._is_live(stream)
             if live:
                 stream.put_threadsafe(out)
-        for fn in list(self._listeners):
-            try:
-                fn(outputs)
-            except Exception:  # noqa: BLE001 - a broken listener must not kill serving
-                logger.exception("output listener failed")
 
     def _fail_all(self, cause: BaseException) -> None:
         with self._lock:
