@@ -90,7 +90,9 @@ class LLMEngine:
     # ---- requests in -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
-        """Validate, tokenize and queue a request.
+        """Validate, tokenize and queue a request. A string prompt is encoded with the tokenizer's special tokens
+        (its BOS, for Llama-family tokenizers), as vLLM encodes ``LLM.generate`` and ``/v1/completions`` prompts;
+        token ids are taken as they are (the chat endpoint renders its template to ids itself).
 
         Raises ContextLengthError when prompt + max_tokens exceed max_model_len, ValueError for an empty prompt,
         a duplicate id or a prompt or stop token id outside the vocabulary.
@@ -98,7 +100,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if text is not None else list(prompt)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
         vocab = len(self.tokenizer)

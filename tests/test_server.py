@@ -193,10 +193,69 @@ def _error(r: httpx.Response, status: int, param: str | None = None, code: str |
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true (vLLM)
     ({"messages": MESSAGES, "n": 129}, "n"),  # OpenAI's bound: one request cannot hold the engine
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_bad_fields_are_400_naming_the_field(server, body, param):
     url, _, _ = server
     _error(httpx.post(f"{url}/v1/chat/completions", json=body), 400, param=param)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),  # vLLM refuses insertion
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream": False, "stream_options": {}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/detokenize", {"tokens": [104, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [0x110000]}, "tokens"),
+])
+def test_more_bad_fields_are_400_naming_the_field(server, path, body, param):
+    url, _, _ = server
+    _error(httpx.post(f"{url}{path}", json=body), 400, param=param)
+
+
+def test_null_means_the_default(server):
+    """OpenAI's spec makes these nullable; clients that send every field send ``null``: the default, never a 400."""
+    url, _, _ = server
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "min_tokens": None, "skip_special_tokens": None,
+             "include_stop_str_in_output": None, "stream_options": None, "temperature": None}
+    chat = httpx.post(f"{url}/v1/chat/completions",
+                      json={"messages": MESSAGES, "logprobs": None, "max_tokens": 5, **nulls}).json()
+    assert [c["message"]["content"] for c in chat["choices"]] == [fake_completion(CHAT_PROMPT_LEN,
+                                                                                  SamplingParams(max_tokens=5))[0]]
+    assert chat["choices"][0]["logprobs"] is None
+    done = httpx.post(f"{url}/v1/completions", json={"prompt": "hey", "echo": None, "logprobs": None,
+                                                     "add_special_tokens": None, "max_tokens": 4, **nulls}).json()
+    assert done["choices"][0]["text"] == fake_completion(3, SamplingParams(max_tokens=4))[0]
+    tok = httpx.post(f"{url}/tokenize", json={"prompt": "hey", "add_special_tokens": None}).json()
+    assert tok["tokens"] == [104, 101, 121]
+
+
+def test_bos_for_completions_and_tokenize_not_for_chat(server):
+    """vLLM: string prompts of ``/v1/completions`` get the tokenizer's special tokens unless
+    ``add_special_tokens: false``; chat prompts never (the template has them); ``/tokenize`` agrees with both."""
+    url, fake, _ = server
+    fake.tokenizer.bos_token_id = 1
+    usage = lambda path, body: httpx.post(f"{url}{path}", json={"max_tokens": 1, **body}).json()["usage"]
+    assert usage("/v1/completions", {"prompt": "hey"})["prompt_tokens"] == 4
+    assert usage("/v1/completions", {"prompt": "hey", "add_special_tokens": False})["prompt_tokens"] == 3
+    assert usage("/v1/completions", {"prompt": [104, 101, 121]})["prompt_tokens"] == 3  # ids as given
+    assert usage("/v1/chat/completions", {"messages": MESSAGES})["prompt_tokens"] == CHAT_PROMPT_LEN
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "hey"}).json()["tokens"] == [1, 104, 101, 121]
+    assert httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["count"] == CHAT_PROMPT_LEN
+
+
+def test_continue_final_message_leaves_the_last_message_open(server):
+    url, _, _ = server
+    body = {"messages": [*MESSAGES, {"role": "assistant", "content": "The capital is"}],
+            "add_generation_prompt": False, "continue_final_message": True}
+    expected = FakeTokenizer().apply_chat_template(body["messages"], continue_final_message=True)
+    assert expected.endswith("The capital is")
+    tok = httpx.post(f"{url}/tokenize", json=body).json()
+    assert tok["tokens"] == [ord(c) for c in expected]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 3}).json()
+    assert chat["usage"]["prompt_tokens"] == len(expected)
 
 
 def test_malformed_json_and_unknown_routes(server):

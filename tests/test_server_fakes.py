@@ -29,22 +29,31 @@ REPLY = "lorem ipsum dolor sit amet, consectetur adipiscing elit."  # the fake's
 
 
 class FakeTokenizer:
-    """Char-level tokenizer with a ChatML-like template (no special tokens are added by ``encode``)."""
+    """Char-level tokenizer with a ChatML-like template. ``encode`` adds a BOS (``bos_token_id``) only when a test
+    sets one, as Llama-family tokenizers do; by default it adds nothing, like the demo model's."""
 
     eos_token_id = 0
+    bos_token_id: int | None = None
+
+    def __len__(self) -> int:
+        return 0x110000  # every code point is a token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
+        bos = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
+        return bos + [ord(c) for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kwargs) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt=False, continue_final_message=False,
+                            tokenize=True, **kwargs) -> str:
         text = ""
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"unknown role {m['role']!r}")  # like a template's raise_exception
             text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+        if continue_final_message:  # transformers cuts the rendered text right after the last message's content
+            text = text[:-len("<|im_end|>\n")]
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
@@ -96,7 +105,7 @@ class FakeEngine:
         self.prompt_tokens_total = self.generation_tokens_total = 0
 
     def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
         if any(r.request_id == request_id for r in [*self.waiting, *self.running]):

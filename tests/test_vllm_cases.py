@@ -484,3 +484,25 @@ def test_values_that_killed_the_engine_are_400_and_it_survives(live, fields, par
     assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
     assert engine.is_ready and client.get("/health").status_code == 200
     assert post(client, "/v1/completions", body)["usage"]["completion_tokens"] == 3
+
+
+def test_completion_strings_get_the_tokenizers_special_tokens(live, monkeypatch):
+    """vLLM encodes ``/v1/completions`` string prompts with ``add_special_tokens=True`` (a Llama tokenizer's BOS)
+    unless the request says ``add_special_tokens: false``; token-id prompts and chat prompts get nothing added
+    (the template has its own). The demo tokenizer adds nothing, so here it adds a BOS (its id 1)."""
+    client, model, engine, _, tok = live
+    served, plain = engine.engine.tokenizer, engine.engine.tokenizer.encode
+
+    def encode(text, add_special_tokens=True, **kw):
+        return ([1] if add_special_tokens else []) + plain(text, add_special_tokens=False, **kw)
+
+    monkeypatch.setattr(served, "encode", encode)
+    ids = prompt_ids(tok, "Hello there")
+    usage = lambda body: post(client, "/v1/completions", {"model": model, "max_tokens": 1, **body})["usage"]
+    assert usage({"prompt": "Hello there"})["prompt_tokens"] == len(ids) + 1
+    assert usage({"prompt": "Hello there", "add_special_tokens": False})["prompt_tokens"] == len(ids)
+    assert usage({"prompt": ids})["prompt_tokens"] == len(ids)
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = post(client, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 1})
+    assert chat["usage"]["prompt_tokens"] == chat_prompt_len(tok, messages)
+    assert post(client, "/tokenize", {"prompt": "Hello there"})["tokens"] == [1, *ids]

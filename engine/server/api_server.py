@@ -97,7 +97,7 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
     if req.messages is not None:
-        tokens = render_chat(llm.tokenizer, ChatCompletionRequest(messages=req.messages))
+        tokens = render_chat(llm.tokenizer, req)
     elif req.prompt is not None:
         tokens = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
@@ -110,6 +110,9 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse
     ctx = _ctx(raw)
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
+    vocab = len(llm.tokenizer)
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise APIError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens", code="invalid_value")
     return DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens))
 
 

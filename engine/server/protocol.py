@@ -1,12 +1,16 @@
 """OpenAI-compatible request and response models (pydantic v2), with vLLM's extra sampling fields.
 
 Range checks live in ``SamplingParams.validate`` (one source of truth); the models here only check types.
-Unknown request fields are ignored, as OpenAI's and vLLM's servers do.
+Unknown request fields are ignored, as OpenAI's and vLLM's servers do. A ``null`` in a field that has a default
+means that default (OpenAI's spec makes ``n``, ``stream``, ``logprobs``, ``echo``... nullable; clients that send
+every field send them as ``null``).
 """
 from __future__ import annotations
 
 import time
 import uuid
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -16,6 +20,25 @@ from engine.sampling_params import SamplingParams
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is None or annotation is type(None) or (
+        typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation))
+
+
+class RequestModel(BaseModel):
+    """A request body: unknown fields are ignored; ``null`` in a field whose type excludes it means its default."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields[info.field_name]
+        if value is None and not field.is_required() and not _accepts_none(field.annotation):
+            return field.get_default(call_default_factory=True)
+        return value
 
 
 class ErrorInfo(BaseModel):
@@ -39,10 +62,8 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by both endpoints; ``sampling_params`` maps them onto ``SamplingParams``."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=128)  # OpenAI's bound: one request cannot hold the engine
@@ -63,6 +84,14 @@ class SamplingRequest(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     user: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        """vLLM's rule: ``stream_options`` only with ``stream: true`` (else a 400 naming it)."""
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream options can only be defined when `stream=True`")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -106,16 +135,26 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant turn's header
+    continue_final_message: bool = False  # vLLM: leave the last (assistant) message open, the model continues it
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        """vLLM's rule: ``top_logprobs`` >= 0, and > 0 only with ``logprobs: true`` (else a 400 naming it)."""
-        if value is not None and value < 0:
-            raise ValueError("`top_logprobs` must be a positive value")
+        """vLLM's rule: ``top_logprobs`` in [0, 20], and > 0 only with ``logprobs: true`` (else a 400 naming it)."""
+        if value is not None and not 0 <= value <= 20:  # OpenAI's bound, SamplingParams.logprobs's too
+            raise ValueError("`top_logprobs` must be in [0, 20]")
         if value and not info.data.get("logprobs"):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_of_generation_prompt_or_continue(cls, value: bool, info: ValidationInfo) -> bool:
+        """vLLM's rule: the prompt either opens a new assistant turn or continues the last message, not both."""
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot set both `continue_final_message` and `add_generation_prompt` to true")
         return value
 
 
@@ -172,6 +211,15 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: string prompts get the tokenizer's BOS (and the like)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        """vLLM refuses ``suffix`` (insertion) for every model: a 400 naming it, never a silent completion."""
+        if value is not None:
+            raise ValueError("suffix is not currently supported")
+        return value
 
 
 class CompletionChoice(BaseModel):
@@ -207,14 +255,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     """Either ``prompt`` (tokenized with special tokens) or ``messages`` (through the chat template)."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeResponse(BaseModel):
@@ -223,7 +272,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -14,18 +14,24 @@ from engine.server.errors import APIError, bad_value
 from engine.server.logprobs import chat_logprobs
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
-                                    random_id)
+                                    TokenizeRequest, random_id)
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
                                    submit, usage)
 
 
-def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """Prompt token ids: the tokenizer's chat template with the generation prompt, encoded without extra
+def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    """Prompt token ids: the tokenizer's chat template, ending with the assistant turn's header
+    (``add_generation_prompt``) or inside the last message (``continue_final_message``), encoded without extra
     special tokens (the template already has them). A template error is a 400 on ``messages``."""
+    if req.add_generation_prompt and req.continue_final_message:  # the chat request's validator says it first
+        raise APIError(400, "messages: cannot set both `continue_final_message` and `add_generation_prompt` to "
+                       "true", param="continue_final_message")
+    kwargs = getattr(req, "chat_template_kwargs", None) or {}
     try:
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **(req.chat_template_kwargs or {}))
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages or []]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message, tokenize=False,
+                                             **kwargs)
     except ValueError as e:
         raise bad_value(e, "messages") from e
     except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages it refuses
