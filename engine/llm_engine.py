@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from engine import detokenizer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_threads import CpuThreads
 from engine.errors import ContextLengthError, StepFailed
 from engine.sampler import INVALID
 from engine.model_runner import ModelRunner
@@ -84,6 +85,8 @@ class LLMEngine:
         self._pending: tuple | None = None  # (batch, LaunchedStep) launched and not read back (async scheduling)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
+        # on the CPU the thread count follows the other processes' load (OpenMP threads stall behind a busy core)
+        self.cpu_threads = CpuThreads() if self.runner.device.type == "cpu" else None
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -159,6 +162,8 @@ class LLMEngine:
         A step whose sampling needs the host (logprobs, penalties) is read back at once.
         """
         outputs, self._aborted = self._aborted, []
+        if self.cpu_threads is not None:
+            self.cpu_threads.update()
         batch = self.scheduler.schedule()
         if batch is None:
             return self._read_back([self._take_pending()], outputs)

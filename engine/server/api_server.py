@@ -184,7 +184,10 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM.
 
     ``max_waiting``: requests queued beyond ``max_num_seqs`` before new ones get 503 (``AsyncLLMEngine``).
+    The engine's own log lines (loading, ready, failed steps, CPU thread counts) go to stderr at ``log_level``
+    unless the caller set up logging first.
     """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting)
     engine.start()
     logging.getLogger("uvicorn.access").addFilter(QuietPolls())  # uvicorn's logging set-up keeps filters
