@@ -405,6 +405,35 @@ def _confirm(opts: InstallOptions, question: str) -> None:
         raise ApplianceError("stopped at your request", "run `appliance install` again when ready")
 
 
+def start_service(opts: InstallOptions, console: Console, use_systemd: bool, system: bool, config_file: Path,
+                  data_dir: Path) -> service.Systemd | service.Background:
+    """Stop what an earlier install started, then start the server: as the systemd unit, or as a background process
+    (then an installed unit is removed, so that `status`, `stop` and `logs` and the next boot all mean this server).
+    Raises ApplianceError when the port is taken by something else."""
+    for old in (service.manager(data_dir), service.Background(service.state_dir(data_dir))):
+        if old.status().running:
+            with step(console, f"Stopping the running server ({old.mode})"):
+                old.stop()
+    if not port_free(opts.host, opts.port):
+        raise ApplianceError(f"port {opts.port} on {opts.host} is already in use",
+                             f"stop what listens there or pass --port {opts.port + 1}")
+    if use_systemd:
+        mgr = service.Systemd(user=not system)
+        with step(console, "Installing and starting the systemd unit"):
+            unit = mgr.install(config_file, data_dir)
+        console.print(f"Unit: {unit} (enabled; `systemctl{' --user' if not system else ''} status appliance`)")
+        return mgr
+    for unit in (service.Systemd(user=False), service.Systemd(user=True)) if service.systemd_running() else ():
+        if unit.installed():
+            with step(console, f"Removing the {unit.mode} unit of an earlier install ({unit.unit_path})"):
+                unit.uninstall()
+    mgr = service.Background(service.state_dir(data_dir))
+    pid = mgr.start([sys.executable, "-m", "appliance", "serve", "--config", str(config_file)])
+    why = "--no-service" if opts.no_service else "systemd is not running"
+    console.print(f"Started the server in the background (pid {pid}; {why}); log: {mgr.log_file}")
+    return mgr
+
+
 def install(opts: InstallOptions, console: Console | None = None) -> dict:
     """Run the whole flow; return what was done (paths, plan, answer) for callers and tests."""
     console = console or Console()
@@ -483,23 +512,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     console.print(f"[green]✓[/green] Wrote {config_file}")
 
     # 7. service: stop what an earlier install started, then start afresh
-    for old in (service.manager(data_dir), service.Background(service.state_dir(data_dir))):
-        if old.status().running:
-            with step(console, f"Stopping the running server ({old.mode})"):
-                old.stop()
-    if not port_free(opts.host, opts.port):
-        raise ApplianceError(f"port {opts.port} on {opts.host} is already in use",
-                             f"stop what listens there or pass --port {opts.port + 1}")
-    if use_systemd:
-        mgr = service.Systemd(user=not system)
-        with step(console, "Installing and starting the systemd unit"):
-            unit = mgr.install(config_file, data_dir)
-        console.print(f"Unit: {unit} (enabled; `systemctl{' --user' if not system else ''} status appliance`)")
-    else:
-        mgr = service.Background(service.state_dir(data_dir))
-        pid = mgr.start([sys.executable, "-m", "appliance", "serve", "--config", str(config_file)])
-        why = "--no-service" if opts.no_service else "systemd is not running"
-        console.print(f"Started the server in the background (pid {pid}; {why}); log: {mgr.log_file}")
+    mgr = start_service(opts, console, use_systemd, system, config_file, data_dir)
 
     # 8. health, first answer
     url = client_url(opts.host, opts.port)

@@ -78,12 +78,12 @@ def tail_file(path: Path, n: int) -> list[str]:
 
 
 def template_path() -> Path:
-    """``systemd/appliance.service.in`` of the source tree (editable install), else the copy in the package."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "systemd" / _TEMPLATE, here / "systemd" / _TEMPLATE):
-        if candidate.is_file():
-            return candidate
-    raise ServiceError(f"the unit template {_TEMPLATE} is missing", "reinstall edge-appliance")
+    """The unit template. ``appliance/systemd`` links to the repository's ``systemd/``, so the file is package data
+    (pyproject's ``appliance = ["systemd/*"]``) in a wheel as much as in an editable install."""
+    path = Path(__file__).resolve().parent / "systemd" / _TEMPLATE
+    if not path.is_file():
+        raise ServiceError(f"the unit template {_TEMPLATE} is missing", "reinstall edge-appliance")
+    return path
 
 
 def render_unit(config_path: Path | str, data_dir: Path | str, *, python: str | None = None,

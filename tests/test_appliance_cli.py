@@ -1,7 +1,10 @@
 """The command line on bad input (one line, exit 1, no traceback), detect/tune output, and the installer's
 model resolution and checkpoint keys."""
+import io
 import json
 import os
+import socket
+import sys
 
 import pytest
 from appliance_testenv import isolate
@@ -172,3 +175,34 @@ def test_serve_passes_max_waiting_to_the_server(tmp_path, monkeypatch):
     assert runner.invoke(app, ["serve", model]).exit_code == 0
     assert started == [DEFAULT_MAX_WAITING, 7, 9] and DEFAULT_MAX_WAITING == 512
     one_line_error(runner.invoke(app, ["serve", model, "--max-waiting", "-1"]), "max_waiting: must be at least 0")
+
+
+def test_background_install_removes_the_unit_of_an_earlier_install(monkeypatch, tmp_path):
+    """`install --no-service` where an earlier install left the systemd unit: the unit is disabled and removed, so
+    that `status`, `stop`, `logs` (service.manager) and the next boot mean the background server, not the unit."""
+    calls = tmp_path / "systemctl.calls"
+    fake = tmp_path / "bin" / "systemctl"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ "$2" = is-active ] && echo inactive\nexit 0\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(service, "systemd_running", lambda: True)
+    unit = service.Systemd(user=True)
+    unit.unit_path.parent.mkdir(parents=True)
+    unit.unit_path.write_text("[Unit]\n")
+    data_dir = tmp_path / "data"
+    assert isinstance(service.manager(data_dir), service.Systemd)
+    started = []
+    monkeypatch.setattr(service.Background, "start", lambda self, command: started.append(command) or 4242)
+    opts = installer.InstallOptions(no_service=True, port=installer_free_port())
+    mgr = installer.start_service(opts, Console(file=io.StringIO()), use_systemd=False, system=False,
+                                  config_file=tmp_path / "config.toml", data_dir=data_dir)
+    assert not unit.installed() and "--user disable --now appliance.service" in calls.read_text().splitlines()
+    assert isinstance(mgr, service.Background) and isinstance(service.manager(data_dir), service.Background)
+    assert started == [[sys.executable, "-m", "appliance", "serve", "--config", str(tmp_path / "config.toml")]]
+
+
+def installer_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

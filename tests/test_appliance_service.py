@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -50,6 +51,18 @@ def test_rendered_unit_runs_serve_with_the_config(tmp_path):
     assert "WantedBy=default.target" in service.render_unit("/c.toml", "/d", user=True)
     with pytest.raises(service.ServiceError, match="space"):
         service.render_unit(tmp_path / "my config.toml", tmp_path)
+
+
+def test_unit_template_is_package_data():
+    """A wheel (``pip install .``, not -e) carries the template: pyproject's package-data globs, taken from the
+    ``appliance`` package folder as setuptools does, match the file ``template_path`` reads."""
+    from appliance.config import tomllib
+    root = Path(service.__file__).resolve().parent.parent
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["appliance"]
+    package = Path(service.__file__).parent
+    found = [path for pattern in globs for path in package.glob(pattern)]
+    assert package / "systemd" / "appliance.service.in" in found
+    assert service.template_path().read_text() == (root / "systemd" / "appliance.service.in").read_text()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
