@@ -361,16 +361,31 @@ def doctor(config: Optional[Path] = typer.Option(None, "--config")):
 # ---------------------------------------------------------------------------------------------------- watch
 
 
+UrlOpt = typer.Option(None, "--url", help="the server's base URL (default: the installed one's host and port)")
+ApiKeyOpt = typer.Option(None, "--api-key", envvar="APPLIANCE_API_KEY", help="default: the installed one's")
+
+
+def _server(url: Optional[str], api_key: Optional[str]) -> tuple[str, Optional[str]]:
+    """``--url`` and ``--api-key``, else the installed server's (its config file and APPLIANCE_* variables; with
+    neither, http://127.0.0.1:8000 and no key)."""
+    from appliance.installer import client_url
+
+    if url is None or api_key is None:
+        conf = _config(None)
+        url, api_key = url or client_url(conf.host, conf.port), api_key if api_key is not None else conf.api_key
+    return url.rstrip("/"), api_key
+
+
 @app.command()
 @friendly
-def top(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the server's base URL"),
-        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="APPLIANCE_API_KEY"),
+def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
         interval: float = typer.Option(1.0, "--interval", help="seconds between readings")):
     """The live dashboard: KV blocks, queues, throughput and latency of a running server (q quits)."""
     import httpx
 
     from tui.app import TopApp
 
+    url, api_key = _server(url, api_key)
     if interval <= 0:
         raise ApplianceError(f"--interval must be positive, got {interval}", "e.g. --interval 1")
     dashboard = TopApp(url, api_key, interval=interval)
@@ -388,12 +403,12 @@ def top(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the serv
 
 @app.command()
 @friendly
-def bench(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the server's base URL"),
+def bench(url: Optional[str] = UrlOpt,
           concurrency: str = typer.Option("1,4,16,64,256", "--concurrency", help="comma-separated levels"),
           prompt_len: int = typer.Option(128, "--prompt-len", help="prompt length in tokens (about)"),
           max_tokens: int = typer.Option(512, "--max-tokens", help="tokens generated per request"),
           requests: int = typer.Option(0, "--requests", help="requests per level (0 = 2 x concurrency, min 4)"),
-          api_key: Optional[str] = typer.Option(None, "--api-key", envvar="APPLIANCE_API_KEY"),
+          api_key: Optional[str] = ApiKeyOpt,
           as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Load sweep against a running server: req/s, output tok/s, TTFT / ITL / E2E p50 and p99 per concurrency."""
     import asyncio
@@ -408,7 +423,7 @@ def bench(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the se
         raise ApplianceError(f"--concurrency {concurrency!r} is not a list of numbers", "e.g. --concurrency 1,4,16")
     if not levels or min(levels) < 1 or prompt_len < 1 or max_tokens < 1:
         raise ApplianceError("concurrency, prompt length and max tokens must be positive", "e.g. --concurrency 1,4")
-    url = url.rstrip("/")
+    url, api_key = _server(url, api_key)
     try:
         model = loadgen.served_model(url, api_key)
     except httpx.HTTPError as exc:

@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 from rich.console import Console
+from appliance_testenv import isolate
 from test_appliance_cli import one_line_error, runner
 from test_server_fakes import FakeEngine, ServerThread, wait_for
 
@@ -159,6 +160,32 @@ def test_dashboard_keeps_its_numbers_when_the_server_goes(server):
             assert app.error.startswith("http://127.0.0.1:9 does not answer: ConnectError")
             assert len(app.scrapes) == 1 and app.kv["num_blocks"] == 512
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+@pytest.fixture(autouse=True)
+def no_installed_server(monkeypatch, tmp_path):
+    """`top` reads the installed server's address and key when not given: none here, whatever this machine has."""
+    isolate(monkeypatch, tmp_path)
+
+
+def test_top_and_bench_default_to_the_installed_servers_address_and_key(monkeypatch, tmp_path):
+    from appliance import config as cfgmod
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing answers there
+    cfgmod.save(cfgmod.Config(model="m", host="0.0.0.0", port=port, api_key="sesame"))
+    for command in (["top"], ["bench", "--concurrency", "1"]):
+        one_line_error(runner.invoke(cli, command), f"no server answers at http://127.0.0.1:{port}")
+    engine = AsyncLLMEngine(lambda: FakeEngine(), "fake-model")
+    try:
+        with ServerThread(build_app(engine, api_key="sesame")) as url:
+            started = []
+            monkeypatch.setattr(TopApp, "run", lambda self: started.append((self.url, self.headers)))
+            result = runner.invoke(cli, ["top", "--url", url])  # the key still comes from the config
+            assert result.exit_code == 0 and started == [(url, {"Authorization": "Bearer sesame"})], result.output
+    finally:
+        engine.shutdown()
 
 
 def test_top_without_a_server_is_a_one_line_error():
