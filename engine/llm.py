@@ -30,11 +30,12 @@ class LLM:
         """One finished ``RequestOutput`` per prompt, in the order given.
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``; ``sampling_params`` is one
-        for all prompts or one per prompt. Raises ContextLengthError / ValueError before anything runs.
+        for all prompts or one per prompt (None: the model's generation_config.json values, else SamplingParams()'s
+        defaults, as in vLLM). Raises ContextLengthError / ValueError before anything runs.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams(**self.engine.default_sampling)
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")

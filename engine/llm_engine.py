@@ -11,6 +11,7 @@ the one launched by the call before (see :meth:`LLMEngine.step`).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from engine import detokenizer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_threads import CpuThreads
+from engine.generation_config import sampling_defaults
 from engine.errors import ContextLengthError, StepFailed
 from engine.sampler import INVALID
 from engine.model_runner import ModelRunner
@@ -31,6 +33,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.swap_pool import SwapPool
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,6 +84,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget,
                                    config.enable_chunked_prefill, self.swap_pool, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        #: the model's generation_config.json sampling values: what a request that leaves them out gets (vLLM)
+        self.default_sampling = sampling_defaults(config.model)
+        if self.default_sampling:
+            logger.info("the model's generation_config.json sets default sampling parameters %s (a request's own "
+                        "values win; its max_new_tokens caps max_tokens)", self.default_sampling)
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._pending: tuple | None = None  # (batch, LaunchedStep) launched and not read back (async scheduling)

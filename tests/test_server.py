@@ -473,3 +473,19 @@ def test_polls_stay_out_of_the_access_log():
         access.removeFilter(quiet)
         engine.shutdown()
     assert [(r.args[2], r.args[4]) for r in records] == [("/v1/models", 200), ("/v1/nothing", 404)]
+
+
+def test_the_models_generation_config_fills_what_a_request_leaves_out(server):
+    """vLLM's --generation-config auto: the model's temperature / top_p / ... apply where the request has none; the
+    request's own values win; the model's max_new_tokens caps max_tokens."""
+    url, fake, _ = server
+    fake.default_sampling = {"temperature": 0.6, "top_p": 0.9, "max_tokens": 5}
+    seen = []
+    add = fake.add_request
+    fake.add_request = lambda rid, prompt, params, **kw: seen.append(params) or add(rid, prompt, params, **kw)
+    httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES}).raise_for_status()
+    httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0, "max_tokens": 3,
+                                                   "top_k": 4}).raise_for_status()
+    httpx.post(f"{url}/v1/completions", json={"prompt": "hey", "max_tokens": 50}).raise_for_status()
+    assert [(p.temperature, p.top_p, p.top_k, p.max_tokens) for p in seen] == [
+        (0.6, 0.9, -1, 5), (0.0, 0.9, 4, 3), (0.6, 0.9, -1, 5)]

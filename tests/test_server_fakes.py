@@ -92,6 +92,7 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 256, max_num_seqs: int = 4, block_size: int = 4, num_blocks: int = 512,
                  step_delay: float = 0.0, fail_at_step: int | None = None) -> None:
         self.tokenizer = FakeTokenizer()
+        self.default_sampling: dict = {}  # the model's generation_config.json values (LLMEngine.default_sampling)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.block_size, self.num_blocks = block_size, num_blocks
         self.model_name = "fake-model"

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from engine.generation_config import with_defaults
 from engine.sampling_params import SamplingParams
 
 
@@ -97,8 +98,10 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
-        """Build ``SamplingParams``; raises ``ValueError("<field>: ...")`` for an out-of-range field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Build ``SamplingParams``: the request's fields over ``defaults`` (the model's generation config, see
+        engine/generation_config.py); raises ``ValueError("<field>: ...")`` for an out-of-range field."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                "frequency_penalty", "repetition_penalty")
                  if getattr(self, k) is not None}
@@ -106,8 +109,8 @@ class SamplingRequest(RequestModel):
             n=self.n, seed=self.seed, stop=[] if self.stop is None else self.stop,
             stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, **given)
+            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            **with_defaults({**given, "max_tokens": max_tokens}, defaults or {}))
 
 
 # ---- chat ----

@@ -41,7 +41,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     echo = prompt_texts(llm.tokenizer, prompts) if req.echo else [""] * len(prompts)
     if not req.add_special_tokens:  # the engine encodes strings with them: hand it the ids without
         prompts = [llm.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
-    params = build_params(req.sampling_params, req.max_tokens, req.logprobs)
+    params = build_params(req.sampling_params, req.max_tokens, req.logprobs, llm.default_sampling)
     request_id = random_id("cmpl")
     streams = await submit(ctx, prompts, params, request_id, "prompt")
     created = int(time.time())
