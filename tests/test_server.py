@@ -150,6 +150,8 @@ def test_logprobs_in_chat_and_completions_streamed_and_not(server):
     assert lp.text_offset == [2, 3, 4, 5, 6] and lp.top_logprobs[0] == {lp.tokens[0]: -0.25}
     chunks = list(client.completions.create(model=MODEL, prompt="ab", max_tokens=5, logprobs=1, stream=True))
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+    top0 = client.completions.create(model=MODEL, prompt="ab", max_tokens=2, logprobs=0).choices[0].logprobs
+    assert top0.top_logprobs == [{t: -0.25} for t in top0.tokens]  # the sampled token is always there (k + 1)
 
 
 def test_models_health_version_tokenize_kv(server):

@@ -32,14 +32,18 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
 
 def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], k: int,
                         text_offset: int) -> dict:
-    """Legacy completions shape: ``tokens``, ``token_logprobs``, ``top_logprobs`` (k per token) and
-    ``text_offset`` (character offset of each token, starting at ``text_offset``)."""
+    """Legacy completions shape: ``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (character
+    offset of each token, starting at ``text_offset``). Each ``top_logprobs`` dict holds the k most likely tokens
+    and the sampled one, so up to k + 1 (OpenAI's and vLLM's rule), keyed by their text."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in zip(token_ids, entries):
         text = tokenizer.decode([tid])
         out["tokens"].append(text)
         out["token_logprobs"].append(_lp(entry.get(tid, float("-inf"))))
-        out["top_logprobs"].append({tokenizer.decode([t]): _lp(lp) for t, lp in _top(entry, k)})
+        top = _top(entry, k)
+        if tid not in (t for t, _ in top):
+            top.append((tid, entry.get(tid, float("-inf"))))
+        out["top_logprobs"].append({tokenizer.decode([t]): _lp(lp) for t, lp in top})
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
