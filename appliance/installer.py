@@ -158,7 +158,8 @@ def hf_cache_snapshot(name: str) -> Path | None:
 
 
 def resolve_model(spec: str | None, console: Console) -> tuple[Path, str]:
-    """A model folder and its display name: the bundled demo (converted once), a local folder, or an HF cache name."""
+    """A model folder and its served name: the bundled demo (converted once), a local folder (its name), or an HF
+    cache ``org/name`` (served as ``org/name``, as ``vllm serve org/name`` serves it)."""
     if spec is None:
         from appliance import demo_model
 
@@ -183,7 +184,7 @@ def resolve_model(spec: str | None, console: Console) -> tuple[Path, str]:
         return path.resolve(), path.resolve().name
     snapshot = hf_cache_snapshot(spec)
     if snapshot is not None:
-        return snapshot, spec.split("/")[-1]
+        return snapshot, spec
     raise ApplianceError(f"model {spec!r} not found", "give a model folder, an org/name already in the Hugging Face "
                          "cache, or no MODEL for the bundled demo")
 
@@ -209,8 +210,10 @@ def _fingerprint(model_dir: Path) -> str:
 
 
 def checkpoint_dir(data_dir: Path, source: Path, name: str, method: str, bits: int, group_size: int) -> Path:
-    """Where the quantized checkpoint of ``source`` lives: keyed by source, method, bits and group size."""
-    return Path(data_dir) / "models" / f"{name}-{method}-w{bits}g{group_size}-{_fingerprint(source)}"
+    """Where the quantized checkpoint of ``source`` lives: keyed by source, method, bits and group size (an
+    ``org/name`` becomes ``org--name``, as in the Hugging Face cache)."""
+    folder = f"{name.replace('/', '--')}-{method}-w{bits}g{group_size}-{_fingerprint(source)}"
+    return Path(data_dir) / "models" / folder
 
 
 def fitted_group_size(source: Path, group_size: int) -> int:

@@ -106,7 +106,7 @@ def test_resolve_model_folder_and_hf_cache(tmp_path):
     make_model(repo / "snapshots" / "abc123")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
-    assert installer.resolve_model("org/Tiny", console) == (repo / "snapshots" / "abc123", "Tiny")
+    assert installer.resolve_model("org/Tiny", console) == (repo / "snapshots" / "abc123", "org/Tiny")
     with pytest.raises(ApplianceError, match="not found"):
         installer.resolve_model("org/Other", console)
 
@@ -120,6 +120,8 @@ def test_checkpoint_dir_is_keyed_by_source_method_and_group(tmp_path):
               installer.checkpoint_dir(tmp_path, a, "a", "gptq", 4, 128),
               installer.checkpoint_dir(tmp_path, a, "a", "awq", 4, 64)}
     assert key not in others and len(others) == 3
+    org = installer.checkpoint_dir(tmp_path, a, "org/a", "awq", 4, 128)
+    assert org.parent == key.parent and org.name.startswith("org--a-awq-w4g128-")
 
 
 def test_already_quantized_checkpoint_is_detected(tmp_path):
