@@ -207,6 +207,10 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": MESSAGES, "stream": False, "stream_options": {}}, "stream_options"),
     ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"50256": -100}}, "logit_bias"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/detokenize", {"tokens": [104, -1]}, "tokens"),
@@ -232,6 +236,15 @@ def test_null_means_the_default(server):
     assert done["choices"][0]["text"] == fake_completion(3, SamplingParams(max_tokens=4))[0]
     tok = httpx.post(f"{url}/tokenize", json={"prompt": "hey", "add_special_tokens": None}).json()
     assert tok["tokens"] == [104, 101, 121]
+
+
+def test_unsupported_features_pass_when_they_ask_for_nothing(server):
+    """tools with tool_choice "none", a text response_format and an empty logit_bias change nothing: accepted."""
+    url, _, _ = server
+    accepted = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
+                "response_format": {"type": "text"}, "logit_bias": {}}
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, **accepted})
+    assert r.status_code == 200, r.text
 
 
 def test_bos_for_completions_and_tokenize_not_for_chat(server):

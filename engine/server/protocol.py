@@ -85,6 +85,24 @@ class SamplingRequest(RequestModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # refused when set: see _unsupported
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Refused (a 400 naming it) rather than ignored: the sampler has no per-token biases."""
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Refused (a 400 naming it) rather than ignored: there is no structured (JSON) output."""
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"response_format: only {{\"type\": \"text\"}} is supported, got {value.get('type')!r}")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -141,6 +159,16 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant turn's header
     continue_final_message: bool = False  # vLLM: leave the last (assistant) message open, the model continues it
     chat_template_kwargs: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # refused unless tool_choice is "none": no tool-call parsing
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tool_calls(cls, value: list[dict[str, Any]] | None, info: ValidationInfo) -> list[dict[str, Any]] | None:
+        """vLLM without a tool-call parser: tools are a 400 naming them unless ``tool_choice`` is "none"."""
+        if value and info.data.get("tool_choice") != "none":
+            raise ValueError('tool calling is not supported by this server (only tool_choice "none" is accepted)')
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
