@@ -366,14 +366,22 @@ ApiKeyOpt = typer.Option(None, "--api-key", envvar="APPLIANCE_API_KEY", help="de
 
 
 def _server(url: Optional[str], api_key: Optional[str]) -> tuple[str, Optional[str]]:
-    """``--url`` and ``--api-key``, else the installed server's (its config file and APPLIANCE_* variables; with
-    neither, http://127.0.0.1:8000 and no key)."""
+    """``--url`` and ``--api-key``. Without ``--url``: the installed server's address (its config file and
+    APPLIANCE_* variables; without either, http://127.0.0.1:8000). Without ``--api-key``: the installed server's
+    key, sent only to the installed server's address."""
     from appliance.installer import client_url
 
-    if url is None or api_key is None:
+    if url is not None and api_key is not None:
+        return url.rstrip("/"), api_key
+    try:
         conf = _config(None)
-        url, api_key = url or client_url(conf.host, conf.port), api_key if api_key is not None else conf.api_key
-    return url.rstrip("/"), api_key
+    except ApplianceError:
+        if url is None:
+            raise
+        return url.rstrip("/"), api_key  # another server's address: the installed config does not matter
+    installed = client_url(conf.host, conf.port)
+    url = (url or installed).rstrip("/")
+    return url, api_key if api_key is not None or url != installed else conf.api_key
 
 
 @app.command()

@@ -411,8 +411,9 @@ def _confirm(opts: InstallOptions, question: str) -> None:
 def start_service(opts: InstallOptions, console: Console, use_systemd: bool, system: bool, config_file: Path,
                   data_dir: Path) -> service.Systemd | service.Background:
     """Stop what an earlier install started, then start the server: as the systemd unit, or as a background process
-    (then an installed unit is removed, so that `status`, `stop` and `logs` and the next boot all mean this server).
-    Raises ApplianceError when the port is taken by something else."""
+    (then the unit an earlier install of the same kind left, system-wide as root, else the user's, is removed, so
+    that `status`, `stop`, `logs` and the next boot all mean this server). Raises ApplianceError when the port is
+    taken by something else or that unit cannot be removed."""
     for old in (service.manager(data_dir), service.Background(service.state_dir(data_dir))):
         if old.status().running:
             with step(console, f"Stopping the running server ({old.mode})"):
@@ -426,10 +427,14 @@ def start_service(opts: InstallOptions, console: Console, use_systemd: bool, sys
             unit = mgr.install(config_file, data_dir)
         console.print(f"Unit: {unit} (enabled; `systemctl{' --user' if not system else ''} status appliance`)")
         return mgr
-    for unit in (service.Systemd(user=False), service.Systemd(user=True)) if service.systemd_running() else ():
-        if unit.installed():
-            with step(console, f"Removing the {unit.mode} unit of an earlier install ({unit.unit_path})"):
+    unit = service.Systemd(user=not cfgmod.is_root())  # this user's kind of install only: never another's unit
+    if service.systemd_running() and unit.installed():
+        with step(console, f"Removing the {unit.mode} unit of an earlier install ({unit.unit_path})"):
+            try:
                 unit.uninstall()
+            except OSError as exc:
+                raise ApplianceError(f"cannot remove {unit.unit_path}: {exc.strerror}",
+                                     "remove it by hand, or install without --no-service") from None
     mgr = service.Background(service.state_dir(data_dir))
     pid = mgr.start([sys.executable, "-m", "appliance", "serve", "--config", str(config_file)])
     why = "--no-service" if opts.no_service else "systemd is not running"

@@ -1,16 +1,25 @@
-"""How many threads the CPU path computes with: the cores torch would use, less the ones other processes keep busy.
+"""How many threads the CPU path computes with: torch's count, less a thread for each core other processes keep busy.
 
 Why: torch's CPU ops run on OpenMP threads that spin-wait for each other at the end of every op. When another
 process holds one of the cores, one of our threads is descheduled for a whole time slice at each op while the
 others spin. On 2 cores beside one busy process, the demo model decoded at 0.8-1.4 tok/s with 2 threads and 8 tok/s
-with 1 (14.5 with 2 threads on an idle machine; ``appliance bench``, bench/RESULTS.md, sixteenth session). vLLM's
-CPU backend leaves a core to other work for the same reason; here the count follows the load.
+with 1 (14.5 with 2 threads on an idle machine; ``appliance bench``, bench/RESULTS.md, sixteenth session).
 
-Policy (``threads_for``): every ``INTERVAL_S`` of stepping, the other processes' load is the machine's busy CPU time
-less this process's, per second of wall time, in cores; the engine keeps ``round(cores - load)`` threads (halves
-round up, at least 1, at most ``cores``). Our own threads' spinning counts as ours, so a count we set does not
-feed back into the load we measure. ``OMP_NUM_THREADS`` in the environment fixes the count: nothing adapts then.
-Greedy output does not depend on the count (tests/test_cpu_threads.py checks 1 against 2 threads on the demo model).
+Policy (``CpuThreads.update``), once per ``INTERVAL_S`` of wall time while the engine steps:
+
+* the other processes' load is the busy CPU time of the CPUs this process may run on, less this process's own, per
+  second, in cores; the free cores are those CPUs less that load;
+* the count drops to the free cores rounded (halves up) when that is below it, and rises to the free cores less 0.1
+  rounded when that is above it: a load between 0.4 and 0.5 of a core moves nothing either way (no flapping);
+* a process that takes whatever CPU we leave it (a niced batch job) looks like load only while we leave it a core,
+  so every ``PROBE_S`` a reduced count tries torch's full count again for one interval and keeps it if the load
+  then measured allows it;
+* at least 1 thread, at most torch's count at start (``torch.get_num_threads()``, one per physical core);
+* the first look after the engine was idle for a while only restarts the measuring window;
+* ``OMP_NUM_THREADS`` in the environment fixes the count, and so does a failure to read the CPU times (logged).
+
+Greedy tokens of the demo model are the same with 1 and 2 threads (tests/test_cpu_threads.py); other models may
+round differently with another count, so a request's tokens can depend on the machine's load.
 """
 from __future__ import annotations
 
@@ -25,64 +34,97 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: Seconds of stepping between two looks at the load (a look costs tens of microseconds).
+#: Seconds of wall time between two looks at the load (a look costs tens of microseconds).
 INTERVAL_S = 1.0
+#: Seconds between two tries of the full count while it is reduced.
+PROBE_S = 30.0
+#: A window longer than this many intervals (the engine was idle) is only restarted, not judged.
+STALE_INTERVALS = 5
 
 
-def threads_for(cores: int, others_load: float) -> int:
-    """Threads to compute with on ``cores`` cores while other processes keep ``others_load`` cores busy."""
-    return max(1, min(cores, int(cores - others_load + 0.5)))
+def threads_for(cores: int, free: float, current: int) -> int:
+    """The thread count to use next, at most ``cores``, when ``free`` cores are left by other processes and
+    ``current`` threads run now: down to ``round(free)`` (halves up), up to ``round(free - 0.1)``."""
+    down, up = int(free + 0.5), int(free + 0.4)
+    target = down if down < current else up if up > current else current
+    return max(1, min(cores, target))
 
 
 @dataclass
 class CpuTimes:
-    """One reading: ``wall`` (s, monotonic), ``busy`` (s of CPU time the machine's usable cores spent outside idle
-    and iowait since boot), ``own`` (s of CPU time this process spent, all threads)."""
+    """One reading: ``wall`` (s, monotonic), ``busy`` (s of CPU time the CPUs this process may use spent outside
+    idle and iowait since boot), ``own`` (s of CPU time this process spent, all threads), ``cpus`` (how many CPUs
+    this process may use)."""
 
     wall: float
     busy: float
     own: float
+    cpus: int
 
 
 def read_cpu_times() -> CpuTimes:
-    """The current ``CpuTimes``, over the cores this process may run on."""
+    """The current ``CpuTimes``. Raises OSError or psutil.Error when the counters cannot be read."""
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     per_cpu = psutil.cpu_times(percpu=True)
-    cores = [t for i, t in enumerate(per_cpu) if usable is None or i in usable]
+    cpus = [t for i, t in enumerate(per_cpu) if usable is None or i in usable]
     busy = sum(sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0)
-               - getattr(t, "guest_nice", 0.0) for t in cores)  # guest time is counted in user time already
-    return CpuTimes(time.monotonic(), busy, time.process_time())
+               - getattr(t, "guest_nice", 0.0) for t in cpus)  # guest time is counted in user time already
+    return CpuTimes(time.monotonic(), busy, time.process_time(), len(cpus))
 
 
 class CpuThreads:
     """Adapts torch's CPU thread count to the load of other processes (see the module docstring).
 
     Call ``update`` from the thread that runs the model (OpenMP's thread count is that thread's setting), before
-    each step. ``read`` and ``set_threads`` are injectable for tests.
+    each step. ``read``, ``set_threads`` and ``clock`` are injectable for tests.
     """
 
     def __init__(self, cores: int | None = None, read: Callable[[], CpuTimes] = read_cpu_times,
-                 set_threads: Callable[[int], None] = torch.set_num_threads, interval_s: float = INTERVAL_S):
-        self.fixed = "OMP_NUM_THREADS" in os.environ
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 clock: Callable[[], float] = time.monotonic, interval_s: float = INTERVAL_S,
+                 probe_s: float = PROBE_S):
         self.cores = cores or torch.get_num_threads()
         self.threads = self.cores
-        self._read, self._set, self._interval = read, set_threads, interval_s
-        self._last = None if self.fixed else read()
+        self._read, self._set, self._clock = read, set_threads, clock
+        self._interval, self._probe_every = interval_s, probe_s
+        self.fixed = "OMP_NUM_THREADS" in os.environ
+        self._last: CpuTimes | None = None if self.fixed else self._safe_read()
+        self._next_probe: float | None = None  # while the count is reduced: when to try the full count again
+        self._probe_from: int | None = None  # the count a running probe came from
+
+    def _safe_read(self) -> CpuTimes | None:
+        try:
+            return self._read()
+        except (OSError, psutil.Error) as e:
+            logger.warning("cannot read the CPU times (%s): the CPU thread count stays at %d", e, self.threads)
+            self.fixed = True
+            return None
 
     def update(self) -> int:
-        """Look at the load if ``interval_s`` has passed since the last look; set and return the thread count."""
-        if self.fixed:
+        """Look at the load if an interval has passed since the last look; set and return the thread count."""
+        if self.fixed or self._clock() - self._last.wall < self._interval:
             return self.threads
-        now = self._read()
-        elapsed = now.wall - self._last.wall
-        if elapsed < self._interval:
+        now = self._safe_read()
+        if now is None:
             return self.threads
-        others = max(0.0, (now.busy - self._last.busy) - (now.own - self._last.own)) / elapsed
-        self._last = now
-        threads = threads_for(self.cores, others)
+        last, self._last = self._last, now
+        elapsed = now.wall - last.wall
+        if elapsed > STALE_INTERVALS * self._interval:  # idle in between: judge the next window only
+            return self.threads
+        others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / elapsed
+        threads = threads_for(self.cores, now.cpus - others, self.threads)
+        ended, self._probe_from = self._probe_from, None
+        if threads >= self.cores:
+            self._next_probe = None
+        elif self._next_probe is None or ended is not None:
+            self._next_probe = now.wall + self._probe_every
+        elif threads == self.threads and now.wall >= self._next_probe:
+            threads, self._probe_from = self.cores, self.threads  # a probe: the next look decides at full count
         if threads != self.threads:
-            logger.info("CPU threads %d -> %d: other processes keep %.1f of %d cores busy (OMP_NUM_THREADS fixes it)",
-                        self.threads, threads, others, self.cores)
+            quiet = self._probe_from is not None or threads == ended  # a probe, or back to where it came from
+            (logger.debug if quiet else logger.info)(
+                "CPU threads %d -> %d: other processes keep %.1f of %d CPUs busy%s (OMP_NUM_THREADS fixes it)",
+                self.threads, threads, others, now.cpus, "; trying the full count" if self._probe_from else "")
             self._set(threads)
             self.threads = threads
         return self.threads

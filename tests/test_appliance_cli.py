@@ -179,9 +179,11 @@ def test_serve_passes_max_waiting_to_the_server(tmp_path, monkeypatch):
     one_line_error(runner.invoke(app, ["serve", model, "--max-waiting", "-1"]), "max_waiting: must be at least 0")
 
 
-def test_background_install_removes_the_unit_of_an_earlier_install(monkeypatch, tmp_path):
-    """`install --no-service` where an earlier install left the systemd unit: the unit is disabled and removed, so
-    that `status`, `stop`, `logs` (service.manager) and the next boot mean the background server, not the unit."""
+@pytest.mark.parametrize("root", [False, True])
+def test_background_install_removes_the_unit_of_an_earlier_install(monkeypatch, tmp_path, root):
+    """`install --no-service` where an earlier install of the same kind (system-wide as root, else the user's) left
+    the systemd unit: that unit is disabled and removed, so that `status`, `stop`, `logs` (service.manager) and the
+    next boot mean the background server; the other kind's unit is not this user's to remove."""
     calls = tmp_path / "systemctl.calls"
     fake = tmp_path / "bin" / "systemctl"
     fake.parent.mkdir()
@@ -189,18 +191,21 @@ def test_background_install_removes_the_unit_of_an_earlier_install(monkeypatch, 
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     monkeypatch.setattr(service, "systemd_running", lambda: True)
-    unit = service.Systemd(user=True)
-    unit.unit_path.parent.mkdir(parents=True)
-    unit.unit_path.write_text("[Unit]\n")
-    data_dir = tmp_path / "data"
-    assert isinstance(service.manager(data_dir), service.Systemd)
+    monkeypatch.setattr(installer.cfgmod, "is_root", lambda: root)
+    monkeypatch.setattr(service.Systemd, "unit_path", property(  # never the machine's own /etc/systemd
+        lambda self: tmp_path / ("user" if self.user else "system") / service.UNIT_NAME))
+    mine, other = service.Systemd(user=not root), service.Systemd(user=root)
+    for unit in (mine, other):
+        unit.unit_path.parent.mkdir(parents=True)
+        unit.unit_path.write_text("[Unit]\n")
     started = []
     monkeypatch.setattr(service.Background, "start", lambda self, command: started.append(command) or 4242)
     opts = installer.InstallOptions(no_service=True, port=installer_free_port())
     mgr = installer.start_service(opts, Console(file=io.StringIO()), use_systemd=False, system=False,
-                                  config_file=tmp_path / "config.toml", data_dir=data_dir)
-    assert not unit.installed() and "--user disable --now appliance.service" in calls.read_text().splitlines()
-    assert isinstance(mgr, service.Background) and isinstance(service.manager(data_dir), service.Background)
+                                  config_file=tmp_path / "config.toml", data_dir=tmp_path / "data")
+    disable = f"{'' if root else '--user '}disable --now appliance.service"
+    assert not mine.installed() and other.installed() and disable in calls.read_text().splitlines()
+    assert isinstance(mgr, service.Background)
     assert started == [[sys.executable, "-m", "appliance", "serve", "--config", str(tmp_path / "config.toml")]]
 
 

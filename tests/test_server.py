@@ -205,12 +205,14 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),  # vLLM refuses insertion
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "stream": False, "stream_options": {}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": False}},
+     "stream_options"),
     ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/completions", {"prompt": [104, -1], "echo": True}, "prompt"),  # checked before echo decodes it
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/detokenize", {"tokens": [104, -1]}, "tokens"),
@@ -234,6 +236,8 @@ def test_null_means_the_default(server):
     done = httpx.post(f"{url}/v1/completions", json={"prompt": "hey", "echo": None, "logprobs": None,
                                                      "add_special_tokens": None, "max_tokens": 4, **nulls}).json()
     assert done["choices"][0]["text"] == fake_completion(3, SamplingParams(max_tokens=4))[0]
+    empty = httpx.post(f"{url}/v1/completions", json={"prompt": "hey", "max_tokens": 1, "stream_options": {}})
+    assert empty.status_code == 200, empty.text  # vLLM refuses only non-empty stream_options without stream
     tok = httpx.post(f"{url}/tokenize", json={"prompt": "hey", "add_special_tokens": None}).json()
     assert tok["tokens"] == [104, 101, 121]
 
@@ -259,6 +263,16 @@ def test_bos_for_completions_and_tokenize_not_for_chat(server):
     assert usage("/v1/chat/completions", {"messages": MESSAGES})["prompt_tokens"] == CHAT_PROMPT_LEN
     assert httpx.post(f"{url}/tokenize", json={"prompt": "hey"}).json()["tokens"] == [1, 104, 101, 121]
     assert httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["count"] == CHAT_PROMPT_LEN
+    with_bos = {"messages": MESSAGES, "add_special_tokens": True}  # vLLM: for messages only when asked
+    assert httpx.post(f"{url}/tokenize", json=with_bos).json()["count"] == CHAT_PROMPT_LEN + 1
+
+
+def test_tokenize_renders_messages_as_the_chat_endpoint_does(server):
+    url, _, _ = server
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"prefix": "<sys>"}}
+    assert httpx.post(f"{url}/tokenize", json=body).json()["count"] == CHAT_PROMPT_LEN + 5
+    chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == CHAT_PROMPT_LEN + 5
 
 
 def test_continue_final_message_leaves_the_last_message_open(server):

@@ -52,6 +52,7 @@ class FakeTokenizer:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"unknown role {m['role']!r}")  # like a template's raise_exception
             text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+        text = kwargs.get("prefix", "") + text  # a chat_template_kwargs variable, as enable_thinking is for Qwen3
         if continue_final_message:  # transformers cuts the rendered text right after the last message's content
             text = text[:-len("<|im_end|>\n")]
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
@@ -109,6 +110,8 @@ class FakeEngine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
+        if any(not 0 <= t < len(self.tokenizer) for t in ids):  # as LLMEngine
+            raise ValueError(f"prompt: token ids must be in [0, {len(self.tokenizer)})")
         if any(r.request_id == request_id for r in [*self.waiting, *self.running]):
             raise ValueError(f"request_id: duplicate {request_id!r}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)

@@ -180,10 +180,14 @@ def test_top_and_bench_default_to_the_installed_servers_address_and_key(monkeypa
     engine = AsyncLLMEngine(lambda: FakeEngine(), "fake-model")
     try:
         with ServerThread(build_app(engine, api_key="sesame")) as url:
+            cfgmod.save(cfgmod.Config(model="m", port=int(url.rsplit(":", 1)[1]), api_key="sesame"))
             started = []
             monkeypatch.setattr(TopApp, "run", lambda self: started.append((self.url, self.headers)))
-            result = runner.invoke(cli, ["top", "--url", url])  # the key still comes from the config
+            result = runner.invoke(cli, ["top"])
             assert result.exit_code == 0 and started == [(url, {"Authorization": "Bearer sesame"})], result.output
+            cfgmod.save(cfgmod.Config(model="m", port=port, api_key="sesame"))  # installed elsewhere now
+            # the installed key never goes to another address
+            one_line_error(runner.invoke(cli, ["top", "--url", url]), "answered 401", "--api-key")
     finally:
         engine.shutdown()
 

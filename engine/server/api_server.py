@@ -97,7 +97,8 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
     if req.messages is not None:
-        tokens = render_chat(llm.tokenizer, req)
+        given = "add_special_tokens" in req.model_fields_set  # vLLM: false for messages unless asked
+        tokens = render_chat(llm.tokenizer, req, add_special_tokens=given and req.add_special_tokens)
     elif req.prompt is not None:
         tokens = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:

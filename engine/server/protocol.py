@@ -1,9 +1,10 @@
 """OpenAI-compatible request and response models (pydantic v2), with vLLM's extra sampling fields.
 
 Range checks live in ``SamplingParams.validate`` (one source of truth); the models here only check types.
-Unknown request fields are ignored, as OpenAI's and vLLM's servers do. A ``null`` in a field that has a default
-means that default (OpenAI's spec makes ``n``, ``stream``, ``logprobs``, ``echo``... nullable; clients that send
-every field send them as ``null``).
+Unknown request fields are ignored, as OpenAI's and vLLM's servers do. A ``null`` in a top-level field whose type
+excludes it means the field's default (OpenAI's spec makes ``n``, ``stream``, ``logprobs``, ``echo``... nullable;
+clients that send every field send them as ``null``); fields that take None keep it (``max_tokens: null`` on
+completions: up to the context, as in vLLM).
 """
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ class SamplingRequest(RequestModel):
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        """vLLM's rule: ``stream_options`` only with ``stream: true`` (else a 400 naming it)."""
-        if value is not None and not info.data.get("stream"):
+        """vLLM's rule: non-empty ``stream_options`` only with ``stream: true`` (else a 400 naming it)."""
+        if value is not None and value.model_fields_set and not info.data.get("stream"):
             raise ValueError("stream options can only be defined when `stream=True`")
         return value
 
@@ -287,7 +288,9 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(RequestModel):
-    """Either ``prompt`` (tokenized with special tokens) or ``messages`` (through the chat template)."""
+    """Either ``prompt`` (tokenized with special tokens unless ``add_special_tokens`` is false) or ``messages``
+    (through the chat template, as the chat endpoint renders them: without extra special tokens unless
+    ``add_special_tokens`` is given true, vLLM's default for chat)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -295,6 +298,7 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -19,14 +19,16 @@ from engine.server.serving import (DeltaTracker, ServingContext, build_params, c
                                    submit, usage)
 
 
-def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-    """Prompt token ids: the tokenizer's chat template, ending with the assistant turn's header
-    (``add_generation_prompt``) or inside the last message (``continue_final_message``), encoded without extra
-    special tokens (the template already has them). A template error is a 400 on ``messages``."""
+def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
+                add_special_tokens: bool = False) -> list[int]:
+    """Prompt token ids: the tokenizer's chat template (with the request's ``chat_template_kwargs``), ending with
+    the assistant turn's header (``add_generation_prompt``) or inside the last message (``continue_final_message``),
+    encoded without extra special tokens unless asked (the template has them). A template error is a 400 on
+    ``messages``."""
     if req.add_generation_prompt and req.continue_final_message:  # the chat request's validator says it first
-        raise APIError(400, "messages: cannot set both `continue_final_message` and `add_generation_prompt` to "
-                       "true", param="continue_final_message")
-    kwargs = getattr(req, "chat_template_kwargs", None) or {}
+        raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
+                       "`add_generation_prompt` to true", param="continue_final_message")
+    kwargs = req.chat_template_kwargs or {}
     try:
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages or []]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
@@ -36,7 +38,7 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest) ->
         raise bad_value(e, "messages") from e
     except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages it refuses
         raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:

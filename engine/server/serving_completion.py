@@ -37,13 +37,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     """Answer one completion request (JSON, or SSE when ``stream``). Errors: ``APIError`` (404/400/503)."""
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
-    prompts = split_prompts(req.prompt)
-    echo = prompt_texts(llm.tokenizer, prompts) if req.echo else [""] * len(prompts)
-    if not req.add_special_tokens:  # the engine encodes strings with them: hand it the ids without
-        prompts = [llm.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
+    given = split_prompts(req.prompt)
+    prompts = given if req.add_special_tokens else [  # the engine encodes strings with them: hand it ids without
+        llm.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in given]
     params = build_params(req.sampling_params, req.max_tokens, req.logprobs, llm.default_sampling)
     request_id = random_id("cmpl")
-    streams = await submit(ctx, prompts, params, request_id, "prompt")
+    streams = await submit(ctx, prompts, params, request_id, "prompt")  # checks the token ids before echo decodes
+    echo = prompt_texts(llm.tokenizer, given) if req.echo else [""] * len(given)
     created = int(time.time())
     if req.stream:
         return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, created, echo))
