@@ -120,6 +120,8 @@ class LLMEngine:
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):  # the sampler indexes the logits with them
             raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max(max_tokens, 1) > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(ids), max_tokens)

@@ -1,6 +1,6 @@
 """Turning logits into next tokens with vLLM's semantics, one batch at a time on the logits' device.
 
-Order (vLLM ``Sampler``): min_tokens mask on stop tokens, repetition / presence / frequency penalties,
+Order (vLLM ``Sampler``): logit_bias, min_tokens mask on stop tokens, repetition / presence / frequency penalties,
 temperature, top-k, top-p, min-p, then sample. Temperature 0 is greedy (arg-max of the penalised logits).
 Every step is a tensor operation over the rows that need it, so a batch of 256 sampled requests costs a few
 kernels and one device-to-host copy, not 256 row loops on the CPU. Sampling is the exponential race vLLM V1
@@ -59,9 +59,18 @@ def process_logits(logits: torch.Tensor, seq: Sequence, eos_token_ids: set[int])
 
 
 def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
-    """Rows [S, V] (float32, row i for ``seqs[i]``; not changed in place) in vLLM's order: min_tokens mask and
-    penalties on every row; temperature and the filters on the rows that are not greedy. Returns a new tensor."""
+    """Rows [S, V] (float32, row i for ``seqs[i]``; not changed in place) in vLLM's order: logit_bias, min_tokens
+    mask and penalties on every row; temperature and the filters on the rows that are not greedy. Returns a new tensor."""
     logits = logits.clone()
+    rows, cols, bias = [], [], []
+    for i, seq in enumerate(seqs):  # logit_bias first (vLLM V1 applies it with min_tokens, before the penalties)
+        given = seq.params.logit_bias or {}
+        rows += [i] * len(given)
+        cols += given.keys()
+        bias += given.values()
+    if rows:
+        where = (to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device))
+        logits.index_put_(where, to_device(bias, logits.dtype, logits.device), accumulate=True)
     rows, cols = [], []
     for i, seq in enumerate(seqs):
         if seq.num_output_tokens < seq.params.min_tokens:
@@ -171,4 +180,5 @@ def needs_host_tokens(seq: Sequence) -> bool:
 
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.params
-    return p.greedy and seq.logprobs is None and seq.num_output_tokens >= p.min_tokens and not _penalised(seq)
+    return (p.greedy and seq.logprobs is None and seq.num_output_tokens >= p.min_tokens and not _penalised(seq)
+            and not p.logit_bias)

@@ -20,7 +20,8 @@ class SamplingParams:
     in vLLM's ranges; ``max_tokens >= 1`` or None (None = up to ``max_model_len``); ``0 <= min_tokens <=
     max_tokens``; ``logprobs`` in [0, 20] or None; no empty stop string (it would match before any text; vLLM
     refuses it too); ``stop_token_ids`` non-negative (the engine also checks them against the vocabulary);
-    ``seed`` a signed 64-bit integer (vLLM's range).
+    ``seed`` a signed 64-bit integer (vLLM's range); ``logit_bias`` maps non-negative token ids (checked against
+    the vocabulary by the engine) to finite biases, which are clamped to [-100, 100] (OpenAI's range, as vLLM).
     """
 
     n: int = 1
@@ -40,6 +41,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # added to the token's logit before everything else (OpenAI)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +49,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        if self.logit_bias:
+            self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
@@ -64,7 +68,7 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "must be in (0, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty, "must be positive"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -73,6 +77,8 @@ class SamplingParams:
             ("stop", all(self.stop), "must not contain an empty string"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative token ids"),
             ("seed", self.seed is None or -2**63 <= self.seed < 2**63, "must be a signed 64-bit integer"),
+            ("logit_bias", all(int(t) >= 0 and math.isfinite(b) for t, b in (self.logit_bias or {}).items()),
+             "must map token ids to finite numbers"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -211,7 +211,8 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1114112": -100}}, "logit_bias"),  # outside the vocab
+    ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias.abc.[key]"),
     ("/v1/completions", {"prompt": [104, -1], "echo": True}, "prompt"),  # checked before echo decodes it
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),

@@ -112,6 +112,8 @@ class FakeEngine:
             raise ValueError("prompt: must not be empty")
         if any(not 0 <= t < len(self.tokenizer) for t in ids):  # as LLMEngine
             raise ValueError(f"prompt: token ids must be in [0, {len(self.tokenizer)})")
+        if any(not 0 <= t < len(self.tokenizer) for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias: token ids must be in [0, {len(self.tokenizer)})")
         if any(r.request_id == request_id for r in [*self.waiting, *self.running]):
             raise ValueError(f"request_id: duplicate {request_id!r}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)

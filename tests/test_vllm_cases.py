@@ -506,3 +506,19 @@ def test_completion_strings_get_the_tokenizers_special_tokens(live, monkeypatch)
     chat = post(client, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 1})
     assert chat["usage"]["prompt_tokens"] == chat_prompt_len(tok, messages)
     assert post(client, "/tokenize", {"prompt": "Hello there"})["tokens"] == [1, *ids]
+
+
+def test_logit_bias_bans_and_forces_tokens(live):
+    """OpenAI's logit_bias on the real engine: -100 on the greedy first token makes the runner-up come first; +100
+    on a token makes the greedy completion that token."""
+    client, model, _, _, tok = live
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0,
+            "logprobs": 2}
+    first = post(client, "/v1/completions", body)["choices"][0]["logprobs"]
+    best, runner_up = sorted(first["top_logprobs"][0].items(), key=lambda kv: -kv[1])[:2]
+    [best_id] = tok.encode(best[0], add_special_tokens=False)
+    banned = post(client, "/v1/completions", {**body, "logit_bias": {str(best_id): -100}})
+    assert banned["choices"][0]["text"] == runner_up[0]
+    [forced_id] = tok.encode(" banana", add_special_tokens=False)
+    forced = post(client, "/v1/completions", {**body, "max_tokens": 3, "logit_bias": {str(forced_id): 100}})
+    assert forced["choices"][0]["text"] == " banana" * 3

@@ -86,16 +86,8 @@ class SamplingRequest(RequestModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # refused when set: see _unsupported
+    logit_bias: dict[int, float] | None = None  # OpenAI: token id (a JSON key, so a string) -> bias in [-100, 100]
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        """Refused (a 400 naming it) rather than ignored: the sampler has no per-token biases."""
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
-        return value
 
     @field_validator("response_format")
     @classmethod
@@ -129,6 +121,7 @@ class SamplingRequest(RequestModel):
             stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
             **with_defaults({**given, "max_tokens": max_tokens}, defaults or {}))
 
 
