@@ -361,6 +361,10 @@ def doctor(config: Optional[Path] = typer.Option(None, "--config")):
 # ---------------------------------------------------------------------------------------------------- watch
 
 
+def _has_terminal() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
 UrlOpt = typer.Option(None, "--url", help="the server's base URL (default: the installed one's host and port)")
 ApiKeyOpt = typer.Option(None, "--api-key", envvar="APPLIANCE_API_KEY", help="default: the installed one's")
 
@@ -396,6 +400,9 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
     url, api_key = _server(url, api_key)
     if interval <= 0:
         raise ApplianceError(f"--interval must be positive, got {interval}", "e.g. --interval 1")
+    if not _has_terminal():  # Textual would draw into a pipe, or spin on a closed stdin
+        raise ApplianceError("appliance top needs a terminal (stdin and stdout)",
+                             f"run it in a terminal; without one, read {url}/metrics or run `appliance bench`")
     dashboard = TopApp(url, api_key, interval=interval)
     url = dashboard.url
     try:

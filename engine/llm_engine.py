@@ -67,6 +67,11 @@ class LLMEngine:
     """Single-threaded engine; see docs/architecture.md for the contract the server relies on."""
 
     def __init__(self, config: EngineConfig):
+        """Load the model folder ``config.model``. Raises FileNotFoundError when it is not a model folder (there are
+        no hub downloads), ValueError for settings the model or the memory cannot take."""
+        if not (Path(config.model) / "config.json").is_file():
+            raise FileNotFoundError(f"model: {config.model} is not a model folder (no config.json there); give a "
+                                    "local Hugging Face folder: nothing is downloaded")
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self._decode = detokenizer.decoder(self.tokenizer)  # resolved once: called twice per token

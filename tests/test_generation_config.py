@@ -1,5 +1,5 @@
-"""The model's generation_config.json sampling values as defaults (engine/generation_config.py, vLLM's
-``--generation-config auto``)."""
+"""Loading a model folder: its generation_config.json sampling values as defaults (engine/generation_config.py,
+vLLM's ``--generation-config auto``), and a clear error for a folder that is not one."""
 from __future__ import annotations
 
 import json
@@ -49,3 +49,11 @@ def test_llm_generate_without_params_uses_the_models_values(tmp_path):
     assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (3, "length")
     [again] = llm.generate("The capital of France is")
     assert again.outputs[0].token_ids == out.outputs[0].token_ids  # greedy: the same tokens
+
+
+def test_a_missing_model_folder_is_named(tmp_path):
+    """Not transformers' "Repo id must be in the form ..." (there are no hub downloads): the folder, and why."""
+    with pytest.raises(FileNotFoundError, match=f"model: {tmp_path / 'nowhere'} is not a model folder"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(str(tmp_path), device="cpu")

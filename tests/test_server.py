@@ -473,9 +473,10 @@ def test_overload_is_503_with_retry_after_and_keeps_nothing():
 
 
 def test_polls_stay_out_of_the_access_log():
-    """Successful GETs of /metrics, /v1/kv and /health (Prometheus, ``appliance top`` once a second, health checks)
-    are left out of uvicorn's access log; other requests, and polls that fail, are logged. The filter survives
-    uvicorn's own logging set-up, as ``run_server`` adds it before that runs."""
+    """GETs of /metrics, /v1/kv and /health (Prometheus, ``appliance top`` once a second, health checks) that
+    succeed or get 503 while the model loads are left out of uvicorn's access log; other requests, and polls that
+    fail otherwise, are logged. The filter survives uvicorn's own logging set-up, as ``run_server`` adds it before
+    that runs."""
     import logging
 
     import uvicorn
@@ -485,7 +486,8 @@ def test_polls_stay_out_of_the_access_log():
     access = logging.getLogger("uvicorn.access")
     quiet = QuietPolls()
     access.addFilter(quiet)
-    engine, srv = serve()
+    gate = threading.Event()
+    engine, srv = serve(gate=gate)
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -495,10 +497,13 @@ def test_polls_stay_out_of_the_access_log():
         assert quiet in access.filters
         access.addHandler(handler)
         with srv as url:
+            assert httpx.get(f"{url}/health").status_code == 503  # loading: quiet
+            gate.set()
             wait_for(lambda: engine.is_ready, what="engine ready")
             for path in ("/health", "/metrics", "/v1/kv", "/metrics?x=1", "/v1/models", "/v1/nothing"):
                 httpx.get(f"{url}{path}")
     finally:
+        gate.set()
         access.removeHandler(handler)
         access.removeFilter(quiet)
         engine.shutdown()

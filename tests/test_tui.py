@@ -164,8 +164,15 @@ def test_dashboard_keeps_its_numbers_when_the_server_goes(server):
 
 @pytest.fixture(autouse=True)
 def no_installed_server(monkeypatch, tmp_path):
-    """`top` reads the installed server's address and key when not given: none here, whatever this machine has."""
+    """`top` reads the installed server's address and key when not given: none here, whatever this machine has.
+    The CLI runner has no terminal: the tests stand one in (but for the test of its absence)."""
     isolate(monkeypatch, tmp_path)
+    monkeypatch.setattr("appliance.cli._has_terminal", lambda: True)
+
+
+def test_top_without_a_terminal_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr("appliance.cli._has_terminal", lambda: False)
+    one_line_error(runner.invoke(cli, ["top", "--url", "http://127.0.0.1:9"]), "needs a terminal", "/metrics")
 
 
 def test_top_and_bench_default_to_the_installed_servers_address_and_key(monkeypatch, tmp_path):

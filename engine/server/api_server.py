@@ -168,14 +168,16 @@ POLLED_PATHS = ("/metrics", "/v1/kv", "/health")
 
 
 class QuietPolls(logging.Filter):
-    """Drops uvicorn access-log records of successful GETs of :data:`POLLED_PATHS` (uvicorn's record args:
-    client, method, path with query, HTTP version, status)."""
+    """Drops uvicorn access-log records of GETs of :data:`POLLED_PATHS` that succeeded or got 503 (the model is
+    loading: the engine logs its own state changes); other failures stay (uvicorn's record args: client, method,
+    path with query, HTTP version, status)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         if len(args) == 5:
             _, method, path, _, status = args
-            return not (method == "GET" and str(path).split("?")[0] in POLLED_PATHS and int(status) < 400)
+            quiet = int(status) < 400 or int(status) == 503
+            return not (method == "GET" and str(path).split("?")[0] in POLLED_PATHS and quiet)
         return True
 
 
