@@ -300,7 +300,7 @@ def test_unknown_model_is_404(server):
     url, _, _ = server
     with pytest.raises(openai.NotFoundError) as info:
         sdk(url).chat.completions.create(model="gpt-4", messages=MESSAGES)
-    assert info.value.code == "model_not_found"
+    assert info.value.code == "model_not_found" and info.value.type == "invalid_request_error"  # OpenAI's
 
 
 def test_context_length_error_states_max_total_and_split(server):
@@ -344,7 +344,8 @@ def test_api_key_guards_v1_only():
         wait_for(lambda: engine.is_ready, what="engine ready")
         with pytest.raises(openai.AuthenticationError):
             sdk(url, api_key="wrong").models.list()
-        _error(httpx.post(f"{url}/v1/chat/completions", content=b"{oops"), 401, code="invalid_api_key")
+        err = _error(httpx.post(f"{url}/v1/chat/completions", content=b"{oops"), 401, code="invalid_api_key")
+        assert err["type"] == "invalid_request_error"  # OpenAI's type for a wrong key
         assert sdk(url, api_key="sekrit").models.list().data[0].id == MODEL
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/metrics").status_code == 200

@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 #: Seconds an overloaded server asks a client to wait (``Retry-After``); the OpenAI SDKs honour it when retrying.
 OVERLOAD_RETRY_AFTER_S = 1
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+#: OpenAI's error types: a wrong key and an unknown model are ``invalid_request_error``s too (their ``code`` says
+#: which: ``invalid_api_key``, ``model_not_found``).
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 503: "service_unavailable_error"}
 
 
