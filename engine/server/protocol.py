@@ -9,9 +9,9 @@ completions: up to the context, as in vLLM).
 from __future__ import annotations
 
 import time
-import uuid
 import types
 import typing
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -172,14 +172,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("`top_logprobs` must be in [0, 20]")
         if value and not info.data.get("logprobs"):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
-        return value
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _one_of_generation_prompt_or_continue(cls, value: bool, info: ValidationInfo) -> bool:
-        """vLLM's rule: the prompt either opens a new assistant turn or continues the last message, not both."""
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("cannot set both `continue_final_message` and `add_generation_prompt` to true")
         return value
 
 

@@ -25,7 +25,7 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
     the assistant turn's header (``add_generation_prompt``) or inside the last message (``continue_final_message``),
     encoded without extra special tokens unless asked (the template has them). A template error is a 400 on
     ``messages``."""
-    if req.add_generation_prompt and req.continue_final_message:  # the chat request's validator says it first
+    if req.add_generation_prompt and req.continue_final_message:  # vLLM's rule: one or the other
         raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
                        "`add_generation_prompt` to true", param="continue_final_message")
     kwargs = req.chat_template_kwargs or {}
