@@ -212,8 +212,10 @@ def _fingerprint(model_dir: Path) -> str:
 def checkpoint_dir(data_dir: Path, source: Path, name: str, method: str, bits: int, group_size: int) -> Path:
     """Where the quantized checkpoint of ``source`` lives: keyed by source, method, bits and group size (an
     ``org/name`` becomes ``org--name``, as in the Hugging Face cache)."""
-    folder = f"{name.replace('/', '--')}-{method}-w{bits}g{group_size}-{_fingerprint(source)}"
-    return Path(data_dir) / "models" / folder
+    key = f"{method}-w{bits}g{group_size}-{_fingerprint(source)}"
+    folder = Path(data_dir) / "models" / f"{name.replace('/', '--')}-{key}"
+    before = Path(data_dir) / "models" / f"{name.split('/')[-1]}-{key}"  # an org/name's folder before 18ae57c
+    return before if before != folder and before.is_dir() and not folder.exists() else folder
 
 
 def fitted_group_size(source: Path, group_size: int) -> int:

@@ -15,7 +15,9 @@ Policy (``CpuThreads.update``), once per ``INTERVAL_S`` of wall time while the e
   so every ``PROBE_S`` a reduced count tries torch's full count again for one interval and keeps it if the load
   then measured allows it;
 * at least 1 thread, at most torch's count at start (``torch.get_num_threads()``, one per physical core);
-* the first look after the engine was idle for a while only restarts the measuring window;
+* the engine calls ``pause`` when it runs out of work: the next look only starts a new window (idle time is not
+  judged, however long a step takes);
+* a change is logged at INFO at most once a minute (the rest at DEBUG); a probe that keeps the full count always;
 * ``OMP_NUM_THREADS`` in the environment fixes the count, and so does a failure to read the CPU times (logged).
 
 Greedy tokens of the demo model are the same with 1 and 2 threads (tests/test_cpu_threads.py); other models may
@@ -38,8 +40,8 @@ logger = logging.getLogger(__name__)
 INTERVAL_S = 1.0
 #: Seconds between two tries of the full count while it is reduced.
 PROBE_S = 30.0
-#: A window longer than this many intervals (the engine was idle) is only restarted, not judged.
-STALE_INTERVALS = 5
+#: Seconds between two INFO lines about the count.
+LOG_EVERY_S = 60.0
 
 
 def threads_for(cores: int, free: float, current: int) -> int:
@@ -91,6 +93,7 @@ class CpuThreads:
         self._last: CpuTimes | None = None if self.fixed else self._safe_read()
         self._next_probe: float | None = None  # while the count is reduced: when to try the full count again
         self._probe_from: int | None = None  # the count a running probe came from
+        self._logged = float("-inf")  # when the last INFO line went out
 
     def _safe_read(self) -> CpuTimes | None:
         try:
@@ -100,18 +103,23 @@ class CpuThreads:
             self.fixed = True
             return None
 
+    def pause(self) -> None:
+        """The engine has no work: the next ``update`` starts a new window instead of judging the idle time."""
+        self._last = None
+
     def update(self) -> int:
         """Look at the load if an interval has passed since the last look; set and return the thread count."""
-        if self.fixed or self._clock() - self._last.wall < self._interval:
+        if self.fixed:
+            return self.threads
+        if self._last is None or self._clock() - self._last.wall < self._interval:
+            if self._last is None:
+                self._last = self._safe_read()
             return self.threads
         now = self._safe_read()
         if now is None:
             return self.threads
         last, self._last = self._last, now
-        elapsed = now.wall - last.wall
-        if elapsed > STALE_INTERVALS * self._interval:  # idle in between: judge the next window only
-            return self.threads
-        others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / elapsed
+        others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / (now.wall - last.wall)
         threads = threads_for(self.cores, now.cpus - others, self.threads)
         ended, self._probe_from = self._probe_from, None
         if threads >= self.cores:
@@ -120,11 +128,20 @@ class CpuThreads:
             self._next_probe = now.wall + self._probe_every
         elif threads == self.threads and now.wall >= self._next_probe:
             threads, self._probe_from = self.cores, self.threads  # a probe: the next look decides at full count
+        if ended is not None and threads == self.threads:  # the probe's full count is kept: the load went away
+            self._log(f"stays at {threads}", others, now, quiet=False, always=True)
         if threads != self.threads:
-            quiet = self._probe_from is not None or threads == ended  # a probe, or back to where it came from
-            (logger.debug if quiet else logger.info)(
-                "CPU threads %d -> %d: other processes keep %.1f of %d CPUs busy%s (OMP_NUM_THREADS fixes it)",
-                self.threads, threads, others, now.cpus, "; trying the full count" if self._probe_from else "")
+            self._log(f"{self.threads} -> {threads}", others, now,
+                      quiet=self._probe_from is not None or threads == ended)
             self._set(threads)
             self.threads = threads
         return self.threads
+
+    def _log(self, what: str, others: float, now: CpuTimes, quiet: bool, always: bool = False) -> None:
+        """A probe and its return are DEBUG; a probe that keeps the full count is INFO; other changes are INFO at
+        most once a ``LOG_EVERY_S`` (DEBUG in between)."""
+        info = always or (not quiet and now.wall - self._logged >= LOG_EVERY_S)
+        self._logged = now.wall if info else self._logged
+        (logger.info if info else logger.debug)(
+            "CPU threads %s: other processes keep %.1f of %d CPUs busy%s (OMP_NUM_THREADS fixes it)", what, others,
+            now.cpus, "; trying the full count" if self._probe_from else "")

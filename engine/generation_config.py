@@ -9,7 +9,12 @@ instead of the neutral default (temperature 1, top_p 1, ...); its own values win
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 #: generation_config.json key -> SamplingParams field (vLLM's ``ModelConfig.get_diff_sampling_param``).
 KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -17,7 +22,8 @@ KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p
 
 
 def sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
-    """The ``SamplingParams`` fields the model's ``generation_config.json`` sets ({} without the file).
+    """The ``SamplingParams`` fields the model's ``generation_config.json`` sets ({} without the file). A value
+    ``SamplingParams`` refuses is left out with a warning: a client should never get a 400 for the model's file.
 
     Raises ValueError when the file is not a JSON object.
     """
@@ -27,7 +33,14 @@ def sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
     raw = json.loads(path.read_text())
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: not a JSON object")
-    return {ours: raw[theirs] for theirs, ours in KEYS.items() if raw.get(theirs) is not None}
+    found = {ours: raw[theirs] for theirs, ours in KEYS.items() if raw.get(theirs) is not None}
+    for key, value in list(found.items()):
+        try:
+            SamplingParams(**{key: value})
+        except (TypeError, ValueError) as e:
+            logger.warning("%s: %s=%r is left out of the default sampling parameters (%s)", path, key, value, e)
+            del found[key]
+    return found
 
 
 def with_defaults(given: dict, defaults: dict) -> dict:

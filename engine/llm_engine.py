@@ -78,6 +78,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or Path(config.model).name
         model_cfg = json.loads((Path(config.model) / "config.json").read_text())
         self.max_model_len = config.max_model_len or min(model_cfg.get("max_position_embeddings", 4096), 8192)
+        #: token ids a request may name: the tokenizer's, and no more than the model's logits have rows for
+        self.vocab_size = min(len(self.tokenizer), model_cfg.get("vocab_size") or len(self.tokenizer))
         budget = config.token_budget(self.max_model_len)  # raises before the model loads
         self.runner = ModelRunner(config, self.max_model_len)
         if self.runner.num_blocks * config.block_size < self.max_model_len:
@@ -120,7 +122,7 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
-        vocab = len(self.tokenizer)
+        vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):  # the sampler indexes the logits with them
@@ -161,7 +163,12 @@ class LLMEngine:
         return req
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._aborted) or self._pending is not None
+        """Whether ``step`` has work. False also tells the CPU thread governor that the engine goes idle (the wait
+        for the next request is not load to judge)."""
+        unfinished = bool(self.requests) or bool(self._aborted) or self._pending is not None
+        if not unfinished and self.cpu_threads is not None:
+            self.cpu_threads.pause()
+        return unfinished
 
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -122,6 +122,8 @@ def test_checkpoint_dir_is_keyed_by_source_method_and_group(tmp_path):
     assert key not in others and len(others) == 3
     org = installer.checkpoint_dir(tmp_path, a, "org/a", "awq", 4, 128)
     assert org.parent == key.parent and org.name.startswith("org--a-awq-w4g128-")
+    key.mkdir(parents=True)  # what an install of "org/a" made before its folders were named org--a
+    assert installer.checkpoint_dir(tmp_path, a, "org/a", "awq", 4, 128) == key
 
 
 def test_already_quantized_checkpoint_is_detected(tmp_path):

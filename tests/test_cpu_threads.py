@@ -1,6 +1,7 @@
 """The CPU path's thread count follows the other processes' load (engine/cpu_threads.py)."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -97,12 +98,36 @@ def test_a_probe_against_a_busy_core_goes_back_and_waits_again(monkeypatch):
     assert cpu.set_calls == [1, 2, 1, 2, 1]
 
 
-def test_an_idle_window_is_not_judged(monkeypatch):
+def test_idle_time_is_not_judged_however_long_a_step_takes(monkeypatch):
+    """After ``pause`` (the engine ran out of work) the next look only starts a window; slow steps (10 s each, a
+    big model beside a busy process) are judged like fast ones."""
     cpu = FakeCpu()
     gov = cpu.governor(monkeypatch)
+    gov.pause()
     cpu.advance(600.0, others=1.5, own=0.0)  # the engine idle for 10 minutes while others worked
     assert gov.update() == 2 and cpu.set_calls == []
     assert cpu.run(gov, 2, others=0.0) == [2, 2] and cpu.set_calls == []
+    cpu.advance(10.0, others=1.0, own=1.0)
+    assert gov.update() == 1
+    for _ in range(4):  # one probe after 30 s, judged 10 s later: back to 1
+        cpu.advance(10.0, others=1.0, own=1.0)
+        gov.update()
+    assert cpu.set_calls == [1, 2, 1]
+
+
+def test_logs_say_what_changed_once_a_minute_at_most(monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, logger="engine.cpu_threads")
+    cpu = FakeCpu()
+    gov = cpu.governor(monkeypatch)
+    cpu.run(gov, 1, others=1.0)
+    cpu.run(gov, 30, others=1.0)  # a probe at 31 s: DEBUG
+    cpu.run(gov, 1, others=0.0)  # the probe's full count is kept: INFO
+    for _ in range(10):  # a job that runs 1 s out of 2: the count follows, INFO at most once a minute
+        cpu.run(gov, 1, others=1.0)
+        cpu.run(gov, 1, others=0.0)
+    info = [r.getMessage().split(":")[0] for r in caplog.records if r.levelno == logging.INFO]
+    assert info == ["CPU threads 2 -> 1", "CPU threads stays at 2"], info
+    assert len(cpu.set_calls) == 1 + 1 + 2 * 10
 
 
 def test_omp_num_threads_or_unreadable_counters_fix_the_count(monkeypatch, caplog):
@@ -135,11 +160,13 @@ def test_read_cpu_times_sees_our_cpu_time_in_the_busy_time():
 
 def test_greedy_output_does_not_depend_on_the_thread_count(monkeypatch):
     """What lets the count change mid-request: 1 and 2 threads give the same tokens on the demo model. The engine
-    step calls ``update`` (held fixed here by OMP_NUM_THREADS so that the test sets the count itself)."""
+    step calls ``update`` and an engine out of work ``pause`` (held fixed here by OMP_NUM_THREADS so that the test
+    sets the count itself)."""
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     llm = LLM(demo_dir(), device="cpu")
-    updates = []
+    updates, pauses = [], []
     monkeypatch.setattr(llm.engine.cpu_threads, "update", lambda: updates.append(1) or 1)
+    monkeypatch.setattr(llm.engine.cpu_threads, "pause", lambda: pauses.append(len(updates)))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     before = torch.get_num_threads()
     try:
@@ -151,3 +178,4 @@ def test_greedy_output_does_not_depend_on_the_thread_count(monkeypatch):
         torch.set_num_threads(before)
     assert tokens[1] == tokens[2] and all(len(t) == 12 for t in tokens[1])
     assert len(updates) >= 12  # once per step
+    assert pauses and pauses[-1] == len(updates)  # idle once the last generate finished

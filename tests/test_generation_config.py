@@ -19,6 +19,8 @@ def test_sampling_defaults_reads_vllms_keys(tmp_path):
         "repetition_penalty": 1.1, "min_p": 0.05, "eos_token_id": [1, 2], "num_beams": 4}))
     assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64,
                                            "repetition_penalty": 1.1, "min_p": 0.05}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0, "top_k": "x"}))
+    assert sampling_defaults(tmp_path) == {"temperature": 0.7}  # the values SamplingParams refuses are left out
     (tmp_path / "generation_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a JSON object"):
         sampling_defaults(tmp_path)

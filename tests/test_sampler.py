@@ -187,10 +187,12 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
 def test_logit_bias_is_added_first_and_clamped_to_100():
     """OpenAI's logit_bias: added to the raw logits before the penalties (vLLM V1's order), clamped to [-100, 100];
     a greedy row with a bias leaves the plain arg-max path."""
-    seq = seq_with(PROMPT, [], logit_bias={"7": -100, 2: 3.0, 4: 500.0}, repetition_penalty=2.0, temperature=0)
-    assert seq.params.logit_bias == {7: -100.0, 2: 3.0, 4: 100.0}
-    # repetition 2 on the prompt's 0 and 1 after the bias: 2/2 and -1*2; 2: 0.5 + 3; 4: -2 + 100; 7: 4 - 100
-    assert process_logits(LOGITS, seq, {EOS}).tolist() == [1.0, -2.0, 3.5, 3.0, 98.0, 0.0, 1.5, -96.0]
+    seq = seq_with(PROMPT, [], logit_bias={"7": -100, 2: 3.0, 4: 500.0, 0: -5.0}, repetition_penalty=2.0,
+                   temperature=0)
+    assert seq.params.logit_bias == {7: -100.0, 2: 3.0, 4: 100.0, 0: -5.0}
+    # the bias before repetition 2 on the prompt's 0 and 1: (2 - 5) * 2 (not 2/2 - 5) and -1*2; 2: 0.5 + 3;
+    # 4: -2 + 100; 7: 4 - 100
+    assert process_logits(LOGITS, seq, {EOS}).tolist() == [-6.0, -2.0, 3.5, 3.0, 98.0, 0.0, 1.5, -96.0]
     assert sample(LOGITS[None].clone(), [seq], {EOS}) == [4]
     ban = seq_with(PROMPT, [], logit_bias={EOS: -100.0}, temperature=0)
     assert sample(LOGITS[None].clone(), [ban], {EOS}) == [3]

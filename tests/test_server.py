@@ -214,6 +214,8 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1114112": -100}}, "logit_bias"),  # outside the vocab
     ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias.abc.[key]"),
     ("/v1/completions", {"prompt": [104, -1], "echo": True}, "prompt"),  # checked before echo decodes it
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+     "chat_template_kwargs"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/detokenize", {"tokens": [104, -1]}, "tokens"),
@@ -266,6 +268,8 @@ def test_bos_for_completions_and_tokenize_not_for_chat(server):
     assert httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["count"] == CHAT_PROMPT_LEN
     with_bos = {"messages": MESSAGES, "add_special_tokens": True}  # vLLM: for messages only when asked
     assert httpx.post(f"{url}/tokenize", json=with_bos).json()["count"] == CHAT_PROMPT_LEN + 1
+    unset = {"messages": MESSAGES, "add_special_tokens": None}
+    assert httpx.post(f"{url}/tokenize", json=unset).json()["count"] == CHAT_PROMPT_LEN
 
 
 def test_tokenize_renders_messages_as_the_chat_endpoint_does(server):

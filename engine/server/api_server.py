@@ -97,10 +97,9 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
     if req.messages is not None:
-        given = "add_special_tokens" in req.model_fields_set  # vLLM: false for messages unless asked
-        tokens = render_chat(llm.tokenizer, req, add_special_tokens=given and req.add_special_tokens)
+        tokens = render_chat(llm.tokenizer, req, add_special_tokens=bool(req.add_special_tokens))
     elif req.prompt is not None:
-        tokens = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        tokens = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
         raise APIError(400, "prompt: either prompt or messages is required", param="prompt")
     return TokenizeResponse(count=len(tokens), max_model_len=llm.max_model_len, tokens=list(tokens))
@@ -169,7 +168,7 @@ POLLED_PATHS = ("/metrics", "/v1/kv", "/health")
 
 class QuietPolls(logging.Filter):
     """Drops uvicorn access-log records of GETs of :data:`POLLED_PATHS` that succeeded or got 503 (the model is
-    loading: the engine logs its own state changes); other failures stay (uvicorn's record args: client, method,
+    loading, or the engine died: the engine logs both itself); other failures stay (uvicorn's record args: client, method,
     path with query, HTTP version, status)."""
 
     def filter(self, record: logging.LogRecord) -> bool:

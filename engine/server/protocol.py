@@ -275,12 +275,12 @@ class ModelList(BaseModel):
 class TokenizeRequest(RequestModel):
     """Either ``prompt`` (tokenized with special tokens unless ``add_special_tokens`` is false) or ``messages``
     (through the chat template, as the chat endpoint renders them: without extra special tokens unless
-    ``add_special_tokens`` is given true, vLLM's default for chat)."""
+    ``add_special_tokens`` is true)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (vLLM's defaults)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

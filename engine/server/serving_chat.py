@@ -29,6 +29,9 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
         raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
                        "`add_generation_prompt` to true", param="continue_final_message")
     kwargs = req.chat_template_kwargs or {}
+    if "chat_template" in kwargs:  # vLLM too needs a server flag for this: a template is code the server runs
+        raise APIError(400, "chat_template_kwargs: a request cannot replace the chat template",
+                       param="chat_template_kwargs")
     try:
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages or []]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
