@@ -60,7 +60,8 @@ def process_logits(logits: torch.Tensor, seq: Sequence, eos_token_ids: set[int])
 
 def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
     """Rows [S, V] (float32, row i for ``seqs[i]``; not changed in place) in vLLM's order: logit_bias, min_tokens
-    mask and penalties on every row; temperature and the filters on the rows that are not greedy. Returns a new tensor."""
+    mask and penalties on every row; temperature and the filters on the rows that are not greedy. Returns a new
+    tensor."""
     logits = logits.clone()
     rows, cols, bias = [], [], []
     for i, seq in enumerate(seqs):  # logit_bias first (vLLM V1 applies it with min_tokens, before the penalties)

@@ -168,8 +168,8 @@ POLLED_PATHS = ("/metrics", "/v1/kv", "/health")
 
 class QuietPolls(logging.Filter):
     """Drops uvicorn access-log records of GETs of :data:`POLLED_PATHS` that succeeded or got 503 (the model is
-    loading, or the engine died: the engine logs both itself); other failures stay (uvicorn's record args: client, method,
-    path with query, HTTP version, status)."""
+    loading, or the engine died: the engine logs both itself); other failures stay (uvicorn's record args: client,
+    method, path with query, HTTP version, status)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
