@@ -246,13 +246,14 @@ def test_null_means_the_default(server):
 
 
 def test_unsupported_features_pass_when_they_ask_for_nothing(server):
-    """tools with tool_choice "none", a text response_format and an empty logit_bias change nothing: accepted."""
+    """tools with tool_choice "none", a text response_format and an empty logit_bias are accepted; the tools still
+    reach the chat template, as in vLLM."""
     url, _, _ = server
     accepted = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
                 "response_format": {"type": "text"}, "logit_bias": {}}
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, **accepted})
     assert r.status_code == 200, r.text
-
+    assert r.json()["usage"]["prompt_tokens"] == CHAT_PROMPT_LEN + len("<tool f>")  # the template saw the tools
 
 def test_bos_for_completions_and_tokenize_not_for_chat(server):
     """vLLM: string prompts of ``/v1/completions`` get the tokenizer's special tokens unless

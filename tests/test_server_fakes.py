@@ -53,6 +53,7 @@ class FakeTokenizer:
                 raise ValueError(f"unknown role {m['role']!r}")  # like a template's raise_exception
             text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
         text = kwargs.get("prefix", "") + text  # a chat_template_kwargs variable, as enable_thinking is for Qwen3
+        text = "".join(f"<tool {t['function']['name']}>" for t in kwargs.get("tools") or []) + text
         if continue_final_message:  # transformers cuts the rendered text right after the last message's content
             text = text[:-len("<|im_end|>\n")]
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")

@@ -28,7 +28,9 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
     if req.add_generation_prompt and req.continue_final_message:  # vLLM's rule: one or the other
         raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
                        "`add_generation_prompt` to true", param="continue_final_message")
-    kwargs = req.chat_template_kwargs or {}
+    kwargs = dict(req.chat_template_kwargs or {})
+    if getattr(req, "tools", None):  # accepted only with tool_choice "none": the model still sees them, as in vLLM
+        kwargs["tools"] = req.tools
     if "chat_template" in kwargs:  # vLLM too needs a server flag for this: a template is code the server runs
         raise APIError(400, "chat_template_kwargs: a request cannot replace the chat template",
                        param="chat_template_kwargs")
