@@ -154,8 +154,8 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM: leave the last (assistant) message open, the model continues it
     chat_template_kwargs: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # refused unless tool_choice is "none" (no tool-call parsing); then
-    #                                            only the chat template sees them, as in vLLM
+    #: refused unless tool_choice is "none" (there is no tool-call parsing); then the chat template sees them (vLLM)
+    tools: list[dict[str, Any]] | None = None
 
     @field_validator("tools")
     @classmethod
