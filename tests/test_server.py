@@ -241,6 +241,9 @@ def test_null_means_the_default(server):
     assert done["choices"][0]["text"] == fake_completion(3, SamplingParams(max_tokens=4))[0]
     empty = httpx.post(f"{url}/v1/completions", json={"prompt": "hey", "max_tokens": 1, "stream_options": {}})
     assert empty.status_code == 200, empty.text  # vLLM refuses only non-empty stream_options without stream
+    events = sse_events(url, "/v1/completions", {"prompt": "hey", "max_tokens": 2, "stream": True,
+                                                 "stream_options": {"include_usage": None}})
+    assert events[-1] == "[DONE]" and all(json.loads(e).get("usage") is None for e in events[:-1])  # no usage
     tok = httpx.post(f"{url}/tokenize", json={"prompt": "hey", "add_special_tokens": None}).json()
     assert tok["tokens"] == [104, 101, 121]
 

@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response models (pydantic v2), with vLLM's extra sampling fields.
 
 Range checks live in ``SamplingParams.validate`` (one source of truth); the models here only check types.
-Unknown request fields are ignored, as OpenAI's and vLLM's servers do. A ``null`` in a top-level field whose type
-excludes it means the field's default (OpenAI's spec makes ``n``, ``stream``, ``logprobs``, ``echo``... nullable;
+Unknown request fields are ignored, as OpenAI's and vLLM's servers do. A ``null`` in a field whose type excludes
+it (at the top level, or in ``stream_options``) means the field's default (OpenAI's spec makes ``n``, ``stream``, ``logprobs``, ``echo``... nullable;
 clients that send every field send them as ``null``); fields that take None keep it (``max_tokens: null`` on
 completions: up to the context, as in vLLM).
 """
@@ -54,7 +54,7 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
