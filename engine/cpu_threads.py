@@ -111,9 +111,10 @@ class CpuThreads:
         """Look at the load if an interval has passed since the last look; set and return the thread count."""
         if self.fixed:
             return self.threads
-        if self._last is None or self._clock() - self._last.wall < self._interval:
-            if self._last is None:
-                self._last = self._safe_read()
+        if self._last is None:  # paused: this look starts a window
+            self._last = self._safe_read()
+            return self.threads
+        if self._clock() - self._last.wall < self._interval:
             return self.threads
         now = self._safe_read()
         if now is None:

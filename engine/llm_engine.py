@@ -122,13 +122,11 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
-        vocab = self.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):  # the sampler indexes the logits with them
-            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.logit_bias or {}):
-            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        # the embedding and the sampler (stop ids, biases) index with them
+        for name, tokens in (("prompt", ids), ("stop_token_ids", params.stop_token_ids),
+                             ("logit_bias", params.logit_bias or {})):
+            if any(not 0 <= t < self.vocab_size for t in tokens):
+                raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max(max_tokens, 1) > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(ids), max_tokens)

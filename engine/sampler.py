@@ -58,29 +58,26 @@ def process_logits(logits: torch.Tensor, seq: Sequence, eos_token_ids: set[int])
     return process_batch(logits[None], [seq], eos_token_ids)[0]
 
 
+def _put(logits: torch.Tensor, rows: list[dict[int, float]], accumulate: bool) -> None:
+    """``logits[i, t] = v`` (``+= v`` with ``accumulate``) for each ``{t: v}`` of row i, in one ``index_put_`` with
+    a tensor of values (a Python scalar value would be copied over with a host sync)."""
+    where = [(i, t, v) for i, given in enumerate(rows) for t, v in given.items()]
+    if not where:
+        return
+    i, t, v = zip(*where)
+    index = (to_device(list(i), torch.int64, logits.device), to_device(list(t), torch.int64, logits.device))
+    logits.index_put_(index, to_device(list(v), logits.dtype, logits.device), accumulate=accumulate)
+
+
 def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
     """Rows [S, V] (float32, row i for ``seqs[i]``; not changed in place) in vLLM's order: logit_bias, min_tokens
     mask and penalties on every row; temperature and the filters on the rows that are not greedy. Returns a new
     tensor."""
     logits = logits.clone()
-    rows, cols, bias = [], [], []
-    for i, seq in enumerate(seqs):  # logit_bias first (vLLM V1 applies it with min_tokens, before the penalties)
-        given = seq.params.logit_bias or {}
-        rows += [i] * len(given)
-        cols += given.keys()
-        bias += given.values()
-    if rows:
-        where = (to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device))
-        logits.index_put_(where, to_device(bias, logits.dtype, logits.device), accumulate=True)
-    rows, cols = [], []
-    for i, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens:
-            ids = _stop_ids(seq, eos_token_ids)
-            rows += [i] * len(ids)
-            cols += ids
-    if rows:  # index_put_ with a tensor of values: a Python scalar value would be copied over with a sync
-        where = (to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device))
-        logits.index_put_(where, logits.new_full((len(rows),), float("-inf")))
+    # logit_bias first (vLLM V1 applies it with min_tokens, before the penalties)
+    _put(logits, [seq.params.logit_bias or {} for seq in seqs], accumulate=True)
+    _put(logits, [dict.fromkeys(_stop_ids(seq, eos_token_ids), float("-inf"))
+                  if seq.num_output_tokens < seq.params.min_tokens else {} for seq in seqs], accumulate=False)
     for i, seq in enumerate(seqs):  # penalties are rare: one row at a time
         if _penalised(seq):
             logits[i] = apply_penalties(logits[i], seq)

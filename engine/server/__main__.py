@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import typing
 
 from engine.async_engine import DEFAULT_MAX_WAITING
@@ -43,7 +42,6 @@ def main(argv: list[str] | None = None) -> None:
     args = vars(parser.parse_args(argv))
     host, port, api_key, log_level, max_waiting = (args.pop(k) for k in ("host", "port", "api_key", "log_level",
                                                                           "max_waiting"))
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level,
                max_waiting=max_waiting)
 
