@@ -52,14 +52,16 @@ def _weight_bytes(llm: LLM) -> int:
     return total + head.numel() * head.element_size()
 
 
-def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int, warm_steps: int = 4) -> float:
+def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int, warm_steps: int = 4, **params) -> float:
     """Output tokens per second of ``batch`` sequences decoding together, summed: ``steps`` engine steps timed
-    after ``warm_steps`` (the prefills, then every sequence decoding); the requests are aborted afterwards."""
+    after ``warm_steps`` (the prefills, then every sequence decoding); the requests are aborted afterwards.
+    ``params``: more SamplingParams fields (greedy by default)."""
     engine = llm.engine
     ids = [f"bench{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, list(range(3 + i, 3 + i + prompt_len)),
-                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+                           SamplingParams(**{"temperature": 0, "max_tokens": steps + 8, "ignore_eos": True,
+                                             **params}))
     for _ in range(warm_steps):
         engine.step()
     torch.cuda.synchronize()
@@ -74,9 +76,14 @@ def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int, warm_
     return batch * steps / elapsed
 
 
-def _decode_tok_s(llm: LLM, prompt_len: int, steps: int) -> float:
+def _decode_tok_s(llm: LLM, prompt_len: int, steps: int, **params) -> float:
     """Tokens per second of one sequence decoding (timed after its prefill and one decode step)."""
-    return _batch_decode_tok_s(llm, 1, prompt_len, steps, warm_steps=2)
+    return _batch_decode_tok_s(llm, 1, prompt_len, steps, warm_steps=2, **params)
+
+
+#: the penalties of the penalised rows: Qwen2.5-Instruct's generation_config.json sets repetition_penalty 1.05,
+#: so every request to it is penalised; OpenAI SDK users often set frequency_penalty
+PENALTIES = dict(repetition_penalty=1.05, frequency_penalty=0.3)
 
 
 def _profile_steps(engine, steps: int) -> tuple[float, list[tuple[str, float, int]]]:
@@ -173,8 +180,10 @@ def decode_rows(ctx: dict, make_row) -> list:
         llm = _decode_engine(model_dir, eager)
         tok_s[eager] = _decode_tok_s(llm, 32, 256)
         if not eager:
+            tok_s["penalised"] = _decode_tok_s(llm, 32, 256, **PENALTIES)
             llm.engine.async_scheduling = False
             tok_s["sync"] = _decode_tok_s(llm, 32, 256)
+            tok_s["penalised_sync"] = _decode_tok_s(llm, 32, 256, **PENALTIES)
         if eager:
             ctx["log"]["decode_profile"] = _step_profile(llm)
         bytes_per_step = _bytes_per_step(llm)
@@ -202,6 +211,10 @@ def decode_rows(ctx: dict, make_row) -> list:
         make_row("7B AWQ decode bs1, async scheduling vs not", "same, graphs on", 1e6 / tok_s[False],
                  "each step read back before the next", 1e6 / tok_s["sync"], 1.0,
                  f"{tok_s['sync']:.0f} tok/s without"),
+        make_row("7B AWQ decode bs1, penalised vs not", "same, graphs on, repetition 1.05 + frequency 0.3",
+                 1e6 / tok_s["penalised"], "the same step unpenalised", 1e6 / tok_s[False], None,
+                 f"{tok_s['penalised']:.0f} tok/s penalised; {tok_s['penalised_sync']:.0f} with each step read "
+                 f"back (the engine before penalties counted pending tokens on the device)"),
     ]
     if with_pdl:  # Hopper: each kernel may start as the previous one ends
         rows.append(make_row("7B AWQ decode bs1, PDL vs not", "same, graphs on", 1e6 / tok_s[False],
@@ -322,6 +335,10 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
     preempted = llm.engine.scheduler.num_preemptions
     llm.engine.async_scheduling = True
     sampled = tok_s(temperature=0.8, top_p=0.95)
+    penalised = tok_s(temperature=0, **PENALTIES)
+    llm.engine.async_scheduling = False
+    penalised_sync = tok_s(temperature=0, **PENALTIES)
+    llm.engine.async_scheduling = True
     ctx["log"]["throughput_step_profile"] = _batch_step_profile(llm, prompts)
     ctx["log"]["throughput_host_profile"] = _host_profile(llm, prompts)
     del llm
@@ -352,7 +369,10 @@ def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 
             make_row(f"{requests} requests, int8 KV cache, output tok/s", shape, 1e6 / int8, baseline, 1e6 / hf, 15.0,
                      f"{int8:.0f} vs {hf:.0f} tok/s; {int8_blocks} KV blocks"),
             make_row(f"{requests} requests, async scheduling vs not", shape + ", greedy", 1e6 / ours,
-                     "each step read back before the next", 1e6 / sync, 1.0, f"{sync:.0f} tok/s without")]
+                     "each step read back before the next", 1e6 / sync, 1.0, f"{sync:.0f} tok/s without"),
+            make_row(f"{requests} requests penalised vs not", shape + ", greedy, repetition 1.05 + frequency 0.3",
+                     1e6 / penalised, "the same requests unpenalised", 1e6 / ours, None,
+                     f"{penalised:.0f} tok/s penalised; {penalised_sync:.0f} with each step read back")]
 
 
 def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
@@ -401,11 +421,11 @@ def _smollm2_outputs(model_dir: str, prompts: list, params: SamplingParams, **kw
     return outs
 
 
-def _small_model_tokens(model_dir: str, **kw) -> list[list[int]]:
+def _small_model_tokens(model_dir: str, params: dict | None = None, **kw) -> list[list[int]]:
     llm = LLM(model_dir, device="cuda", **BUILT_IN, gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16,
               **kw)
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 16, 17, 40, 100)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **(params or {})))
     del llm
     _free()
     return [o.outputs[0].token_ids for o in outs]
@@ -413,13 +433,16 @@ def _small_model_tokens(model_dir: str, **kw) -> list[list[int]]:
 
 def _launches_without_sync(model_dir: str, steps: int = 4) -> int:
     """How many of ``steps`` decode-step launches (CUDA graph) ran under ``torch.cuda.set_sync_debug_mode("error")``
-    without a host sync, for a batch mixing greedy, top-k/top-p/min-p, seeded and min_tokens rows: a sync there
-    would make async scheduling wait for the step before."""
+    without a host sync, for a batch mixing greedy, top-k/top-p/min-p, seeded and min_tokens rows, penalties
+    (counting a pending token) and logit_bias: a sync there would make async scheduling wait for the step
+    before."""
     llm = LLM(model_dir, device="cuda", **BUILT_IN, gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16)
     engine = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=3, min_tokens=12, stop_token_ids=[5], max_tokens=16)]
+              SamplingParams(temperature=1.0, seed=3, min_tokens=12, stop_token_ids=[5], max_tokens=16),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=0.2, **PENALTIES),
+              SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, logit_bias={7: 2.0, 11: -5.0})]
     for i, p in enumerate(params):
         engine.add_request(f"sync{i}", list(range(3, 23 + i)), p)
     engine.step()  # the prefill (eager)
@@ -462,6 +485,9 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
     fp8 = _small_model_tokens(small, kv_cache_dtype="fp8")
     int8 = _small_model_tokens(small, kv_cache_dtype="int8")
     unsynced = _launches_without_sync(small)
+    penalties = dict(presence_penalty=0.2, **PENALTIES)
+    penalised = _small_model_tokens(small, penalties)
+    penalised_sync = _small_model_tokens(small, penalties, async_scheduling=False)
     os.environ["APPLIANCE_KERNELS"] = "torch"
     try:
         ref = _small_model_tokens(small, enforce_eager=True)
@@ -476,8 +502,12 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                      "sequences identical", sum(a == b for a, b in zip(graphs, unoverlapped)), 1.0, ""),
             make_row("engine greedy: Triton = torch reference (counts, not µs)", "same", n, "sequences identical",
                      sum(a == b for a, b in zip(eager, ref)), 1.0, "bf16 both; a near-tie may differ"),
-            make_row("decode launches without a host sync (counts, not µs)", "same, graphs, 3 mixed rows", 4,
-                     "launches", unsynced, 1.0, "greedy, top-k/p + min-p, seeded + min_tokens rows"),
+            make_row("decode launches without a host sync (counts, not µs)", "same, graphs, 5 mixed rows", 4,
+                     "launches", unsynced, 1.0,
+                     "greedy, top-k/p + min-p, seeded + min_tokens, penalised, logit_bias rows"),
+            make_row("engine penalised greedy: async scheduling = not (counts, not µs)", "same, graphs on", n,
+                     "sequences identical", sum(a == b for a, b in zip(penalised, penalised_sync)), 1.0,
+                     "repetition 1.05, frequency 0.3, presence 0.2: a pending token counted on the device"),
             make_row("engine greedy, fp8 KV: Triton = torch reference (counts, not µs)", "same", n,
                      "sequences identical", sum(a == b for a, b in zip(fp8, ref_fp8)), 1.0,
                      f"{sum(a == b for a, b in zip(fp8, graphs))} of {n} equal to the bf16 cache's"),

@@ -180,7 +180,7 @@ class LLMEngine:
         back, detokenizing, stop rules, outputs, scheduling, preparing inputs) overlaps the device's. A sequence
         of the unread batch counts its token as pending (see Sequence) and the next batch reads it on the
         device. A sequence found finished on read-back may be in the next batch already: that token is dropped.
-        A step whose sampling needs the host (logprobs, penalties) is read back at once.
+        A step whose sampling needs the host (logprobs) is read back at once.
         """
         outputs, self._aborted = self._aborted, []
         if self.cpu_threads is not None:

@@ -20,7 +20,7 @@ from engine.attention import AttentionMetadata
 from engine.config import MIN_CAPABILITY, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
-from engine.sampler import needs_host_tokens, sample, sample_tokens, to_device
+from engine.sampler import needs_host_tokens, penalised_pending, sample, sample_tokens, to_device
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -78,8 +78,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 @dataclass
 class LaunchedStep:
     """A step queued on the device. ``tokens()`` returns its sampled ids (one per sampling row, in batch order),
-    waiting for the device-to-host copy. ``deferrable``: nothing in the step needed the host (no logprobs, no
-    penalties), so the engine may schedule the next step before reading this one back."""
+    waiting for the device-to-host copy. ``deferrable``: nothing in the step needed the host (no logprobs), so the engine may schedule the next step before reading this one back."""
 
     host: torch.Tensor | list[int]
     event: torch.cuda.Event | None = None
@@ -218,6 +217,15 @@ class ModelRunner:
         just before; KeyError if it was not)."""
         return self._rows[seq.seq_id] if seq.num_pending_tokens else -1
 
+    def _pending_tokens(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """int64 [S] on the device: each sequence's pending token (``last_tokens``) where its penalties must count
+        it, else -1; None when none must (the sampler's ``pending``)."""
+        rows = [self._prev_row(s) if penalised_pending(s) else -1 for s in seqs]
+        if all(r < 0 for r in rows):
+            return None
+        rows = to_device(rows, torch.int64, self.device)
+        return torch.where(rows >= 0, self.last_tokens[rows.clamp_min(0)], -1)
+
     def _input_ids(self, ids: list[int], pending: list[tuple[int, int]]) -> torch.Tensor:
         """ids as a device tensor, entry i of each (i, row) in ``pending`` replaced by ``last_tokens[row]``."""
         out = to_device(ids, torch.int64, self.device)
@@ -282,6 +290,7 @@ class ModelRunner:
                 ids, positions, meta, last = self.prepare_decode(seqs)
             hidden = self.model(ids, to_device(list(positions), torch.int64, self.device), meta)
         sampling = [i for i, samples in enumerate(batch.samples) if samples]
+        pending = self._pending_tokens([seqs[i] for i in sampling])
         self._rows = {}
         if not sampling:
             return LaunchedStep([])
@@ -292,8 +301,9 @@ class ModelRunner:
         logits = self.model.compute_logits(picked)
         sampling_seqs = [seqs[i] for i in sampling]
         if any(needs_host_tokens(s) for s in sampling_seqs):
-            return LaunchedStep(sample(logits, sampling_seqs, eos_token_ids, self.generator), deferrable=False)
-        tokens = sample_tokens(logits, sampling_seqs, eos_token_ids, self.generator)
+            return LaunchedStep(sample(logits, sampling_seqs, eos_token_ids, self.generator, pending),
+                                deferrable=False)
+        tokens = sample_tokens(logits, sampling_seqs, eos_token_ids, self.generator, pending)
         self.last_tokens[:len(tokens)] = tokens.clamp(min=0)  # an INVALID row's request fails on read-back
         self._rows = {s.seq_id: i for i, s in enumerate(sampling_seqs)}
         if self.device.type != "cuda":

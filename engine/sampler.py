@@ -10,18 +10,22 @@ does not depend on its batch; the others share the engine's generator.
 """
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from engine.sequence import Sequence
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on ``device`` without a host sync (a non-blocking copy from pinned memory on CUDA; torch's
-    ``torch.tensor(values, device=cuda)`` waits for the stream), so that preparing a step never waits for the
-    step before (async scheduling)."""
+def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or numpy array) on ``device`` without a host sync (a non-blocking copy from pinned memory on
+    CUDA; torch's ``torch.tensor(values, device=cuda)`` waits for the stream), so that preparing a step never
+    waits for the step before (async scheduling)."""
+    host = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
@@ -30,21 +34,47 @@ def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
     return list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else sorted(eos_token_ids))
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """vLLM's (and OpenAI's) penalties on one row [V]: the repetition penalty divides positive and multiplies
-    negative logits of every token seen in the prompt or the output; then the frequency penalty times each token's
-    count in the output, and the presence penalty for each token present in the output, are subtracted."""
-    p = seq.params
-    if not _penalised(seq):
-        return logits
-    out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-    counts = torch.bincount(out_ids, minlength=logits.shape[-1]).to(logits.dtype)
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen[torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device)] = True
-        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-        logits = torch.where(seen, penalised, logits)
-    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+def _flat(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row of each id, the ids) of the lists concatenated, int64 both: list i's ids in row i."""
+    lengths = [len(ids) for ids in lists]
+    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(lengths))
+    return np.repeat(np.arange(len(lists), dtype=np.int64), lengths), ids
+
+
+def _count(shape: tuple[int, int], rows: np.ndarray, ids: np.ndarray, device: torch.device,
+           pending: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [R, V]: how many times each token id occurs in each row (``rows[j]``, ``ids[j]``; ``pending``: int64
+    [R] on the device, one more id per row, -1 for none), by one scatter-add (no host sync)."""
+    rows_d, ids_d = to_device(rows, torch.int64, device), to_device(ids, torch.int64, device)
+    ones = torch.ones_like(ids_d, dtype=torch.float32)
+    if pending is not None:  # a row without one adds 0 at id 0 (a mask would need a sync)
+        rows_d = torch.cat([rows_d, torch.arange(len(pending), device=device)])
+        ids_d = torch.cat([ids_d, pending.clamp_min(0)])
+        ones = torch.cat([ones, (pending >= 0).to(torch.float32)])
+    counts = torch.zeros(shape, dtype=torch.float32, device=device)
+    counts.view(-1).scatter_add_(0, rows_d * shape[1] + ids_d, ones)  # exact: sums of ones, in any order
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
+    """vLLM's (and OpenAI's) penalties on rows [R, V] float32 (row i for ``seqs[i]``), batched (vLLM's
+    ``apply_penalties``): the repetition penalty divides positive and multiplies non-positive logits of every
+    token seen in the prompt or the output; then the frequency penalty times each token's count in the output,
+    and the presence penalty for each token present in the output, are subtracted. Returns a new tensor.
+
+    ``pending``: int64 [R] on logits' device, row i's pending output token (sampled on the device by the step
+    launched before and not read back: async scheduling), or -1; None when no row has one. Token ids come from
+    the host (``token_ids``, copied without a sync) and the pending ones from the device, so a penalised step
+    never waits for the step before it."""
+    shape, dev, p = tuple(logits.shape), logits.device, [s.params for s in seqs]
+    counts = _count(shape, *_flat([s.output_token_ids for s in seqs]), dev, pending)
+    if any(q.repetition_penalty != 1.0 for q in p):
+        seen = (counts > 0) | (_count(shape, *_flat([s.prompt_token_ids for s in seqs]), dev) > 0)
+        rep = to_device([q.repetition_penalty for q in p], torch.float32, dev)[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    frequency = to_device([q.frequency_penalty for q in p], torch.float32, dev)[:, None]
+    presence = to_device([q.presence_penalty for q in p], torch.float32, dev)[:, None]
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
 def _penalised(seq: Sequence) -> bool:
@@ -69,27 +99,33 @@ def _put(logits: torch.Tensor, rows: list[dict[int, float]], accumulate: bool) -
     logits.index_put_(index, to_device(list(v), logits.dtype, logits.device), accumulate=accumulate)
 
 
-def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
+def _rows(logits: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
+    """``logits`` with rows ``rows`` (a host list of row numbers) replaced by ``fn`` of them, gathered and put back
+    without a sync (all rows: no gather)."""
+    if len(rows) == len(logits):
+        return fn(logits)
+    idx = to_device(rows, torch.int64, logits.device)
+    logits[idx] = fn(logits[idx])
+    return logits
+
+
+def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
+                  pending: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [S, V] (float32, row i for ``seqs[i]``; not changed in place) in vLLM's order: logit_bias, min_tokens
-    mask and penalties on every row; temperature and the filters on the rows that are not greedy. Returns a new
-    tensor."""
+    mask and penalties on every row; temperature and the filters on the rows that are not greedy. ``pending``: as
+    :func:`apply_penalties`, for all S rows. Returns a new tensor."""
     logits = logits.clone()
     # logit_bias first (vLLM V1 applies it with min_tokens, before the penalties)
     _put(logits, [seq.params.logit_bias or {} for seq in seqs], accumulate=True)
     _put(logits, [dict.fromkeys(_stop_ids(seq, eos_token_ids), float("-inf"))
                   if seq.num_output_tokens < seq.params.min_tokens else {} for seq in seqs], accumulate=False)
-    for i, seq in enumerate(seqs):  # penalties are rare: one row at a time
-        if _penalised(seq):
-            logits[i] = apply_penalties(logits[i], seq)
+    penalised = [i for i, seq in enumerate(seqs) if _penalised(seq)]
+    if penalised:
+        mine = None if pending is None else pending[to_device(penalised, torch.int64, pending.device)]
+        logits = _rows(logits, penalised, lambda part: apply_penalties(part, [seqs[i] for i in penalised], mine))
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if sampled:
-        idx = None if len(sampled) == len(seqs) else to_device(sampled, torch.int64, logits.device)
-        part = logits if idx is None else logits[idx]
-        part = filter_batch(part, [seqs[i].params for i in sampled])
-        if idx is None:
-            logits = part
-        else:
-            logits[idx] = part
+        logits = _rows(logits, sampled, lambda part: filter_batch(part, [seqs[i].params for i in sampled]))
     return logits
 
 
@@ -127,14 +163,17 @@ INVALID = -1
 
 
 def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+                  generator: torch.Generator | None = None, pending: torch.Tensor | None = None) -> torch.Tensor:
     """One next token per sequence, int64 [S] on logits' device, without a host sync (``INVALID`` for a sequence
     with no valid distribution). logits: float32 [S, V], row i belonging to ``seqs[i]``. ``generator``: on
     logits' device, for the rows without a seed (None: torch's default); a seeded sequence's ``generator`` is on
-    logits' device too. Reads each sequence's token ids only for its penalties (see :func:`needs_host_tokens`)."""
+    logits' device too. ``pending``: int64 [S] on logits' device, each row's pending token or -1 (what the
+    penalties count beside the token ids read back; None: no row has one)."""
     if all(_plain_greedy(s) for s in seqs):
         return torch.argmax(logits, dim=-1)
-    processed = process_batch(logits.float(), seqs, eos_token_ids)
+    processed = process_batch(logits.float(), seqs, eos_token_ids, pending)
+    if all(s.params.greedy for s in seqs):  # penalised, biased or masked greedy rows: no race to draw
+        return torch.where(torch.isfinite(processed.amax(-1)), processed.argmax(-1), INVALID)  # amax keeps NaN
     probs = processed.softmax(-1)
     valid = torch.isfinite(probs).all(-1)
     q = torch.empty_like(probs).exponential_(generator=generator)
@@ -147,11 +186,11 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
-           generator: torch.Generator | None = None) -> list[int]:
+           generator: torch.Generator | None = None, pending: torch.Tensor | None = None) -> list[int]:
     """:func:`sample_tokens` read back to the host (one device-to-host copy), and each sequence's logprobs entry
     appended when it asked for logprobs (natural-log probabilities of the raw model distribution: the sampled
     token and the ``logprobs`` most likely ones)."""
-    tokens = sample_tokens(logits, seqs, eos_token_ids, generator)
+    tokens = sample_tokens(logits, seqs, eos_token_ids, generator, pending)
     wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
     if not wanted:
         return tokens.tolist()
@@ -171,9 +210,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
 
 
 def needs_host_tokens(seq: Sequence) -> bool:
-    """Whether sampling for ``seq`` needs the host: its logprobs are read back in the step, and its penalties
-    read its output token ids (so none may be pending). Such a step is not overlapped (async scheduling)."""
-    return seq.logprobs is not None or _penalised(seq)
+    """Whether sampling for ``seq`` needs the host: its logprobs are read back in the step. Such a step is not
+    overlapped (async scheduling). (Penalties do not: :func:`apply_penalties` counts a pending token on the
+    device.)"""
+    return seq.logprobs is not None
+
+
+def penalised_pending(seq: Sequence) -> bool:
+    """Whether ``seq``'s penalties must count a pending token (its id is still on the device)."""
+    return seq.num_pending_tokens > 0 and _penalised(seq)
 
 
 def _plain_greedy(seq: Sequence) -> bool:

@@ -16,14 +16,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def mixed_params() -> list[SamplingParams]:
-    """One per prompt of ``prompts``: length, EOS, stop strings, stop token ids, min_tokens, seeded n=2."""
+    """One per prompt of ``prompts``: length, EOS, stop strings, stop token ids, min_tokens, seeded n=2, penalties
+    (whose counts must include the pending token)."""
     return [GREEDY,
             SamplingParams(temperature=0, max_tokens=3),
             SamplingParams(temperature=0, max_tokens=20, stop=[","]),
             SamplingParams(temperature=0, max_tokens=12, stop=["\n"], include_stop_str_in_output=True),
             SamplingParams(temperature=0, max_tokens=1),
-            SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=10),
-            SamplingParams(temperature=0, max_tokens=24),  # may stop on the EOS
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=10, frequency_penalty=0.8),
+            SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.5),  # EOS?
             SamplingParams(temperature=0, max_tokens=9, min_tokens=4, stop_token_ids=[13, 28])]
 
 
@@ -114,20 +115,37 @@ def test_abort_while_a_step_is_in_flight(demo_model, texts):
     assert_all_returned(engine)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=4, logprobs=2),
-                                    SamplingParams(temperature=0, max_tokens=4, presence_penalty=0.5)],
-                         ids=["logprobs", "penalty"])
-def test_a_step_that_needs_the_host_is_read_back_at_once(demo_model, params):
-    """Logprobs are read back with the tokens and penalties read the output tokens: no step is left pending."""
+def test_a_step_with_logprobs_is_read_back_at_once(demo_model):
+    """Logprobs are read back with the tokens: no step is left pending."""
     llm = LLM(str(demo_model), async_scheduling=True, **SMALL)
     engine = llm.engine
-    engine.add_request("a", list(range(100, 120)), params)
+    engine.add_request("a", list(range(100, 120)), SamplingParams(temperature=0, max_tokens=4, logprobs=2))
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
         assert engine._pending is None
     assert steps == 4
+
+
+def test_penalised_steps_overlap_and_count_the_pending_token(demo_model):
+    """Penalties count a pending token on the device: a penalised request's steps stay pending (overlapped) and
+    give the synchronous engine's tokens, which differ from the unpenalised ones (so the count mattered)."""
+    penalised = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=1.5,
+                               repetition_penalty=1.2)
+    prompt = list(range(100, 120))
+    sync = LLM(str(demo_model), **SMALL).generate([prompt], penalised)[0].outputs[0].token_ids
+    plain = LLM(str(demo_model), **SMALL).generate([prompt], GREEDY)[0].outputs[0].token_ids
+    llm = LLM(str(demo_model), async_scheduling=True, **SMALL)
+    engine = llm.engine
+    engine.add_request("a", prompt, penalised)
+    overlapped, got = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got = out.outputs[0].token_ids
+        overlapped += engine._pending is not None
+    assert got == sync and sync[:16] != plain
+    assert overlapped >= 20
 
 
 def test_prefix_cache_hashes_only_tokens_read_back(demo_model):

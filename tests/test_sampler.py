@@ -45,8 +45,50 @@ def seq_with(prompt: list[int], output: list[int], **params) -> Sequence:
     ({}, LOGITS.tolist()),
 ], ids=["repetition", "repetition-reward", "frequency", "frequency-reward", "presence", "all-three", "none"])
 def test_penalties_match_vllm_formulas_exactly(params, expected):
-    out = apply_penalties(LOGITS.clone(), seq_with(PROMPT, OUTPUT, **params))
-    assert out.tolist() == expected
+    out = apply_penalties(LOGITS[None].clone(), [seq_with(PROMPT, OUTPUT, **params)])
+    assert out.tolist() == [expected]
+
+
+@pytest.mark.parametrize("params", [{"repetition_penalty": 2.0}, {"frequency_penalty": 0.5},
+                                    {"presence_penalty": 0.25},
+                                    {"repetition_penalty": 2.0, "frequency_penalty": 0.5, "presence_penalty": 0.25}],
+                         ids=["repetition", "frequency", "presence", "all-three"])
+def test_a_pending_token_counts_like_one_read_back(params):
+    """Async scheduling: a sequence's last output token may still be on the device (``pending``). The penalties
+    count it as if it were in ``token_ids``: OUTPUT's last token (5) pending gives the same row as OUTPUT read
+    back, and a row without one (-1) is unchanged by the others' pending tokens."""
+    full = seq_with(PROMPT, OUTPUT, **params)
+    short = seq_with(PROMPT, OUTPUT[:-1], **params)
+    short.num_pending_tokens = 1
+    rows = torch.stack([LOGITS, LOGITS])
+    got = apply_penalties(rows.clone(), [short, full], pending=torch.tensor([OUTPUT[-1], -1]))
+    want = apply_penalties(LOGITS[None].clone(), [full])[0]
+    assert got[0].tolist() == want.tolist() and got[1].tolist() == want.tolist()
+    # without the pending token, token 5 is neither present nor counted: a different row
+    assert apply_penalties(LOGITS[None].clone(), [short])[0, 5].item() == LOGITS[5].item()
+    assert want[5].item() != LOGITS[5].item() or params == {"repetition_penalty": 2.0}
+
+
+def test_penalties_on_some_rows_of_a_batch_with_pending_tokens():
+    """Only the penalised rows change, each as it would alone; ``pending`` indexes all rows of the batch."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 16) * 3
+    seqs = [seq_with([1, 2], [4], temperature=0),
+            seq_with([1, 2], [4, 9], temperature=0, frequency_penalty=0.7),
+            seq_with([3], [5, 5], temperature=0.8, repetition_penalty=1.5),
+            seq_with([1, 2], [6], temperature=0, presence_penalty=-0.5)]
+    pending = torch.tensor([11, 12, -1, 6])
+    for i in (0, 1, 3):
+        seqs[i].num_pending_tokens = 1
+    from engine.sampler import process_batch
+    batch = process_batch(logits, seqs, {EOS}, pending)
+    for i, seq in enumerate(seqs):
+        alone = seq_with(seq.prompt_token_ids, seq.output_token_ids + ([pending[i].item()] if pending[i] >= 0 else []),
+                         **{k: getattr(seq.params, k) for k in ("temperature", "frequency_penalty",
+                                                                "repetition_penalty", "presence_penalty")})
+        assert batch[i].tolist() == process_logits(logits[i], alone, {EOS}).tolist(), i
+    assert batch[0].tolist() == logits[0].tolist()  # not penalised: its pending token changes nothing
+    assert batch[1, 12].item() == (logits[1, 12] - torch.tensor(0.7)).item()  # the pending token, counted once
 
 
 def test_penalties_come_before_temperature():
