@@ -181,9 +181,11 @@ def decode_rows(ctx: dict, make_row) -> list:
         tok_s[eager] = _decode_tok_s(llm, 32, 256)
         if not eager:
             tok_s["penalised"] = _decode_tok_s(llm, 32, 256, **PENALTIES)
+            tok_s["logprobs"] = _decode_tok_s(llm, 32, 256, logprobs=1)
             llm.engine.async_scheduling = False
             tok_s["sync"] = _decode_tok_s(llm, 32, 256)
             tok_s["penalised_sync"] = _decode_tok_s(llm, 32, 256, **PENALTIES)
+            tok_s["logprobs_sync"] = _decode_tok_s(llm, 32, 256, logprobs=1)
         if eager:
             ctx["log"]["decode_profile"] = _step_profile(llm)
         bytes_per_step = _bytes_per_step(llm)
@@ -215,6 +217,10 @@ def decode_rows(ctx: dict, make_row) -> list:
                  1e6 / tok_s["penalised"], "the same step unpenalised", 1e6 / tok_s[False], None,
                  f"{tok_s['penalised']:.0f} tok/s penalised; {tok_s['penalised_sync']:.0f} with each step read "
                  f"back (the engine before penalties counted pending tokens on the device)"),
+        make_row("7B AWQ decode bs1, logprobs=1 vs not", "same, graphs on", 1e6 / tok_s["logprobs"],
+                 "the same step without logprobs", 1e6 / tok_s[False], None,
+                 f"{tok_s['logprobs']:.0f} tok/s with logprobs; {tok_s['logprobs_sync']:.0f} with each step read "
+                 f"back (the engine before logprobs were read back a step later)"),
     ]
     if with_pdl:  # Hopper: each kernel may start as the previous one ends
         rows.append(make_row("7B AWQ decode bs1, PDL vs not", "same, graphs on", 1e6 / tok_s[False],
@@ -421,28 +427,30 @@ def _smollm2_outputs(model_dir: str, prompts: list, params: SamplingParams, **kw
     return outs
 
 
-def _small_model_tokens(model_dir: str, params: dict | None = None, **kw) -> list[list[int]]:
+def _small_model_tokens(model_dir: str, params: dict | None = None, outputs: bool = False, **kw) -> list:
+    """Greedy token ids of six prompts (``outputs``: (token ids, logprobs) pairs) from a fresh engine."""
     llm = LLM(model_dir, device="cuda", **BUILT_IN, gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16,
               **kw)
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 16, 17, 40, 100)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **(params or {})))
     del llm
     _free()
-    return [o.outputs[0].token_ids for o in outs]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) if outputs else o.outputs[0].token_ids for o in outs]
 
 
 def _launches_without_sync(model_dir: str, steps: int = 4) -> int:
     """How many of ``steps`` decode-step launches (CUDA graph) ran under ``torch.cuda.set_sync_debug_mode("error")``
     without a host sync, for a batch mixing greedy, top-k/top-p/min-p, seeded and min_tokens rows, penalties
-    (counting a pending token) and logit_bias: a sync there would make async scheduling wait for the step
-    before."""
+    (counting a pending token), logit_bias and logprobs: a sync there would make async scheduling wait for the
+    step before."""
     llm = LLM(model_dir, device="cuda", **BUILT_IN, gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=16)
     engine = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=3, min_tokens=12, stop_token_ids=[5], max_tokens=16),
               SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=0.2, **PENALTIES),
-              SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, logit_bias={7: 2.0, 11: -5.0})]
+              SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, logit_bias={7: 2.0, 11: -5.0}),
+              SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, logprobs=3)]
     for i, p in enumerate(params):
         engine.add_request(f"sync{i}", list(range(3, 23 + i)), p)
     engine.step()  # the prefill (eager)
@@ -488,6 +496,8 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
     penalties = dict(presence_penalty=0.2, **PENALTIES)
     penalised = _small_model_tokens(small, penalties)
     penalised_sync = _small_model_tokens(small, penalties, async_scheduling=False)
+    with_logprobs = _small_model_tokens(small, dict(logprobs=2), outputs=True)
+    with_logprobs_sync = _small_model_tokens(small, dict(logprobs=2), async_scheduling=False, outputs=True)
     os.environ["APPLIANCE_KERNELS"] = "torch"
     try:
         ref = _small_model_tokens(small, enforce_eager=True)
@@ -502,9 +512,12 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                      "sequences identical", sum(a == b for a, b in zip(graphs, unoverlapped)), 1.0, ""),
             make_row("engine greedy: Triton = torch reference (counts, not µs)", "same", n, "sequences identical",
                      sum(a == b for a, b in zip(eager, ref)), 1.0, "bf16 both; a near-tie may differ"),
-            make_row("decode launches without a host sync (counts, not µs)", "same, graphs, 5 mixed rows", 4,
+            make_row("decode launches without a host sync (counts, not µs)", "same, graphs, 6 mixed rows", 4,
                      "launches", unsynced, 1.0,
-                     "greedy, top-k/p + min-p, seeded + min_tokens, penalised, logit_bias rows"),
+                     "greedy, top-k/p + min-p, seeded + min_tokens, penalised, logit_bias, logprobs rows"),
+            make_row("engine logprobs=2: async scheduling = not (counts, not µs)", "same, graphs on", n,
+                     "sequences identical", sum(a == b for a, b in zip(with_logprobs, with_logprobs_sync)), 1.0,
+                     "tokens and every logprobs entry, read back a step later"),
             make_row("engine penalised greedy: async scheduling = not (counts, not µs)", "same, graphs on", n,
                      "sequences identical", sum(a == b for a, b in zip(penalised, penalised_sync)), 1.0,
                      "repetition 1.05, frequency 0.3, presence 0.2: a pending token counted on the device"),

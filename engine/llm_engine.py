@@ -179,8 +179,8 @@ class LLMEngine:
         read back in the *next* call, after that call has launched its own batch, so the host's work (reading
         back, detokenizing, stop rules, outputs, scheduling, preparing inputs) overlaps the device's. A sequence
         of the unread batch counts its token as pending (see Sequence) and the next batch reads it on the
-        device. A sequence found finished on read-back may be in the next batch already: that token is dropped.
-        A step whose sampling needs the host (logprobs) is read back at once.
+        device. A sequence found finished on read-back may be in the next batch already: that token is dropped
+        (and its logprobs entry with it).
         """
         outputs, self._aborted = self._aborted, []
         if self.cpu_threads is not None:
@@ -207,7 +207,7 @@ class LLMEngine:
             seq.num_pending_tokens += samples
         steps = [self._take_pending()]
         self._pending = (batch, launched)
-        if not (self.async_scheduling and launched.deferrable):
+        if not self.async_scheduling:
             steps.append(self._take_pending())
         return self._read_back(steps, outputs)
 
@@ -224,29 +224,29 @@ class LLMEngine:
         steps = [step for step in steps if step is not None]
         for i, (batch, launched) in enumerate(steps):
             try:
-                tokens = launched.tokens()
+                tokens, logprobs = launched.read()
             except Exception as e:
                 self._aborted = outputs + self._aborted  # delivered by the next step
                 failed = [r for later, _ in steps[i:] for r in self._fail_batch(later)]
                 raise StepFailed(list(dict.fromkeys(failed + invalid)), e) from e
-            invalid += self._process(batch, tokens, outputs)
+            invalid += self._process(batch, tokens, logprobs, outputs)
         if invalid:
             raise StepFailed(list(dict.fromkeys(invalid)), ValueError(
                 "sampling: no token can be sampled for this request (every token masked, e.g. by min_tokens with "
                 "stop_token_ids, or penalties/temperature that overflow)"), outputs=outputs, request_error=True)
         return outputs
 
-    def _process(self, batch, tokens: list[int], outputs: list[RequestOutput]) -> list[str]:
-        """One launched step's tokens into its sequences (see :meth:`_read_back`); returns the ids of the
-        requests that could not sample (removed here)."""
-        tokens = iter(tokens)
+    def _process(self, batch, tokens: list[int], logprobs: list, outputs: list[RequestOutput]) -> list[str]:
+        """One launched step's tokens, and their logprobs entries (None where not asked), into its sequences (see
+        :meth:`_read_back`); returns the ids of the requests that could not sample (removed here)."""
+        tokens, logprobs = iter(tokens), iter(logprobs)
         invalid: list[str] = []
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq, samples in zip(batch.seqs, batch.samples):
             if not samples:  # a prefill chunk short of the prompt's end: nothing to sample, detokenize or emit
                 continue
-            token = next(tokens)
+            token, entry = next(tokens), next(logprobs)
             seq.num_pending_tokens -= 1
             if seq.is_finished:  # aborted, or stopped by the token before while this step ran: drop it
                 continue
@@ -257,6 +257,8 @@ class LLMEngine:
             if len(seq.token_ids) == seq.num_prompt_tokens:
                 self._prompt_tokens_total += seq.num_prompt_tokens
             seq.token_ids.append(token)
+            if entry is not None:
+                seq.logprobs.append(entry)
             self._generation_tokens_total += 1
             req.metrics.first_token_time = req.metrics.first_token_time or now
             req.metrics.last_token_time = now

@@ -20,7 +20,7 @@ from engine.attention import AttentionMetadata
 from engine.config import MIN_CAPABILITY, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
-from engine.sampler import needs_host_tokens, penalised_pending, sample, sample_tokens, to_device
+from engine.sampler import StepLogprobs, penalised_pending, sample_tokens, step_logprobs, to_device
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -77,17 +77,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device. ``tokens()`` returns its sampled ids (one per sampling row, in batch order),
-    waiting for the device-to-host copy. ``deferrable``: nothing in the step needed the host (no logprobs), so the engine may schedule the next step before reading this one back."""
+    """A step queued on the device. :meth:`read` returns its sampled ids (one per sampling row, in batch order) and
+    each row's logprobs entry (None where not asked), waiting for the device-to-host copies. Nothing in a step
+    needs the host before it is read, so the engine may schedule the next step first (async scheduling)."""
 
     host: torch.Tensor | list[int]
     event: torch.cuda.Event | None = None
-    deferrable: bool = True
+    logprobs: StepLogprobs | None = None
 
-    def tokens(self) -> list[int]:
+    def read(self) -> tuple[list[int], list[dict[int, float] | None]]:
         if self.event is not None:
             self.event.synchronize()
-        return self.host if isinstance(self.host, list) else self.host.tolist()
+        tokens = self.host if isinstance(self.host, list) else self.host.tolist()
+        return tokens, self.logprobs.entries(tokens) if self.logprobs else [None] * len(tokens)
 
 
 class ModelRunner:
@@ -300,16 +302,18 @@ class ModelRunner:
                                                                                              self.device)]
         logits = self.model.compute_logits(picked)
         sampling_seqs = [seqs[i] for i in sampling]
-        if any(needs_host_tokens(s) for s in sampling_seqs):
-            return LaunchedStep(sample(logits, sampling_seqs, eos_token_ids, self.generator, pending),
-                                deferrable=False)
         tokens = sample_tokens(logits, sampling_seqs, eos_token_ids, self.generator, pending)
+        logprobs = step_logprobs(logits, tokens, sampling_seqs)
         self.last_tokens[:len(tokens)] = tokens.clamp(min=0)  # an INVALID row's request fails on read-back
         self._rows = {s.seq_id: i for i, s in enumerate(sampling_seqs)}
         if self.device.type != "cuda":
-            return LaunchedStep(tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return LaunchedStep(tokens, logprobs=logprobs)
+
+        def host(t: torch.Tensor) -> torch.Tensor:  # copied once the step's kernels are done; read after the event
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        tokens, logprobs = host(tokens), logprobs.to(host) if logprobs else None
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(host, event)
+        return LaunchedStep(tokens, event, logprobs)

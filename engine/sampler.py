@@ -11,6 +11,7 @@ does not depend on its batch; the others share the engine's generator.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -185,35 +186,60 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
     return torch.where(valid, race.argmax(-1), INVALID)
 
 
+@dataclass
+class StepLogprobs:
+    """The logprobs a step's rows asked for, computed on the logits' device and read back with the tokens:
+    ``rows`` (their positions among the step's sampling rows), ``k`` (each one's ``logprobs``), ``chosen`` float32
+    [W] (the sampled token's), ``top_values`` float32 [W, K] and ``top_ids`` int64 [W, K] (the K = max(k) most
+    likely tokens', descending). Natural-log probabilities of the raw model distribution (vLLM's raw logprobs)."""
+
+    rows: list[int]
+    k: list[int]
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to(self, host) -> StepLogprobs:
+        """The same on the host: each tensor copied by ``host`` (a function of one tensor)."""
+        return StepLogprobs(self.rows, self.k, host(self.chosen), host(self.top_values), host(self.top_ids))
+
+    def entries(self, tokens: list[int]) -> list[dict[int, float] | None]:
+        """One entry per sampling row of the step (``tokens``: its sampled ids, read back): {sampled token: its
+        logprob, then the top ``k``}, or None for a row that did not ask or could not sample (``INVALID``)."""
+        out: list[dict[int, float] | None] = [None] * len(tokens)
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        for row, (i, k) in enumerate(zip(self.rows, self.k)):
+            if tokens[i] != INVALID:
+                out[i] = {tokens[i]: chosen[row], **dict(zip(ids[row][:k], values[row][:k]))}
+        return out
+
+
+def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> StepLogprobs | None:
+    """The logprobs of the rows of ``seqs`` that asked for them (``logits`` [S, V], ``tokens`` int64 [S] from
+    :func:`sample_tokens`), on the logits' device without a host sync; None when no row asked."""
+    rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+    if not rows:
+        return None
+    k = [seqs[i].params.logprobs or 0 for i in rows]
+    idx = to_device(rows, torch.int64, logits.device)
+    logp = torch.log_softmax(logits[idx].float(), -1)
+    chosen = logp.gather(1, tokens[idx].clamp_min(0)[:, None])[:, 0]
+    top_values, top_ids = torch.topk(logp, max(k)) if max(k) else (logp[:, :0], logp[:, :0].long())
+    return StepLogprobs(rows, k, chosen, top_values, top_ids)
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
            generator: torch.Generator | None = None, pending: torch.Tensor | None = None) -> list[int]:
-    """:func:`sample_tokens` read back to the host (one device-to-host copy), and each sequence's logprobs entry
-    appended when it asked for logprobs (natural-log probabilities of the raw model distribution: the sampled
-    token and the ``logprobs`` most likely ones)."""
+    """:func:`sample_tokens` read back to the host, and each sequence's logprobs entry appended when it asked for
+    logprobs (:class:`StepLogprobs`). The engine reads the two back later instead (``model_runner.LaunchedStep``);
+    this is the same at once."""
     tokens = sample_tokens(logits, seqs, eos_token_ids, generator, pending)
-    wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
-    if not wanted:
-        return tokens.tolist()
-    top = max(seqs[i].params.logprobs or 0 for i in wanted)
-    logp = torch.log_softmax(logits[wanted].float(), -1)
-    chosen = logp.gather(1, tokens[wanted].clamp_min(0)[:, None])[:, 0]
-    top_values, top_ids = torch.topk(logp, top) if top else (logp[:, :0], logp[:, :0].long())
-    tokens, chosen, top_values, top_ids = (t.tolist() for t in (tokens, chosen, top_values, top_ids))
-    for row, i in enumerate(wanted):
-        if tokens[i] == INVALID:
-            continue
-        k = seqs[i].params.logprobs or 0
-        entry = {tokens[i]: chosen[row]}
-        entry.update(zip(top_ids[row][:k], top_values[row][:k]))
-        seqs[i].logprobs.append(entry)
+    logprobs = step_logprobs(logits, tokens, seqs)
+    tokens = tokens.tolist()
+    for seq, entry in zip(seqs, logprobs.entries(tokens) if logprobs else []):
+        if entry is not None:
+            seq.logprobs.append(entry)
     return tokens
-
-
-def needs_host_tokens(seq: Sequence) -> bool:
-    """Whether sampling for ``seq`` needs the host: its logprobs are read back in the step. Such a step is not
-    overlapped (async scheduling). (Penalties do not: :func:`apply_penalties` counts a pending token on the
-    device.)"""
-    return seq.logprobs is not None
 
 
 def penalised_pending(seq: Sequence) -> bool:

@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 def mixed_params() -> list[SamplingParams]:
     """One per prompt of ``prompts``: length, EOS, stop strings, stop token ids, min_tokens, seeded n=2, penalties
-    (whose counts must include the pending token)."""
+    (whose counts must include the pending token), logprobs (read back a step later)."""
     return [GREEDY,
             SamplingParams(temperature=0, max_tokens=3),
             SamplingParams(temperature=0, max_tokens=20, stop=[","]),
@@ -25,12 +25,12 @@ def mixed_params() -> list[SamplingParams]:
             SamplingParams(temperature=0, max_tokens=1),
             SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=10, frequency_penalty=0.8),
             SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.5),  # EOS?
-            SamplingParams(temperature=0, max_tokens=9, min_tokens=4, stop_token_ids=[13, 28])]
+            SamplingParams(temperature=0, max_tokens=9, min_tokens=4, stop_token_ids=[13, 28], logprobs=3)]
 
 
 def run(llm: LLM, texts, params) -> tuple[list, int]:
-    """All requests at once, stepping by hand; returns (per request: (token ids, text, finish reason, stop reason)
-    per choice, steps that left a batch pending). Checks the block manager after every step."""
+    """All requests at once, stepping by hand; returns (per request: (token ids, text, finish reason, stop reason,
+    logprobs) per choice, steps that left a batch pending). Checks the block manager after every step."""
     engine = llm.engine
     for i, (text, p) in enumerate(zip(texts, params)):
         engine.add_request(f"p{i}", text, p)
@@ -38,7 +38,8 @@ def run(llm: LLM, texts, params) -> tuple[list, int]:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+                done[out.request_id] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
+                                        for c in out.outputs]
         overlapped += engine._pending is not None
         engine.block_manager.check(list(engine.scheduler.running))
     assert_all_returned(engine)
@@ -115,17 +116,25 @@ def test_abort_while_a_step_is_in_flight(demo_model, texts):
     assert_all_returned(engine)
 
 
-def test_a_step_with_logprobs_is_read_back_at_once(demo_model):
-    """Logprobs are read back with the tokens: no step is left pending."""
+def test_logprobs_steps_overlap_and_give_the_synchronous_logprobs(demo_model):
+    """Logprobs are computed on the device and read back with the tokens, a step later: the steps stay pending
+    (overlapped), and every token's entry equals the synchronous engine's (the sampled token's logprob first,
+    then the top 2)."""
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompt = list(range(100, 120))
+    sync = LLM(str(demo_model), **SMALL).generate([prompt], params)[0].outputs[0]
     llm = LLM(str(demo_model), async_scheduling=True, **SMALL)
     engine = llm.engine
-    engine.add_request("a", list(range(100, 120)), SamplingParams(temperature=0, max_tokens=4, logprobs=2))
-    steps = 0
+    engine.add_request("a", prompt, params)
+    overlapped, got = 0, None
     while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        assert engine._pending is None
-    assert steps == 4
+        for out in engine.step():
+            got = out.outputs[0]
+        overlapped += engine._pending is not None
+    assert got.token_ids == sync.token_ids and got.logprobs == sync.logprobs
+    assert len(got.logprobs) == 12 and all(len(e) in (2, 3) for e in got.logprobs)
+    assert [next(iter(e)) for e in got.logprobs] == got.token_ids
+    assert overlapped >= 10
 
 
 def test_penalised_steps_overlap_and_count_the_pending_token(demo_model):

@@ -99,16 +99,17 @@ def test_a_request_that_cannot_sample_fails_alone(demo_model):
     assert outs[-1].request_id == "good" and outs[-1].outputs[0].token_ids == alone
 
 
-@pytest.mark.parametrize("deferrable", [False, True])
-def test_a_late_read_back_failure_names_only_unfinished_requests(demo_model, deferrable):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_late_read_back_failure_names_only_unfinished_requests(demo_model, deferred):
     """Async scheduling: step 2 finishes "short" (its second token is a stop token: the scheduler cannot know that
     ahead, so its row is in step 3's batch too), then step 3's read-back raises (a device error that surfaced late).
-    StepFailed names only "long"; "short" keeps its finished output. Not deferrable, step 3 is read back in the
-    call that reads step 2: the outputs of step 2 are held for the next call. Deferrable, they come with the call
+    StepFailed names only "long"; "short" keeps its finished output. Not deferred (async scheduling turned off
+    for step 3), step 3 is read back in the call that reads step 2: the outputs of step 2 are held for the next
+    call. Deferred, they come with the call
     that launches step 3, and step 3 is read back (and raises) in the next one, by which time a new request took
     the id "short": it is not failed, and gets the tokens it gets alone."""
     class Failing(LaunchedStep):
-        def tokens(self):
+        def read(self):
             raise RuntimeError("device error at read-back")
 
     llm = LLM(str(demo_model), device="cpu", max_num_seqs=8, max_model_len=128, async_scheduling=True)
@@ -122,7 +123,7 @@ def test_a_late_read_back_failure_names_only_unfinished_requests(demo_model, def
     def flaky(*args):
         launches.append(launch(*args))
         if len(launches) == 3:
-            return Failing(launches[-1].host, launches[-1].event, deferrable=deferrable)
+            return Failing(launches[-1].host, launches[-1].event)
         return launches[-1]
 
     engine.runner.launch = flaky
@@ -130,13 +131,15 @@ def test_a_late_read_back_failure_names_only_unfinished_requests(demo_model, def
                                                        stop_token_ids=[first_two[1]]))
     engine.add_request("long", list(range(200, 210)), GREEDY)
     assert engine.step() == [] and len(engine.step()) == 2  # the prefill, then step 2 (reads the prefill back)
-    if deferrable:
+    if deferred:
         step2 = engine.step()  # launches step 3, reads step 2 back
         engine.add_request("short", list(range(500, 510)), GREEDY)  # the id is free: a new request takes it
+    else:
+        engine.async_scheduling = False  # step 3 is read back in the call that launches it
     with pytest.raises(StepFailed) as failed:
         engine.step()
     assert failed.value.request_ids == ["long"] and isinstance(failed.value.cause, RuntimeError)
-    if not deferrable:
+    if not deferred:
         step2 = engine.step()  # delivers the held outputs
     assert [(o.request_id, o.finished, len(o.outputs[0].token_ids)) for o in step2] == [("short", True, 2),
                                                                                         ("long", False, 2)]
@@ -145,7 +148,7 @@ def test_a_late_read_back_failure_names_only_unfinished_requests(demo_model, def
     while engine.has_unfinished_requests():
         outs += engine.step()
     done = [(o.request_id, o.outputs[0].token_ids) for o in outs if o.finished]
-    assert done == ([("short", again)] if deferrable else [])
+    assert done == ([("short", again)] if deferred else [])
     engine.block_manager.check()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
