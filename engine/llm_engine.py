@@ -236,7 +236,8 @@ class LLMEngine:
                 "stop_token_ids, or penalties/temperature that overflow)"), outputs=outputs, request_error=True)
         return outputs
 
-    def _process(self, batch, tokens: list[int], logprobs: list, outputs: list[RequestOutput]) -> list[str]:
+    def _process(self, batch, tokens: list[int], logprobs: list[dict[int, float] | None],
+                 outputs: list[RequestOutput]) -> list[str]:
         """One launched step's tokens, and their logprobs entries (None where not asked), into its sequences (see
         :meth:`_read_back`); returns the ids of the requests that could not sample (removed here)."""
         tokens, logprobs = iter(tokens), iter(logprobs)

@@ -7,7 +7,8 @@ step with prefill rows (whole prompts, chunks, or a mix of decode rows and chunk
 
 ``launch`` queues a step (swaps, forward pass, sampling) and returns before the device is done; the sampled ids
 come back through :class:`LaunchedStep`. They also stay on the device, in ``last_tokens``, where the next step
-reads the input of every sequence whose last token is still pending (async scheduling, llm_engine.py).
+reads the input of every sequence whose last token is still pending (async scheduling, llm_engine.py), and its
+penalties count that token.
 """
 from __future__ import annotations
 
@@ -309,11 +310,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             return LaunchedStep(tokens, logprobs=logprobs)
 
-        def host(t: torch.Tensor) -> torch.Tensor:  # copied once the step's kernels are done; read after the event
+        def to_pinned(t: torch.Tensor) -> torch.Tensor:  # copied once the step's kernels are done; read after the event
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return out.copy_(t, non_blocking=True)
 
-        tokens, logprobs = host(tokens), logprobs.to(host) if logprobs else None
+        tokens, logprobs = to_pinned(tokens), (logprobs.to(to_pinned) if logprobs else None)
         event = torch.cuda.Event()
         event.record()
         return LaunchedStep(tokens, event, logprobs)

@@ -3,14 +3,15 @@
 Order (vLLM ``Sampler``): logit_bias, min_tokens mask on stop tokens, repetition / presence / frequency penalties,
 temperature, top-k, top-p, min-p, then sample. Temperature 0 is greedy (arg-max of the penalised logits).
 Every step is a tensor operation over the rows that need it, so a batch of 256 sampled requests costs a few
-kernels and one device-to-host copy, not 256 row loops on the CPU. Sampling is the exponential race vLLM V1
-uses: token = argmax(probs / q) with q ~ Exp(1) drawn per token, which picks token i with probability probs[i]
-(Gumbel-max in another form). A request with ``seed`` draws its q from its own ``torch.Generator``, so its output
-does not depend on its batch; the others share the engine's generator.
+kernels and no host sync, not 256 row loops on the CPU (host lists go over by non-blocking copies,
+:func:`to_device`; the tokens, and the logprobs asked for, come back by the engine's copies after the step).
+Sampling is the exponential race vLLM V1 uses: token = argmax(probs / q) with q ~ Exp(1) drawn per token, which
+picks token i with probability probs[i] (Gumbel-max in another form). A request with ``seed`` draws its q from
+its own ``torch.Generator``, so its output does not depend on its batch; the others share the engine's
+generator.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,10 +24,13 @@ def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.devic
     """A host list (or numpy array) on ``device`` without a host sync (a non-blocking copy from pinned memory on
     CUDA; torch's ``torch.tensor(values, device=cuda)`` waits for the stream), so that preparing a step never
     waits for the step before (async scheduling)."""
-    host = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    cuda = device.type == "cuda"
+    if not isinstance(values, np.ndarray):
+        host = torch.tensor(values, dtype=dtype, pin_memory=cuda)
+    else:
+        host = torch.from_numpy(values).to(dtype)  # on the CPU it may share the array's memory
+        host = host.pin_memory() if cuda else host
+    return host.to(device, non_blocking=True) if cuda else host.to(device)
 
 
 def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
@@ -35,26 +39,28 @@ def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
     return list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else sorted(eos_token_ids))
 
 
-def _flat(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(row of each id, the ids) of the lists concatenated, int64 both: list i's ids in row i."""
-    lengths = [len(ids) for ids in lists]
-    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(lengths))
-    return np.repeat(np.arange(len(lists), dtype=np.int64), lengths), ids
+def _flat_index(width: int, parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """int64 [N] on ``device``: ``i * width + id`` for every id of ``parts[i]`` (int32 arrays), without a host sync:
+    the ids go over as int32 and the row numbers are made on the device."""
+    lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+    ids = to_device(np.concatenate(parts), torch.int32, device)
+    rows = torch.repeat_interleave(torch.arange(len(parts), device=device), to_device(lengths, torch.int64, device),
+                                   output_size=int(lengths.sum()))
+    return rows * width + ids
 
 
-def _count(shape: tuple[int, int], rows: np.ndarray, ids: np.ndarray, device: torch.device,
-           pending: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 [R, V]: how many times each token id occurs in each row (``rows[j]``, ``ids[j]``; ``pending``: int64
-    [R] on the device, one more id per row, -1 for none), by one scatter-add (no host sync)."""
-    rows_d, ids_d = to_device(rows, torch.int64, device), to_device(ids, torch.int64, device)
-    ones = torch.ones_like(ids_d, dtype=torch.float32)
-    if pending is not None:  # a row without one adds 0 at id 0 (a mask would need a sync)
-        rows_d = torch.cat([rows_d, torch.arange(len(pending), device=device)])
-        ids_d = torch.cat([ids_d, pending.clamp_min(0)])
+def _counts(shape: tuple[int, int], outputs: list[np.ndarray], device: torch.device,
+            pending: torch.Tensor | None) -> torch.Tensor:
+    """float32 [R, V] on ``device``: how many times each token id occurs in each row's ``outputs``, plus its
+    pending token (``pending``: int64 [R], -1 for none; a mask would need a sync, so a row without one adds 0 at
+    id 0); one scatter-add, exact in any order."""
+    index = _flat_index(shape[1], outputs, device)
+    ones = torch.ones(index.shape, dtype=torch.float32, device=device)
+    if pending is not None:
+        index = torch.cat([index, torch.arange(shape[0], device=device) * shape[1] + pending.clamp_min(0)])
         ones = torch.cat([ones, (pending >= 0).to(torch.float32)])
     counts = torch.zeros(shape, dtype=torch.float32, device=device)
-    counts.view(-1).scatter_add_(0, rows_d * shape[1] + ids_d, ones)  # exact: sums of ones, in any order
-    return counts
+    return counts.view(-1).scatter_add_(0, index, ones).view(shape)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,16 +71,20 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.T
 
     ``pending``: int64 [R] on logits' device, row i's pending output token (sampled on the device by the step
     launched before and not read back: async scheduling), or -1; None when no row has one. Token ids come from
-    the host (``token_ids``, copied without a sync) and the pending ones from the device, so a penalised step
-    never waits for the step before it."""
-    shape, dev, p = tuple(logits.shape), logits.device, [s.params for s in seqs]
-    counts = _count(shape, *_flat([s.output_token_ids for s in seqs]), dev, pending)
-    if any(q.repetition_penalty != 1.0 for q in p):
-        seen = (counts > 0) | (_count(shape, *_flat([s.prompt_token_ids for s in seqs]), dev) > 0)
-        rep = to_device([q.repetition_penalty for q in p], torch.float32, dev)[:, None]
+    the host (copied without a sync: each step the outputs, and with a repetition penalty the prompts, made into
+    arrays once, ``Sequence.prompt_array``) and the pending ones from the device, so a penalised step never waits
+    for the step before it."""
+    shape, device = tuple(logits.shape), logits.device
+    outputs = [np.fromiter(s.token_ids[s.num_prompt_tokens:], dtype=np.int32) for s in seqs]
+    counts = _counts(shape, outputs, device, pending)
+    rep, frequency, presence = to_device([[s.params.repetition_penalty for s in seqs],
+                                          [s.params.frequency_penalty for s in seqs],
+                                          [s.params.presence_penalty for s in seqs]], torch.float32, device)[:, :, None]
+    if any(s.params.repetition_penalty != 1.0 for s in seqs):
+        seen = torch.zeros(shape, dtype=torch.bool, device=device)
+        seen.view(-1).scatter_(0, _flat_index(shape[1], [s.prompt_array for s in seqs], device), True)
+        seen |= counts > 0
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    frequency = to_device([q.frequency_penalty for q in p], torch.float32, dev)[:, None]
-    presence = to_device([q.presence_penalty for q in p], torch.float32, dev)[:, None]
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
@@ -100,13 +110,14 @@ def _put(logits: torch.Tensor, rows: list[dict[int, float]], accumulate: bool) -
     logits.index_put_(index, to_device(list(v), logits.dtype, logits.device), accumulate=accumulate)
 
 
-def _rows(logits: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
-    """``logits`` with rows ``rows`` (a host list of row numbers) replaced by ``fn`` of them, gathered and put back
-    without a sync (all rows: no gather)."""
+def _map_rows(logits: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
+    """``logits`` with rows ``rows`` (a host list of row numbers) replaced by ``fn(part, idx)`` of them (``idx``:
+    the row numbers on the device, None for all rows), gathered and put back without a sync (in place: the
+    caller owns ``logits``); all rows: ``fn(logits, None)``, a new tensor."""
     if len(rows) == len(logits):
-        return fn(logits)
+        return fn(logits, None)
     idx = to_device(rows, torch.int64, logits.device)
-    logits[idx] = fn(logits[idx])
+    logits[idx] = fn(logits[idx], idx)
     return logits
 
 
@@ -122,11 +133,11 @@ def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
                   if seq.num_output_tokens < seq.params.min_tokens else {} for seq in seqs], accumulate=False)
     penalised = [i for i, seq in enumerate(seqs) if _penalised(seq)]
     if penalised:
-        mine = None if pending is None else pending[to_device(penalised, torch.int64, pending.device)]
-        logits = _rows(logits, penalised, lambda part: apply_penalties(part, [seqs[i] for i in penalised], mine))
+        logits = _map_rows(logits, penalised, lambda part, idx: apply_penalties(
+            part, [seqs[i] for i in penalised], pending if pending is None or idx is None else pending[idx]))
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if sampled:
-        logits = _rows(logits, sampled, lambda part: filter_batch(part, [seqs[i].params for i in sampled]))
+        logits = _map_rows(logits, sampled, lambda part, _: filter_batch(part, [seqs[i].params for i in sampled]))
     return logits
 
 

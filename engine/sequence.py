@@ -5,6 +5,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class Sequence:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     num_pending_tokens: int = 0
+    _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
@@ -68,6 +70,14 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's token ids, int32 numpy [num_prompt_tokens], made once (the prompt never changes): what the
+        repetition penalty reads every step (``sampler.apply_penalties``)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int32)
+        return self._prompt_array
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import apply_penalties, process_logits, sample
+from engine.sampler import apply_penalties, process_batch, process_logits, sample
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -55,18 +55,19 @@ def test_penalties_match_vllm_formulas_exactly(params, expected):
                          ids=["repetition", "frequency", "presence", "all-three"])
 def test_a_pending_token_counts_like_one_read_back(params):
     """Async scheduling: a sequence's last output token may still be on the device (``pending``). The penalties
-    count it as if it were in ``token_ids``: OUTPUT's last token (5) pending gives the same row as OUTPUT read
-    back, and a row without one (-1) is unchanged by the others' pending tokens."""
-    full = seq_with(PROMPT, OUTPUT, **params)
-    short = seq_with(PROMPT, OUTPUT[:-1], **params)
+    count it as if it were in ``token_ids``: an output ending in token 6 (logit 1.5, not in the prompt) with the 6
+    pending gives the same row as with the 6 read back, and a row without one (-1) is unchanged by the others'
+    pending tokens."""
+    output = [3, 3, 1, 6]
+    full = seq_with(PROMPT, output, **params)
+    short = seq_with(PROMPT, output[:-1], **params)
     short.num_pending_tokens = 1
     rows = torch.stack([LOGITS, LOGITS])
-    got = apply_penalties(rows.clone(), [short, full], pending=torch.tensor([OUTPUT[-1], -1]))
+    got = apply_penalties(rows.clone(), [short, full], pending=torch.tensor([6, -1]))
     want = apply_penalties(LOGITS[None].clone(), [full])[0]
     assert got[0].tolist() == want.tolist() and got[1].tolist() == want.tolist()
-    # without the pending token, token 5 is neither present nor counted: a different row
-    assert apply_penalties(LOGITS[None].clone(), [short])[0, 5].item() == LOGITS[5].item()
-    assert want[5].item() != LOGITS[5].item() or params == {"repetition_penalty": 2.0}
+    assert want[6].item() != LOGITS[6].item()  # the 6 was penalised ...
+    assert apply_penalties(LOGITS[None].clone(), [short])[0, 6].item() == LOGITS[6].item()  # ... only as output
 
 
 def test_penalties_on_some_rows_of_a_batch_with_pending_tokens():
@@ -77,10 +78,9 @@ def test_penalties_on_some_rows_of_a_batch_with_pending_tokens():
             seq_with([1, 2], [4, 9], temperature=0, frequency_penalty=0.7),
             seq_with([3], [5, 5], temperature=0.8, repetition_penalty=1.5),
             seq_with([1, 2], [6], temperature=0, presence_penalty=-0.5)]
-    pending = torch.tensor([11, 12, -1, 6])
-    for i in (0, 1, 3):
+    pending = torch.tensor([11, 12, 13, -1])  # row 2's 13 only repetition-penalised, as output
+    for i in (0, 1, 2):
         seqs[i].num_pending_tokens = 1
-    from engine.sampler import process_batch
     batch = process_batch(logits, seqs, {EOS}, pending)
     for i, seq in enumerate(seqs):
         alone = seq_with(seq.prompt_token_ids, seq.output_token_ids + ([pending[i].item()] if pending[i] >= 0 else []),
@@ -89,6 +89,7 @@ def test_penalties_on_some_rows_of_a_batch_with_pending_tokens():
         assert batch[i].tolist() == process_logits(logits[i], alone, {EOS}).tolist(), i
     assert batch[0].tolist() == logits[0].tolist()  # not penalised: its pending token changes nothing
     assert batch[1, 12].item() == (logits[1, 12] - torch.tensor(0.7)).item()  # the pending token, counted once
+    assert batch[2, 13].item() != process_logits(logits[2], seqs[2], {EOS})[13].item()  # 13 seen only pending
 
 
 def test_penalties_come_before_temperature():
@@ -189,7 +190,6 @@ def test_a_batch_processes_each_row_as_it_would_alone():
             seq_with([1, 2], [3], temperature=1.3, min_p=0.05, min_tokens=4, stop_token_ids=[9]),
             seq_with([1, 2], [], temperature=1.0),
             seq_with([1, 2], [7, 8], temperature=0.9, top_p=0.5, repetition_penalty=1.3)]
-    from engine.sampler import process_batch
     batch = process_batch(logits, seqs, {EOS})
     for i, seq in enumerate(seqs):
         assert batch[i].tolist() == process_logits(logits[i], seq, {EOS}).tolist(), i
