@@ -22,7 +22,8 @@ from appliance import hardware, service, tuner
 from appliance.errors import ApplianceError
 
 app = typer.Typer(help="edge-appliance: quantize a model and serve it over an OpenAI-compatible API on this machine.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 console = Console()
 err_console = Console(stderr=True)
 

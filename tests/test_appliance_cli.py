@@ -43,6 +43,12 @@ def one_line_error(result, *needles):
         assert needle in lines[0]
 
 
+def test_dash_h_is_help_everywhere():
+    for argv in ([], ["serve"], ["install"]):
+        result = runner.invoke(app, [*argv, "-h"])
+        assert result.exit_code == 0 and "Usage: " in result.output and "No such option" not in result.output, argv
+
+
 def test_install_unknown_model(tmp_path):
     one_line_error(runner.invoke(app, ["install", "no/such-model", "--yes", "--no-service"]), "not found")
 

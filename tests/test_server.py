@@ -222,8 +222,10 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     ("/detokenize", {"tokens": [0x110000]}, "tokens"),
 ])
 def test_more_bad_fields_are_400_naming_the_field(server, path, body, param):
+    """... with the validator's own message after the field, no pydantic prefix ("Value error, ")."""
     url, _, _ = server
-    _error(httpx.post(f"{url}{path}", json=body), 400, param=param)
+    err = _error(httpx.post(f"{url}{path}", json=body), 400, param=param)
+    assert "Value error" not in err["message"] and err["message"].startswith(f"{param}: ")
 
 
 def test_null_means_the_default(server):

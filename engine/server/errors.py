@@ -89,7 +89,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     param = ".".join(loc) or "body"
     kind = str(err.get("type", ""))
     code = "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
-    return APIError(400, f"{param}: {err.get('msg')}", param=param, code=code)
+    msg = re.sub(r"^(Value|Assertion) error, ", "", str(err.get("msg")))  # a validator's own message, as written
+    return APIError(400, f"{param}: {msg}", param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:
