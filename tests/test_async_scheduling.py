@@ -116,6 +116,19 @@ def test_abort_while_a_step_is_in_flight(demo_model, texts):
     assert_all_returned(engine)
 
 
+def one_request_async(demo_model, prompt: list[int], params: SamplingParams) -> tuple:
+    """One request through an engine with async scheduling, stepping by hand: (its final CompletionOutput, the
+    steps that left a batch pending)."""
+    engine = LLM(str(demo_model), async_scheduling=True, **SMALL).engine
+    engine.add_request("a", prompt, params)
+    overlapped, got = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got = out.outputs[0]
+        overlapped += engine._pending is not None
+    return got, overlapped
+
+
 def test_logprobs_steps_overlap_and_give_the_synchronous_logprobs(demo_model):
     """Logprobs are computed on the device and read back with the tokens, a step later: the steps stay pending
     (overlapped), and every token's entry equals the synchronous engine's (the sampled token's logprob first,
@@ -123,14 +136,7 @@ def test_logprobs_steps_overlap_and_give_the_synchronous_logprobs(demo_model):
     params = SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, logprobs=2)
     prompt = list(range(100, 120))
     sync = LLM(str(demo_model), **SMALL).generate([prompt], params)[0].outputs[0]
-    llm = LLM(str(demo_model), async_scheduling=True, **SMALL)
-    engine = llm.engine
-    engine.add_request("a", prompt, params)
-    overlapped, got = 0, None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got = out.outputs[0]
-        overlapped += engine._pending is not None
+    got, overlapped = one_request_async(demo_model, prompt, params)
     assert got.token_ids == sync.token_ids and got.logprobs == sync.logprobs
     assert len(got.logprobs) == 12 and all(len(e) in (2, 3) for e in got.logprobs)
     assert [next(iter(e)) for e in got.logprobs] == got.token_ids
@@ -145,15 +151,8 @@ def test_penalised_steps_overlap_and_count_the_pending_token(demo_model):
     prompt = list(range(100, 120))
     sync = LLM(str(demo_model), **SMALL).generate([prompt], penalised)[0].outputs[0].token_ids
     plain = LLM(str(demo_model), **SMALL).generate([prompt], GREEDY)[0].outputs[0].token_ids
-    llm = LLM(str(demo_model), async_scheduling=True, **SMALL)
-    engine = llm.engine
-    engine.add_request("a", prompt, penalised)
-    overlapped, got = 0, None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got = out.outputs[0].token_ids
-        overlapped += engine._pending is not None
-    assert got == sync and sync[:16] != plain
+    got, overlapped = one_request_async(demo_model, prompt, penalised)
+    assert got.token_ids == sync and sync[:16] != plain
     assert overlapped >= 20
 
 
