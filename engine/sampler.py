@@ -75,7 +75,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.T
     arrays once, ``Sequence.prompt_array``) and the pending ones from the device, so a penalised step never waits
     for the step before it."""
     shape, device = tuple(logits.shape), logits.device
-    outputs = [np.fromiter(s.token_ids[s.num_prompt_tokens:], dtype=np.int32) for s in seqs]
+    outputs = [np.fromiter(s.output_token_ids, dtype=np.int32) for s in seqs]
     counts = _counts(shape, outputs, device, pending)
     rep, frequency, presence = to_device([[s.params.repetition_penalty for s in seqs],
                                           [s.params.frequency_penalty for s in seqs],

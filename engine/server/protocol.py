@@ -2,9 +2,9 @@
 
 Range checks live in ``SamplingParams.validate`` (one source of truth); the models here only check types.
 Unknown request fields are ignored, as OpenAI's and vLLM's servers do. A ``null`` in a field whose type excludes
-it (at the top level, or in ``stream_options``) means the field's default (OpenAI's spec makes ``n``, ``stream``, ``logprobs``, ``echo``... nullable;
-clients that send every field send them as ``null``); fields that take None keep it (``max_tokens: null`` on
-completions: up to the context, as in vLLM).
+it (at the top level, or in ``stream_options``) means the field's default (OpenAI's spec makes ``n``, ``stream``,
+``logprobs``, ``echo``... nullable; clients that send every field send them as ``null``); fields that take None
+keep it (``max_tokens: null`` on completions: up to the context, as in vLLM).
 """
 from __future__ import annotations
 
