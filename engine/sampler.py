@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine.sequence import Sequence
+from kernels import ops
 
 
 def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -39,53 +40,52 @@ def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
     return list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else sorted(eos_token_ids))
 
 
-def _flat_index(width: int, parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """int64 [N] on ``device``: ``i * width + id`` for every id of ``parts[i]`` (int32 arrays), without a host sync:
-    the ids go over as int32 and the row numbers are made on the device."""
-    lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
-    ids = to_device(np.concatenate(parts), torch.int32, device)
-    rows = torch.repeat_interleave(torch.arange(len(parts), device=device), to_device(lengths, torch.int64, device),
-                                   output_size=int(lengths.sum()))
-    return rows * width + ids
+_NO_IDS = np.zeros(0, dtype=np.int32)
 
 
-def _counts(shape: tuple[int, int], outputs: list[np.ndarray], device: torch.device,
-            pending: torch.Tensor | None) -> torch.Tensor:
-    """float32 [R, V] on ``device``: how many times each token id occurs in each row's ``outputs``, plus its
-    pending token (``pending``: int64 [R], -1 for none; a mask would need a sync, so a row without one adds 0 at
-    id 0); one scatter-add, exact in any order."""
-    index = _flat_index(shape[1], outputs, device)
-    ones = torch.ones(index.shape, dtype=torch.float32, device=device)
-    if pending is not None:
-        index = torch.cat([index, torch.arange(shape[0], device=device) * shape[1] + pending.clamp_min(0)])
-        ones = torch.cat([ones, (pending >= 0).to(torch.float32)])
-    counts = torch.zeros(shape, dtype=torch.float32, device=device)
-    return counts.view(-1).scatter_add_(0, index, ones).view(shape)
+def penalty_inputs(seqs: list[Sequence], rows: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(rows, offsets, token_ids, params)`` on ``device`` for the penalty kernel (``kernels/penalties.py`` has
+    the layout) of rows ``rows`` of a batch of ``seqs``: one int32 host array, one non-blocking copy. The output
+    ids are read back ones (each step's made into an array); a prompt goes over (``Sequence.prompt_array``, made
+    once) only for a row with a repetition penalty, the only one that reads it."""
+    parts = []
+    for i in rows:
+        seq = seqs[i]
+        parts.append(seq.prompt_array if seq.params.repetition_penalty != 1.0 else _NO_IDS)
+        parts.append(np.fromiter(seq.output_token_ids, dtype=np.int32))
+    count = len(rows)
+    offsets = np.zeros(2 * count + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=2 * count), out=offsets[1:])
+    params = np.array([[seqs[i].params.repetition_penalty for i in rows],
+                       [seqs[i].params.frequency_penalty for i in rows],
+                       [seqs[i].params.presence_penalty for i in rows]], dtype=np.float32)
+    heads = [np.asarray(rows, dtype=np.int32), offsets, params.view(np.int32).ravel()]
+    sizes = [-(-len(h) // 4) * 4 for h in heads]  # each part 16-byte aligned: one kernel variant for every R
+    flat = np.zeros(sum(sizes) + int(offsets[-1]), dtype=np.int32)
+    at = 0
+    for h, size in zip(heads, sizes):
+        flat[at:at + len(h)] = h
+        at += size
+    if parts:
+        np.concatenate(parts, out=flat[at:])
+    flat = to_device(flat, torch.int32, device)
+    a, b, c = np.cumsum(sizes)
+    return flat[:count], flat[a:a + 2 * count + 1], flat[c:], flat[b:b + 3 * count].view(torch.float32).view(3, count)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
-    """vLLM's (and OpenAI's) penalties on rows [R, V] float32 (row i for ``seqs[i]``), batched (vLLM's
-    ``apply_penalties``): the repetition penalty divides positive and multiplies non-positive logits of every
-    token seen in the prompt or the output; then the frequency penalty times each token's count in the output,
-    and the presence penalty for each token present in the output, are subtracted. Returns a new tensor.
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None,
+                    rows: list[int] | None = None) -> torch.Tensor:
+    """vLLM's (and OpenAI's) penalties on ``logits`` [S, V] float32, row i for ``seqs[i]``, in place (returned):
+    the repetition penalty divides positive and multiplies non-positive logits of every token seen in the prompt
+    or the output; then the frequency penalty times each token's count in the output, and the presence penalty
+    for each token present in the output, are subtracted. ``rows``: the rows to penalise (host list; None: all).
 
-    ``pending``: int64 [R] on logits' device, row i's pending output token (sampled on the device by the step
+    ``pending``: int64 [S] on logits' device, row i's pending output token (sampled on the device by the step
     launched before and not read back: async scheduling), or -1; None when no row has one. Token ids come from
-    the host (copied without a sync: each step the outputs, and with a repetition penalty the prompts, made into
-    arrays once, ``Sequence.prompt_array``) and the pending ones from the device, so a penalised step never waits
-    for the step before it."""
-    shape, device = tuple(logits.shape), logits.device
-    outputs = [np.fromiter(s.output_token_ids, dtype=np.int32) for s in seqs]
-    counts = _counts(shape, outputs, device, pending)
-    rep, frequency, presence = to_device([[s.params.repetition_penalty for s in seqs],
-                                          [s.params.frequency_penalty for s in seqs],
-                                          [s.params.presence_penalty for s in seqs]], torch.float32, device)[:, :, None]
-    if any(s.params.repetition_penalty != 1.0 for s in seqs):
-        seen = torch.zeros(shape, dtype=torch.bool, device=device)
-        seen.view(-1).scatter_(0, _flat_index(shape[1], [s.prompt_array for s in seqs], device), True)
-        seen |= counts > 0
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    the host (:func:`penalty_inputs`, copied without a sync) and the pending ones from the device, so a penalised
+    step never waits for the step before it. On CUDA one Triton launch (``kernels/penalties.py``)."""
+    rows = list(range(len(seqs))) if rows is None else rows
+    return ops.apply_penalties(logits, *penalty_inputs(seqs, rows, logits.device), pending)
 
 
 def _penalised(seq: Sequence) -> bool:
@@ -111,13 +111,12 @@ def _put(logits: torch.Tensor, rows: list[dict[int, float]], accumulate: bool) -
 
 
 def _map_rows(logits: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
-    """``logits`` with rows ``rows`` (a host list of row numbers) replaced by ``fn(part, idx)`` of them (``idx``:
-    the row numbers on the device, None for all rows), gathered and put back without a sync (in place: the
-    caller owns ``logits``); all rows: ``fn(logits, None)``, a new tensor."""
+    """``logits`` with rows ``rows`` (a host list of row numbers) replaced by ``fn(part)`` of them, gathered and
+    put back without a sync (in place: the caller owns ``logits``); all rows: ``fn(logits)``, a new tensor."""
     if len(rows) == len(logits):
-        return fn(logits, None)
+        return fn(logits)
     idx = to_device(rows, torch.int64, logits.device)
-    logits[idx] = fn(logits[idx], idx)
+    logits[idx] = fn(logits[idx])
     return logits
 
 
@@ -133,11 +132,10 @@ def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
                   if seq.num_output_tokens < seq.params.min_tokens else {} for seq in seqs], accumulate=False)
     penalised = [i for i, seq in enumerate(seqs) if _penalised(seq)]
     if penalised:
-        logits = _map_rows(logits, penalised, lambda part, idx: apply_penalties(
-            part, [seqs[i] for i in penalised], pending if pending is None or idx is None else pending[idx]))
+        apply_penalties(logits, seqs, pending, penalised)
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if sampled:
-        logits = _map_rows(logits, sampled, lambda part, _: filter_batch(part, [seqs[i].params for i in sampled]))
+        logits = _map_rows(logits, sampled, lambda part: filter_batch(part, [seqs[i].params for i in sampled]))
     return logits
 
 

@@ -13,6 +13,7 @@ up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA
 | ``rotary(positions, q, k, cos_sin)`` | ``rotary.rotary`` | ``rotary.rotary_ref`` |
 | ``rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales, v_scales)`` | ``rotary.rotary_write_kv`` | ``rotary_write_kv_ref`` |
 | ``silu_and_mul(x)`` | ``activation.silu_and_mul`` | ``activation.silu_and_mul_ref`` |
+| ``apply_penalties(logits, rows, offsets, token_ids, params, pending)`` | ``penalties.apply_penalties`` | ``penalties.apply_penalties_ref`` |
 
 A product run with ``defer_sum`` may come back as a ``split_k.SplitK`` (its split-K partial sums, not yet added:
 Triton only); ``rotary``, ``rotary_write_kv`` and ``silu_and_mul`` add them as they load, the other ops take
@@ -25,7 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import activation, kv_cache, linear as linear_mod, norm, paged_attention, quant_formats, rotary as rotary_mod, w4a16
+from . import activation, kv_cache, linear as linear_mod, norm, paged_attention, penalties, quant_formats
+from . import rotary as rotary_mod, w4a16
 from ._triton import HAS_TRITON
 from .split_k import SplitK, as_tensor
 
@@ -90,3 +92,10 @@ def rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping,
 
 def silu_and_mul(x) -> torch.Tensor:
     return activation.silu_and_mul(x) if use_triton(x) else activation.silu_and_mul_ref(as_tensor(x))
+
+
+def apply_penalties(logits, rows, offsets, token_ids, params, pending=None) -> torch.Tensor:
+    """Repetition / frequency / presence penalties on the rows ``rows`` of ``logits`` [S, V] float32, in place
+    (``penalties.py`` has the inputs' layout)."""
+    fn = penalties.apply_penalties if use_triton(logits) else penalties.apply_penalties_ref
+    return fn(logits, rows, offsets, token_ids, params, pending)

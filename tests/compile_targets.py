@@ -169,8 +169,9 @@ def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int
     ``defer_sum``, rotary with the KV write and SiLU-and-mul adding their splits), and the unsplit forms too
     (SiLU fused into the down projection's GEMV loads at M = 1), RMSNorm with and without the residual (the
     first layer has none), rotary with the KV write, SiLU-and-mul, the KV write, decode attention for each of
-    ``batches`` over a ``max_model_len`` block table, and prefill attention. Inside :func:`compile_only`."""
-    from kernels import activation, kv_cache, norm, paged_attention, rotary, w4a16
+    ``batches`` over a ``max_model_len`` block table, prefill attention, and the sampler's penalty kernel. Inside
+    :func:`compile_only`."""
+    from kernels import activation, kv_cache, norm, paged_attention, penalties, rotary, w4a16
 
     kv_dtype = kv_dtype or dtype
     h, d = shape.hidden, shape.head_dim
@@ -213,3 +214,7 @@ def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int
     paged_attention.paged_attention_prefill(
         meta(512, shape.heads, d, dtype=dtype), *caches, meta(4, table_width, dtype=torch.int32),
         meta(5, dtype=torch.int32), meta(4, dtype=torch.int32), d ** -0.5, *scales)
+    for pending in (None, meta(4, dtype=torch.int64)):  # 4 penalised rows of a 32k vocabulary
+        penalties.apply_penalties(meta(4, 32000, dtype=torch.float32), meta(4, dtype=torch.int32),
+                                  meta(9, dtype=torch.int32), meta(100, dtype=torch.int32),
+                                  meta(3, 4, dtype=torch.float32), pending)

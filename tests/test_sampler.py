@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import apply_penalties, process_batch, process_logits, sample
+from engine.sampler import apply_penalties, penalty_inputs, process_batch, process_logits, sample
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -90,6 +90,26 @@ def test_penalties_on_some_rows_of_a_batch_with_pending_tokens():
     assert batch[0].tolist() == logits[0].tolist()  # not penalised: its pending token changes nothing
     assert batch[1, 12].item() == (logits[1, 12] - torch.tensor(0.7)).item()  # the pending token, counted once
     assert batch[2, 13].item() != process_logits(logits[2], seqs[2], {EOS})[13].item()  # 13 seen only pending
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_penalty_inputs_layout_and_alignment(count):
+    """The kernel's inputs (kernels/penalties.py): each part starts 16 bytes into the one copy (Triton compiles one
+    variant per alignment), prompts only for rows with a repetition penalty, outputs after them."""
+    seqs = [seq_with([10 + i, 20 + i], [30 + i] * i, repetition_penalty=1.5 if i % 2 else 1.0,
+                     frequency_penalty=0.25 * i) for i in range(count + 1)]
+    rows = list(range(1, count + 1))
+    got_rows, offsets, ids, params = penalty_inputs(seqs, rows, torch.device("cpu"))
+    assert all(t.data_ptr() % 16 == 0 for t in (got_rows, offsets, ids, params))
+    assert got_rows.tolist() == rows
+    expect, bounds = [], [0]
+    for i in rows:
+        expect += ([10 + i, 20 + i] if i % 2 else [])
+        bounds.append(len(expect))
+        expect += [30 + i] * i
+        bounds.append(len(expect))
+    assert ids.tolist() == expect and offsets.tolist() == bounds
+    assert params.tolist() == [[1.5 if i % 2 else 1.0 for i in rows], [0.25 * i for i in rows], [0.0] * count]
 
 
 def test_penalties_come_before_temperature():
