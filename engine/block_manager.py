@@ -97,8 +97,9 @@ class BlockManager:
     # ---- prefix lookup -------------------------------------------------------------------------------------
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Block ids of the longest run of cached full blocks at the start of ``seq``, leaving its last token out
-        (it must be computed to have logits)."""
-        if not self.enable_prefix_caching:
+        (it must be computed to have logits); none while it wants prompt logprobs (every position must be
+        computed)."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         hits, parent, bs = [], None, self.block_size
         for i in range((len(seq.token_ids) - 1) // bs):  # tokens read back only (none pending: see Sequence)

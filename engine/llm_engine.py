@@ -322,7 +322,8 @@ class LLMEngine:
                 text = text[:len(text) - detokenizer.held_back(text, seq.params.stop)]
             choices.append(CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
                                             seq.stop_reason, seq.logprobs))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, choices, req.finished, req.metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, choices, req.finished, req.metrics,
+                             prompt_logprobs=req.seqs[0].prompt_logprobs)
 
     # ---- introspection -------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -12,7 +12,7 @@ penalties count that token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ from engine.attention import AttentionMetadata
 from engine.config import MIN_CAPABILITY, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
+from engine.prompt_logprobs import PromptChunk, launch as launch_prompt_logprobs, rows_to_launch
 from engine.sampler import StepLogprobs, penalised_pending, sample_tokens, step_logprobs, to_device
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -85,10 +86,14 @@ class LaunchedStep:
     host: torch.Tensor | list[int]
     event: torch.cuda.Event | None = None
     logprobs: StepLogprobs | None = None
+    prompt: list[PromptChunk] = field(default_factory=list)  # prompt logprobs, filled in by read()
 
     def read(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Also writes the step's prompt logprobs into their sequences (``PromptChunk.fill``)."""
         if self.event is not None:
             self.event.synchronize()
+        for chunk in self.prompt:
+            chunk.fill()
         tokens = self.host if isinstance(self.host, list) else self.host.tolist()
         return tokens, self.logprobs.entries(tokens) if self.logprobs else [None] * len(tokens)
 
@@ -292,29 +297,34 @@ class ModelRunner:
             else:
                 ids, positions, meta, last = self.prepare_decode(seqs)
             hidden = self.model(ids, to_device(list(positions), torch.int64, self.device), meta)
+        plan = rows_to_launch(seqs, batch.num_new_tokens) if batch.is_prefill else []
+        prompt = launch_prompt_logprobs(self.model, hidden, plan) if plan else []
         sampling = [i for i, samples in enumerate(batch.samples) if samples]
         pending = self._pending_tokens([seqs[i] for i in sampling])
         self._rows = {}
-        if not sampling:
-            return LaunchedStep([])
-        rows = [last[i] for i in sampling]
-        # a slice when the rows are 0..n-1 (every decode step); a list index would be copied over with a sync
-        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[to_device(rows, torch.int64,
-                                                                                             self.device)]
-        logits = self.model.compute_logits(picked)
-        sampling_seqs = [seqs[i] for i in sampling]
-        tokens = sample_tokens(logits, sampling_seqs, eos_token_ids, self.generator, pending)
-        logprobs = step_logprobs(logits, tokens, sampling_seqs)
-        self.last_tokens[:len(tokens)] = tokens.clamp(min=0)  # an INVALID row's request fails on read-back
-        self._rows = {s.seq_id: i for i, s in enumerate(sampling_seqs)}
+        tokens, logprobs = torch.zeros(0, dtype=torch.int64), None
+        if sampling:
+            rows = [last[i] for i in sampling]
+            # a slice when the rows are 0..n-1 (every decode step); a list index would be copied over with a sync
+            picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[to_device(rows, torch.int64,
+                                                                                                 self.device)]
+            logits = self.model.compute_logits(picked)
+            sampling_seqs = [seqs[i] for i in sampling]
+            tokens = sample_tokens(logits, sampling_seqs, eos_token_ids, self.generator, pending)
+            logprobs = step_logprobs(logits, tokens, sampling_seqs)
+            self.last_tokens[:len(tokens)] = tokens.clamp(min=0)  # an INVALID row's request fails on read-back
+            self._rows = {s.seq_id: i for i, s in enumerate(sampling_seqs)}
         if self.device.type != "cuda":
-            return LaunchedStep(tokens, logprobs=logprobs)
+            return LaunchedStep(tokens, logprobs=logprobs, prompt=prompt)
+        if not (sampling or prompt):
+            return LaunchedStep([])
 
         def to_pinned(t: torch.Tensor) -> torch.Tensor:  # copied once the step's kernels are done; read after the event
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return out.copy_(t, non_blocking=True)
 
         tokens, logprobs = to_pinned(tokens), (logprobs.to(to_pinned) if logprobs else None)
+        prompt = [chunk.to(to_pinned) for chunk in prompt]
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(tokens, event, logprobs)
+        return LaunchedStep(tokens, event, logprobs, prompt)

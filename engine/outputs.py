@@ -48,3 +48,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    #: with ``SamplingParams.prompt_logprobs``: per prompt token {token_id: logprob, then the top k} (natural log),
+    #: None for the first (vLLM's shape); None when not asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -18,8 +18,9 @@ class SamplingParams:
     (JSON bodies may carry ``Infinity`` / ``NaN``); ``n >= 1``; ``temperature >= 0`` (0 means greedy);
     ``0 < top_p <= 1``; ``top_k == -1 or top_k >= 0`` (0 and -1 both mean off); ``0 <= min_p <= 1``; penalties
     in vLLM's ranges; ``max_tokens >= 1`` or None (None = up to ``max_model_len``); ``0 <= min_tokens <=
-    max_tokens``; ``logprobs`` in [0, 20] or None; no empty stop string (it would match before any text; vLLM
-    refuses it too); ``stop_token_ids`` non-negative (the engine also checks them against the vocabulary);
+    max_tokens``; ``logprobs`` and ``prompt_logprobs`` in [0, 20] or None; no empty stop string (it would match
+    before any text; vLLM refuses it too); ``stop_token_ids`` non-negative (the engine also checks them against
+    the vocabulary);
     ``seed`` a signed 64-bit integer (vLLM's range); ``logit_bias`` maps non-negative token ids (checked against
     the vocabulary by the engine) to finite biases, which are clamped to [-100, 100] (OpenAI's range, as vLLM).
     """
@@ -40,6 +41,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k at its position (vLLM)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # added to the token's logit before everything else (OpenAI)
 
@@ -74,6 +76,7 @@ class SamplingParams:
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must not exceed max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(self.stop), "must not contain an empty string"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative token ids"),
             ("seed", self.seed is None or -2**63 <= self.seed < 2**63, "must be a signed 64-bit integer"),

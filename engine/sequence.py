@@ -39,6 +39,12 @@ class Sequence:
     counts in the block manager). While SWAPPED, ``swap_table`` holds the CPU swap blocks (swap_pool.py) with the
     K/V of its ``num_computed_tokens`` tokens, one per block it held; otherwise it is empty.
     ``num_cached_tokens``: prefix-cache hit (tokens) of its first scheduling; -1 before it.
+
+    Prompt logprobs (``params.prompt_logprobs``, computed for choice 0 only: the choices share the prompt):
+    ``prompt_logprobs`` holds one entry per prompt token, None for the first (nothing predicts it) and until read
+    back; ``num_prompt_logprobs`` counts the prompt tokens whose entry is launched (from 1), so a prefill run
+    again after a recompute preemption does not launch them twice. Until it reaches ``num_prompt_tokens`` the
+    sequence takes no prefix-cache hit (every position must be computed; vLLM does the same).
     """
 
     request_id: str
@@ -57,12 +63,16 @@ class Sequence:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     num_pending_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_prompt_logprobs: int = 1
     _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens
@@ -78,6 +88,11 @@ class Sequence:
         if self._prompt_array is None:
             self._prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int32)
         return self._prompt_array
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether some prompt token's logprob is still to be launched."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

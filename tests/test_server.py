@@ -144,14 +144,40 @@ def test_logprobs_in_chat_and_completions_streamed_and_not(server):
     streamed = [t.token for c in client.chat.completions.create(stream=True, **kw)
                 if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert "".join(streamed) == full.choices[0].message.content
-    r = client.completions.create(model=MODEL, prompt="ab", max_tokens=5, logprobs=1, echo=True)
+    r = client.completions.create(model=MODEL, prompt="ab", max_tokens=5, logprobs=1)
     lp = r.choices[0].logprobs
-    assert "".join(lp.tokens) == r.choices[0].text[2:] and lp.token_logprobs == [-0.25] * 5
-    assert lp.text_offset == [2, 3, 4, 5, 6] and lp.top_logprobs[0] == {lp.tokens[0]: -0.25}
+    assert "".join(lp.tokens) == r.choices[0].text and lp.token_logprobs == [-0.25] * 5
+    assert lp.text_offset == [0, 1, 2, 3, 4] and lp.top_logprobs[0] == {lp.tokens[0]: -0.25}
     chunks = list(client.completions.create(model=MODEL, prompt="ab", max_tokens=5, logprobs=1, stream=True))
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
     top0 = client.completions.create(model=MODEL, prompt="ab", max_tokens=2, logprobs=0).choices[0].logprobs
     assert top0.top_logprobs == [{t: -0.25} for t in top0.tokens]  # the sampled token is always there (k + 1)
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs_too(server):
+    """vLLM: with echo the prompt tokens come first in ``logprobs`` (the first one null), offsets from 0; with
+    ``max_tokens`` 0 the prompt alone comes back; streamed, the first chunk carries the prompt's."""
+    url, fake, _ = server
+    client = sdk(url)
+    r = client.completions.create(model=MODEL, prompt="ab", max_tokens=3, logprobs=1, echo=True)
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert fake.params[-1].prompt_logprobs == 1
+    assert text == "ab" + fake_completion(2, SamplingParams(max_tokens=3))[0] and "".join(lp.tokens) == text
+    assert lp.token_logprobs == [None, -1.5, -0.25, -0.25, -0.25] and lp.text_offset == [0, 1, 2, 3, 4]
+    assert lp.top_logprobs[:3] == [None, {"b": -1.5}, {text[2]: -0.25}]
+    streamed = list(client.completions.create(model=MODEL, prompt="ab", max_tokens=3, logprobs=1, echo=True,
+                                              stream=True))
+    first = streamed[0].choices[0]
+    assert first.text.startswith("ab") and first.logprobs.tokens[:2] == ["a", "b"]
+    assert [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
+    only = client.completions.create(model=MODEL, prompt="abc", max_tokens=0, logprobs=0, echo=True).choices[0]
+    assert only.text == "abc" and only.logprobs.tokens == ["a", "b", "c"]
+    assert only.logprobs.token_logprobs == [None, -1.5, -1.5] and only.logprobs.top_logprobs[1] == {"b": -1.5}
+    plain = client.completions.create(model=MODEL, prompt="ab", max_tokens=2, echo=True).choices[0]
+    assert plain.logprobs is None and fake.params[-1].prompt_logprobs is None  # none asked: none computed
+    bad = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 0})
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
 
 
 def test_models_health_version_tokenize_kv(server):

@@ -106,8 +106,10 @@ class FakeEngine:
         self.steps = 0
         self.idle_checks = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.params: list[SamplingParams] = []  # of every request added, in order
 
     def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+        self.params.append(params)
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
@@ -186,7 +188,11 @@ class FakeEngine:
             logprobs = list(r.logprobs[c]) if r.params.logprobs is not None else None
             choices.append(CompletionOutput(index=c, text=text, token_ids=list(toks), finish_reason=r.done[c],
                                             logprobs=logprobs))
-        return RequestOutput(r.request_id, r.prompt, list(r.prompt_ids), choices, all(r.done), r.metrics)
+        prompt_logprobs = None  # as LLMEngine: None for the first prompt token, then {token: logprob, top k}
+        if r.params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [{t: -1.5, ord("#"): -2.0, ord("~"): -3.0} for t in r.prompt_ids[1:]]
+        return RequestOutput(r.request_id, r.prompt, list(r.prompt_ids), choices, all(r.done), r.metrics,
+                             prompt_logprobs=prompt_logprobs)
 
     def get_stats(self) -> EngineStats:
         held = [(r.request_id, math.ceil((len(r.prompt_ids) + len(r.gen[0])) / self.block_size))

@@ -101,3 +101,21 @@ def test_disconnect_frees_blocks_and_metrics_follow(live):
     assert f'vllm:num_requests_running{{model_name="{model}"}} 0.0' in metrics
     assert f'vllm:request_success_total{{finished_reason="abort",model_name="{model}"}}' in metrics
     assert f'vllm:kv_cache_usage_perc{{model_name="{model}"}} 0.0' in metrics
+
+
+def test_echo_logprobs_score_a_continuation_like_lm_eval(live):
+    """lm-eval-harness's loglikelihood request (``echo``, ``logprobs`` 1, the continuation's tokens read from the
+    prompt's): the greedy next token's logprob, scored as the last prompt token, is what generating it gave."""
+    url, model, _ = live
+    client = sdk(url)
+    context = "The capital of France is"
+    gen = client.completions.create(model=model, prompt=context, max_tokens=1, temperature=0, logprobs=1).choices[0]
+    token, logprob = gen.logprobs.tokens[0], gen.logprobs.token_logprobs[0]
+    scored = client.completions.create(model=model, prompt=context + token, max_tokens=0, temperature=0,
+                                       logprobs=1, echo=True).choices[0]
+    lp = scored.logprobs
+    assert scored.text == context + token and "".join(lp.tokens) == context + token
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.tokens[-1] == token
+    assert lp.token_logprobs[-1] == pytest.approx(logprob, abs=1e-4)
+    assert max(lp.top_logprobs[-1].values()) == lp.token_logprobs[-1]  # greedy: it is the top token
+    assert all(v <= 0 for v in lp.token_logprobs[1:])

@@ -30,20 +30,25 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], k: int,
+def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float] | None], k: int,
                         text_offset: int) -> dict:
     """Legacy completions shape: ``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (character
     offset of each token, starting at ``text_offset``). Each ``top_logprobs`` dict holds the k most likely tokens
-    and the sampled one, so up to k + 1 (OpenAI's and vLLM's rule), keyed by their text."""
+    and the sampled one, so up to k + 1 (OpenAI's and vLLM's rule), keyed by their text. An entry None (the
+    first prompt token's, with ``echo``) gives null logprobs (vLLM)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in zip(token_ids, entries):
         text = tokenizer.decode([tid])
         out["tokens"].append(text)
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
         out["token_logprobs"].append(_lp(entry.get(tid, float("-inf"))))
         top = _top(entry, k)
         if tid not in (t for t, _ in top):
             top.append((tid, entry.get(tid, float("-inf"))))
         out["top_logprobs"].append({tokenizer.decode([t]): _lp(lp) for t, lp in top})
-        out["text_offset"].append(text_offset)
-        text_offset += len(text)
     return out

@@ -110,7 +110,7 @@ class SamplingRequest(RequestModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        defaults: dict[str, Any] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Build ``SamplingParams``: the request's fields over ``defaults`` (the model's generation config, see
         engine/generation_config.py); raises ``ValueError("<field>: ...")`` for an out-of-range field."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -120,8 +120,8 @@ class SamplingRequest(RequestModel):
             n=self.n, seed=self.seed, stop=[] if self.stop is None else self.stop,
             stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
             **with_defaults({**given, "max_tokens": max_tokens}, defaults or {}))
 
 
@@ -225,8 +225,8 @@ class ChatCompletionChunk(BaseModel):
 # ---- completions ----
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
+    max_tokens: int | None = 16  # 0 only with echo: the prompt back (and its logprobs), nothing generated (vLLM)
+    echo: bool = False  # with logprobs: the prompt tokens' logprobs too, the first one null
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM: string prompts get the tokenizer's BOS (and the like)

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import RequestStream
-from engine.outputs import CompletionOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
 from engine.server.logprobs import completion_logprobs
 from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
@@ -40,39 +40,47 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     given = split_prompts(req.prompt)
     prompts = given if req.add_special_tokens else [  # the engine encodes strings with them: hand it ids without
         llm.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in given]
-    params = build_params(req.sampling_params, req.max_tokens, req.logprobs, llm.default_sampling)
+    echo_only = req.echo and req.max_tokens == 0  # vLLM: the prompt back, one token generated and dropped
+    params = build_params(req.sampling_params, 1 if echo_only else req.max_tokens, req.logprobs,
+                          llm.default_sampling, req.logprobs if req.echo else None)
     request_id = random_id("cmpl")
     streams = await submit(ctx, prompts, params, request_id, "prompt")  # checks the token ids before echo decodes
     echo = prompt_texts(llm.tokenizer, given) if req.echo else [""] * len(given)
     created = int(time.time())
     if req.stream:
-        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, created, echo))
+        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, created, echo, echo_only))
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
-    choices = [CompletionChoice(index=i * req.n + c.index, text=echo[i] + c.text, finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason,
-                                logprobs=_logprobs(llm.tokenizer, req, c, 0, len(echo[i])))
+    choices = [CompletionChoice(index=i * req.n + c.index, text=echo[i] + ("" if echo_only else c.text),
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                logprobs=_logprobs(llm.tokenizer, req, out, c, 0, len(echo[i]), echo_only))
                for i, out in enumerate(finals) for c in out.outputs]
     body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
                               choices=sorted(choices, key=lambda c: c.index), usage=usage(finals))
     return JSONResponse(body.model_dump())
 
 
-def _logprobs(tokenizer: Any, req: CompletionRequest, choice: CompletionOutput, start: int,
-              text_offset: int) -> dict | None:
-    """The completions ``logprobs`` of ``choice``'s tokens from ``start`` on, when the request asked for them."""
+def _logprobs(tokenizer: Any, req: CompletionRequest, out: RequestOutput, choice: CompletionOutput, start: int,
+              text_offset: int, echo_only: bool) -> dict | None:
+    """The completions ``logprobs`` of ``choice``'s tokens from ``start`` on (none with ``echo_only``), when the
+    request asked for them; with ``echo``, from the first (``start`` 0), the prompt's tokens before them, their
+    offsets from 0 (vLLM)."""
     if req.logprobs is None or choice.logprobs is None:
         return None
-    end = len(choice.token_ids)
-    return completion_logprobs(tokenizer, choice.token_ids[start:end], choice.logprobs[start:end], req.logprobs,
-                               text_offset)
+    end = start if echo_only else len(choice.token_ids)
+    got = completion_logprobs(tokenizer, choice.token_ids[start:end], choice.logprobs[start:end], req.logprobs,
+                              text_offset)
+    if not req.echo or start or out.prompt_logprobs is None:
+        return got
+    prompt = completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, req.logprobs, 0)
+    return {key: prompt[key] + got[key] for key in got}
 
 
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, streams: list[RequestStream],
-                  request_id: str, created: int, echo: list[str]) -> AsyncIterator[dict]:
-    """``text_completion`` chunk dicts, one choice each: text deltas (the first prefixed by the echoed prompt),
-    the last one with its ``finish_reason``; usage as in chat."""
+                  request_id: str, created: int, echo: list[str], echo_only: bool) -> AsyncIterator[dict]:
+    """``text_completion`` chunk dicts, one choice each: text deltas (the first prefixed by the echoed prompt, and
+    its logprobs by the prompt's), the last one with its ``finish_reason``; usage as in chat."""
     tracker = DeltaTracker(req.n)
     finals: list[Any] = [None] * len(streams)
 
@@ -83,8 +91,9 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, s
     async for i, out in merge(streams):
         finals[i] = out
         for d in tracker.update(i, out):
-            text = echo[i] + d.text if d.first else d.text
-            logprobs = _logprobs(tokenizer, req, d.choice, d.token_start, len(echo[i]) + d.text_start)
+            text = "" if echo_only else d.text
+            text = echo[i] + text if d.first else text
+            logprobs = _logprobs(tokenizer, req, out, d.choice, d.token_start, len(echo[i]) + d.text_start, echo_only)
             if text or d.finish_reason or (logprobs and logprobs["tokens"]):
                 yield chunk([CompletionChoice(index=d.index, text=text, finish_reason=d.finish_reason,
                                               stop_reason=d.choice.stop_reason if d.finish_reason else None,

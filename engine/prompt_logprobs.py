@@ -1,0 +1,83 @@
+"""Prompt logprobs (vLLM's ``SamplingParams.prompt_logprobs``; what OpenAI completions return for the prompt with
+``echo`` and ``logprobs``): the log-probability of each prompt token given the tokens before it, and the top-k at
+its position, from the hidden states a prefill step computes anyway.
+
+Prompt token t (t >= 1) is predicted by the hidden row of position t - 1. A prefill chunk of positions
+[start, end) therefore holds the rows of tokens [start + 1, end + 1), cut to the prompt and to those not launched
+before (``Sequence.num_prompt_logprobs``). The LM head runs on at most :data:`ROWS_PER_PASS` rows at a time, so a
+long prompt's [rows, V] logits stay small (256 x 152k x 4 bytes: 156 MB). Natural-log probabilities of the raw
+model distribution (no penalties or temperature), like the sampled tokens' logprobs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampler import to_device
+from engine.sequence import Sequence
+
+#: LM-head rows per pass
+ROWS_PER_PASS = 256
+
+
+@dataclass
+class PromptChunk:
+    """The entries of prompt tokens [first, first + n) of ``seq``: ``chosen`` float32 [n] (each prompt token's
+    logprob), ``top_values`` float32 [n, K] and ``top_ids`` int64 [n, K] (the K most likely tokens at its
+    position, descending; the sequence asked for k <= K). On the device until :meth:`to` copies them."""
+
+    seq: Sequence
+    first: int
+    k: int
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to(self, host) -> PromptChunk:
+        """The same with each tensor copied by ``host`` (a function of one tensor)."""
+        return PromptChunk(self.seq, self.first, self.k, host(self.chosen), host(self.top_values),
+                           host(self.top_ids))
+
+    def fill(self) -> None:
+        """Write the entries ({prompt token: its logprob, then the top k}) into ``seq.prompt_logprobs`` (read back
+        first: the tensors are on the host)."""
+        prompt = self.seq.token_ids
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        for i, (lp, top_v, top_i) in enumerate(zip(chosen, values, ids)):
+            t = self.first + i
+            self.seq.prompt_logprobs[t] = {prompt[t]: lp, **dict(zip(top_i[:self.k], top_v[:self.k]))}
+
+
+def rows_to_launch(seqs: list[Sequence], num_new_tokens: list[int]) -> list[tuple[Sequence, int, int, int]]:
+    """For a prefill batch (``seqs`` in batch order, their chunks of ``num_new_tokens`` positions one after the
+    other in the step's hidden rows): (seq, first prompt token, count, its hidden row) per sequence with prompt
+    logprobs to launch here; advances ``num_prompt_logprobs`` past them."""
+    plan, row = [], 0
+    for seq, n in zip(seqs, num_new_tokens):
+        start = seq.num_computed_tokens
+        if seq.wants_prompt_logprobs:
+            first = max(start + 1, seq.num_prompt_logprobs)
+            end = min(start + n + 1, seq.num_prompt_tokens)
+            if first < end:
+                plan.append((seq, first, end - first, row + first - 1 - start))
+                seq.num_prompt_logprobs = end
+        row += n
+    return plan
+
+
+def launch(model, hidden: torch.Tensor, plan: list[tuple[Sequence, int, int, int]]) -> list[PromptChunk]:
+    """The chunks of ``plan`` (:func:`rows_to_launch`) from the step's hidden states [T, H], on their device,
+    without a host sync: the LM head, log-softmax, the prompt tokens' logprobs and the top-k, a pass per
+    :data:`ROWS_PER_PASS` rows."""
+    chunks = []
+    for seq, first, count, row in plan:
+        k = seq.params.prompt_logprobs
+        for lo in range(0, count, ROWS_PER_PASS):
+            n = min(ROWS_PER_PASS, count - lo)
+            logp = torch.log_softmax(model.compute_logits(hidden[row + lo:row + lo + n]).float(), -1)
+            target = to_device(seq.token_ids[first + lo:first + lo + n], torch.int64, logp.device)
+            chosen = logp.gather(1, target[:, None])[:, 0]
+            top_values, top_ids = torch.topk(logp, k) if k else (logp[:, :0], logp[:, :0].long())
+            chunks.append(PromptChunk(seq, first + lo, k, chosen, top_values, top_ids))
+    return chunks

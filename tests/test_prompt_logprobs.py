@@ -1,0 +1,123 @@
+"""Prompt logprobs (vLLM's ``SamplingParams.prompt_logprobs``) on the demo model, CPU reference path: each prompt
+token's entry equals the logprob the engine gives that token when it generates it, whatever the chunking, the
+prefix cache, async scheduling or preemption; which hidden rows a prefill step takes them from."""
+from __future__ import annotations
+
+import pytest
+
+from engine.prompt_logprobs import rows_to_launch
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BUDGET = 32  # tokens per step: prompts over it are prefilled in chunks
+GENERATE = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+SCORE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=3)
+
+
+def _close(got: list, want: list) -> bool:
+    """Entries equal in tokens and within 1e-5 in logprob (None where None)."""
+    return len(got) == len(want) and all(
+        (a is None and b is None) or (a is not None and b is not None and a.keys() == b.keys()
+                                      and a == pytest.approx(b, abs=1e-5)) for a, b in zip(got, want))
+
+
+def _llm(demo_model, **kw):
+    from engine import LLM
+    return LLM(str(demo_model), device="cpu", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=BUDGET,
+               **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model):
+    return _llm(demo_model)
+
+
+@pytest.fixture(scope="module")
+def prompt(llm) -> list[int]:
+    from engine_fixtures import RAW_PROMPTS
+    ids = llm.get_tokenizer().encode(" ".join(RAW_PROMPTS * 2), add_special_tokens=False)
+    assert len(ids) > 2 * BUDGET
+    return ids[:70]
+
+
+@pytest.fixture(scope="module")
+def generated(llm, prompt):
+    """(prompt + the 6 greedy tokens, their logprobs entries) generated from ``prompt``."""
+    out = llm.generate([prompt], GENERATE)[0].outputs[0]
+    return prompt + out.token_ids, out.logprobs
+
+
+def test_prompt_logprobs_equal_the_logprobs_of_generating_those_tokens(llm, prompt, generated):
+    ids, entries = generated
+    out = llm.generate([ids], SCORE)[0]
+    got = out.prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for t in range(1, len(ids)):
+        assert ids[t] in got[t] and len(got[t]) in (3, 4), t  # the prompt token, and the top 3
+        assert list(got[t].values())[1:] == sorted(list(got[t].values())[1:], reverse=True)
+    for j, entry in enumerate(entries):  # the same positions, computed by decode steps then
+        assert got[len(prompt) + j].keys() == entry.keys()
+        assert got[len(prompt) + j] == pytest.approx(entry, abs=1e-4), j
+    assert out.outputs[0].logprobs is None  # not asked for the generated token
+
+
+def test_chunking_the_prefix_cache_and_async_scheduling_change_nothing(demo_model, llm, generated):
+    ids, _ = generated
+    first = llm.generate([ids], SCORE)[0].prompt_logprobs
+    stats = llm.engine.get_stats()
+    again = llm.generate([ids], SCORE)[0]  # its blocks are cached now: a request without prompt logprobs would hit
+    assert again.prompt_logprobs == first
+    assert llm.engine.get_stats().prefix_cache_hits_total == stats.prefix_cache_hits_total  # no hit taken
+    plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert plain.prompt_logprobs is None and llm.engine.get_stats().prefix_cache_hits_total > \
+        stats.prefix_cache_hits_total
+    sched = llm.engine.scheduler
+    sched.enable_chunked_prefill, sched.max_num_batched_tokens = False, 4096
+    try:
+        whole = llm.generate([ids], SCORE)[0].prompt_logprobs
+    finally:
+        sched.enable_chunked_prefill, sched.max_num_batched_tokens = True, BUDGET
+    assert _close(whole, first)
+    overlapped = _llm(demo_model, async_scheduling=True).generate([ids], SCORE)[0].prompt_logprobs
+    assert overlapped == first
+
+
+def test_zero_top_logprobs_and_several_choices(llm, generated):
+    ids, _ = generated
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=2, n=2, prompt_logprobs=0)
+    out = llm.generate([ids[:20]], params)[0]
+    assert len(out.outputs) == 2 and len(out.prompt_logprobs) == 20
+    assert all(list(e) == [ids[t]] for t, e in enumerate(out.prompt_logprobs) if t)  # the prompt token alone
+
+
+def test_preemption_by_recompute_changes_no_entry(demo_model, llm, prompt):
+    """On a pool too small for the five requests, preempted ones are prefilled again (prompt + output): their
+    prompt entries are still each launched once, and equal those of a roomy run."""
+    from engine import LLM
+    texts = [prompt[i:i + 40] for i in range(0, 30, 6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
+    want = [o.prompt_logprobs for o in llm.generate(texts, params)]
+    tight = LLM(str(demo_model), device="cpu", max_num_seqs=8, max_model_len=64, block_size=8, num_kv_blocks=12)
+    got = [o.prompt_logprobs for o in tight.generate(texts, params)]
+    assert tight.engine.get_stats().num_preemptions_total > 0
+    assert all(_close(g, w) for g, w in zip(got, want))
+
+
+def test_rows_to_launch_takes_each_prompt_token_once():
+    a = Sequence("a", 0, list(range(10)), SamplingParams(prompt_logprobs=1))
+    b = Sequence("b", 0, list(range(5)), SamplingParams())
+    c = Sequence("c", 0, list(range(6)), SamplingParams(prompt_logprobs=0))
+    c.num_computed_tokens = 2  # its next chunk starts at position 2
+    plan = rows_to_launch([b, a, c], [5, 4, 4])  # rows 0-4: b; 5-8: a's positions 0-3; 9-12: c's positions 2-5
+    assert [(s.request_id, first, n, row) for s, first, n, row in plan] == [("a", 1, 4, 5), ("c", 3, 3, 9)]
+    assert (a.num_prompt_logprobs, c.num_prompt_logprobs) == (5, 6)
+    a.num_computed_tokens = 4
+    assert [(first, n, row) for _, first, n, row in rows_to_launch([a], [6])] == [(5, 5, 0)]
+    a.num_computed_tokens = 0  # recomputed from the start after a preemption: nothing to launch again
+    a.token_ids.append(7)
+    assert rows_to_launch([a], [11]) == [] and not a.wants_prompt_logprobs
+
+
+def test_prompt_logprobs_range_is_checked():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
