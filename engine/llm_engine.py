@@ -272,6 +272,8 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
+            elif not req.seqs[0].prompt_logprobs_ready:  # another choice ran ahead; outputs are cumulative
+                continue
             outputs.append(self._output(req))
         return invalid
 
@@ -322,6 +324,7 @@ class LLMEngine:
                 text = text[:len(text) - detokenizer.held_back(text, seq.params.stop)]
             choices.append(CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
                                             seq.stop_reason, seq.logprobs))
+        # complete once emitted (``_process`` holds a request's outputs back until then; an abort's may not be)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, choices, req.finished, req.metrics,
                              prompt_logprobs=req.seqs[0].prompt_logprobs)
 

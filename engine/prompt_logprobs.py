@@ -47,6 +47,7 @@ class PromptChunk:
         for i, (lp, top_v, top_i) in enumerate(zip(chosen, values, ids)):
             t = self.first + i
             self.seq.prompt_logprobs[t] = {prompt[t]: lp, **dict(zip(top_i[:self.k], top_v[:self.k]))}
+        self.seq.num_prompt_logprobs_read += len(chosen)
 
 
 def rows_to_launch(seqs: list[Sequence], num_new_tokens: list[int]) -> list[tuple[Sequence, int, int, int]]:

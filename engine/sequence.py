@@ -43,8 +43,9 @@ class Sequence:
     Prompt logprobs (``params.prompt_logprobs``, computed for choice 0 only: the choices share the prompt):
     ``prompt_logprobs`` holds one entry per prompt token, None for the first (nothing predicts it) and until read
     back; ``num_prompt_logprobs`` counts the prompt tokens whose entry is launched (from 1), so a prefill run
-    again after a recompute preemption does not launch them twice. Until it reaches ``num_prompt_tokens`` the
-    sequence takes no prefix-cache hit (every position must be computed; vLLM does the same).
+    again after a recompute preemption does not launch them twice, and ``num_prompt_logprobs_read`` those read
+    back. Until the first reaches ``num_prompt_tokens`` the sequence takes no prefix-cache hit (every position must
+    be computed; vLLM does the same).
     """
 
     request_id: str
@@ -65,6 +66,7 @@ class Sequence:
     num_pending_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_prompt_logprobs: int = 1
+    num_prompt_logprobs_read: int = 1
     _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +95,11 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """Whether some prompt token's logprob is still to be launched."""
         return self.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens
+
+    @property
+    def prompt_logprobs_ready(self) -> bool:
+        """Whether every prompt entry asked for is read back (True when none was asked)."""
+        return self.prompt_logprobs is None or self.num_prompt_logprobs_read >= self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -10,21 +10,30 @@ from kernels import penalties
 
 
 def _batch(rows_total: int, width: int, picked: list[int], lengths: list[tuple[int, int]], pending: bool):
-    """Random inputs in the kernel's layout (see kernels/penalties.py) and the per-row id lists they hold."""
+    """Random inputs in the kernel's layout (see kernels/penalties.py) and the per-row id lists they hold. The first
+    penalised row always has penalties, an output id past the vocabulary (when it has outputs) and, with
+    ``pending``, a pending token; with more rows the last is neutral (1, 0, 0) with a pending token past the
+    vocabulary, and with three or more the second has none (-1)."""
     logits = torch.randn(rows_total, width) * 4
     logits[0, :7] = float("-inf")  # masked by min_tokens
     prompts = [torch.randint(-3, width + 3, (p,), dtype=torch.int32) for p, _ in lengths]  # some ids out of range
     outputs = [torch.randint(0, min(width, 40), (o,), dtype=torch.int32) for _, o in lengths]  # repeats likely
-    ids = torch.cat([t for pair in zip(prompts, outputs) for t in pair]) if lengths else torch.zeros(0, dtype=torch.int32)
+    if len(outputs[0]):
+        outputs[0][-1] = width + 1
+    ids = torch.cat([t for pair in zip(prompts, outputs) for t in pair])
     sizes = torch.tensor([len(t) for pair in zip(prompts, outputs) for t in pair], dtype=torch.int64)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]).to(torch.int32)
     params = torch.stack([torch.rand(len(picked)) + 0.5, torch.rand(len(picked)) - 0.2,
                           torch.rand(len(picked)) - 0.2]).float()
-    params[:, 0] = torch.tensor([1.0, 0.0, 0.0])  # a row whose penalties are all neutral
-    tokens = None
+    tokens = torch.randint(0, width, (rows_total,), dtype=torch.int64) if pending else None
     if pending:
-        tokens = torch.randint(-1, width, (rows_total,), dtype=torch.int64)
-        tokens[picked[0]] = -1
+        tokens[picked[0]] = 3
+    if len(picked) > 1:
+        params[:, -1] = torch.tensor([1.0, 0.0, 0.0])
+        if pending:  # counted, it would be written past the scratch's last row
+            tokens[picked[-1]] = width + 5
+    if len(picked) > 2 and pending:
+        tokens[picked[1]] = -1
     rows = torch.tensor(picked, dtype=torch.int32)
     return logits, rows, offsets, ids, params, tokens, prompts, outputs
 
@@ -51,7 +60,7 @@ def _loop(logits, rows, params, tokens, prompts, outputs):
 CASES = [  # (rows in the batch, vocabulary, penalised rows, (prompt, output) ids per penalised row, pending)
     (1, 50, [0], [(5, 3)], False),
     (3, 100, [0, 2], [(9, 0), (0, 12)], True),
-    (4, 5000, [3, 1, 0], [(2500, 30), (0, 1100), (17, 0)], True),  # two slices; rows over one loop step
+    (4, 5000, [3, 1, 0, 2], [(2500, 30), (0, 1100), (17, 0), (5, 5)], True),  # 3 slices; rows over a loop step
     (2, 64, [1], [(0, 0)], True),  # only the pending token
 ]
 
@@ -63,6 +72,7 @@ def test_kernel_equals_reference_bit_for_bit(rows_total, width, picked, lengths,
     want = penalties.apply_penalties_ref(logits.clone(), rows, offsets, ids, params, tokens)
     got = penalties.apply_penalties(logits.clone(), rows, offsets, ids, params, tokens, **slice_)
     assert torch.equal(got, want)
+    assert not torch.equal(got[picked[0]], logits[picked[0]])  # the first penalised row did change
     untouched = [r for r in range(rows_total) if r not in picked]
     assert torch.equal(got[untouched], logits[untouched])
 

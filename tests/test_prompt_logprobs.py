@@ -90,16 +90,26 @@ def test_zero_top_logprobs_and_several_choices(llm, generated):
     assert all(list(e) == [ids[t]] for t, e in enumerate(out.prompt_logprobs) if t)  # the prompt token alone
 
 
-def test_preemption_by_recompute_changes_no_entry(demo_model, llm, prompt):
-    """On a pool too small for the five requests, preempted ones are prefilled again (prompt + output): their
-    prompt entries are still each launched once, and equal those of a roomy run."""
-    from engine import LLM
+def test_preemption_by_recompute_changes_no_entry(demo_model, llm, prompt, monkeypatch):
+    """On a pool too small for the five requests, preempted ones are prefilled again (prompt + output): each
+    prompt token's entry is still launched once, and the entries equal those of a roomy run."""
+    from engine import LLM, model_runner
     texts = [prompt[i:i + 40] for i in range(0, 30, 6)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
     want = [o.prompt_logprobs for o in llm.generate(texts, params)]
     tight = LLM(str(demo_model), device="cpu", max_num_seqs=8, max_model_len=64, block_size=8, num_kv_blocks=12)
+    launched: dict[int, list[int]] = {}
+    real = model_runner.launch_prompt_logprobs
+
+    def counted(model, hidden, plan):
+        for seq, first, count, _ in plan:
+            launched.setdefault(seq.seq_id, []).extend(range(first, first + count))
+        return real(model, hidden, plan)
+
+    monkeypatch.setattr(model_runner, "launch_prompt_logprobs", counted)
     got = [o.prompt_logprobs for o in tight.generate(texts, params)]
     assert tight.engine.get_stats().num_preemptions_total > 0
+    assert sorted(map(sorted, launched.values())) == [list(range(1, 40))] * 5  # each token once
     assert all(_close(g, w) for g, w in zip(got, want))
 
 
@@ -116,6 +126,26 @@ def test_rows_to_launch_takes_each_prompt_token_once():
     a.num_computed_tokens = 0  # recomputed from the start after a preemption: nothing to launch again
     a.token_ids.append(7)
     assert rows_to_launch([a], [11]) == [] and not a.wants_prompt_logprobs
+
+
+def test_outputs_wait_for_the_prompt_entries_to_be_read_back(llm, prompt, monkeypatch):
+    """With two choices, the second may sample before the first's prompt entries are read back (here: the first's
+    read-back is held); its outputs wait (they are cumulative) and come with every entry."""
+    from engine.prompt_logprobs import PromptChunk
+    engine, held = llm.engine, []
+    real_fill = PromptChunk.fill
+    monkeypatch.setattr(PromptChunk, "fill", lambda chunk: held.append(chunk))
+    engine.add_request("two", prompt[:20], SamplingParams(temperature=0, max_tokens=3, n=2, prompt_logprobs=1))
+    early = engine.step()  # both choices prefilled and sampled; choice 0's entries not read back
+    assert early == [] and held and not engine.requests["two"].seqs[0].prompt_logprobs_ready
+    for chunk in held:
+        real_fill(chunk)
+    monkeypatch.undo()
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert all(None not in o.prompt_logprobs[1:] for o in outs) and outs[-1].finished
+    assert outs[0].outputs[0].token_ids and outs[0].outputs[1].token_ids
 
 
 def test_prompt_logprobs_range_is_checked():

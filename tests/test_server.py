@@ -561,3 +561,44 @@ def test_the_models_generation_config_fills_what_a_request_leaves_out(server):
     httpx.post(f"{url}/v1/completions", json={"prompt": "hey", "max_tokens": 50}).raise_for_status()
     assert [(p.temperature, p.top_p, p.top_k, p.max_tokens) for p in seen] == [
         (0.6, 0.9, -1, 5), (0.0, 0.9, 4, 3), (0.6, 0.9, -1, 5)]
+
+
+def test_streamed_echo_sends_each_choices_prompt_logprobs_once():
+    """Two choices where the second's first output has no token yet (it was not scheduled): its prompt logprobs
+    come once, with its first chunk, and its tokens' offsets continue after the prompt's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.server.protocol import CompletionRequest
+    from engine.server.serving_completion import _chunks
+
+    prompt, entries = [ord("a"), ord("b")], [None, {ord("b"): -1.5}]
+
+    def output(first: str, second: str, done: bool) -> RequestOutput:
+        choices = [CompletionOutput(i, t, [ord(c) for c in t], "length" if done else None, None,
+                                    [{ord(c): -0.25} for c in t]) for i, t in enumerate((first, second))]
+        return RequestOutput("r", "ab", prompt, choices, done, None, prompt_logprobs=entries)
+
+    class Stream:
+        def abort(self) -> None:
+            pass
+
+        def __aiter__(self):
+            async def outputs():
+                for o in (output("x", "", False), output("xy", "z", False), output("xy", "zw", True)):
+                    yield o
+            return outputs()
+
+    req = CompletionRequest(model=MODEL, prompt="ab", n=2, max_tokens=2, logprobs=1, echo=True, stream=True)
+
+    async def collect():
+        return [c for chunk in [ch async for ch in _chunks(SimpleNamespace(model_name=MODEL), FakeTokenizer(), req,
+                                                             [Stream()], "r", 0, ["ab"], False)]
+                for c in chunk["choices"]]
+
+    got = asyncio.run(collect())
+    by_choice = {i: [(c["text"], c["logprobs"]["tokens"], c["logprobs"]["text_offset"]) for c in got
+                     if c["index"] == i and c["logprobs"]["tokens"]] for i in (0, 1)}
+    assert by_choice[0] == [("abx", ["a", "b", "x"], [0, 1, 2]), ("y", ["y"], [3])]
+    assert by_choice[1] == [("ab", ["a", "b"], [0, 1]), ("z", ["z"], [2]), ("w", ["w"], [3])]

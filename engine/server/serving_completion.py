@@ -54,24 +54,33 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         return Response(status_code=499)  # client closed the connection; nobody reads this
     choices = [CompletionChoice(index=i * req.n + c.index, text=echo[i] + ("" if echo_only else c.text),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                logprobs=_logprobs(llm.tokenizer, req, out, c, 0, len(echo[i]), echo_only))
+                                logprobs=_logprobs(llm.tokenizer, req, out, c, 0,
+                                                   _prompt_offset(llm.tokenizer, req, out), True, echo_only))
                for i, out in enumerate(finals) for c in out.outputs]
     body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
                               choices=sorted(choices, key=lambda c: c.index), usage=usage(finals))
     return JSONResponse(body.model_dump())
 
 
+def _prompt_offset(tokenizer: Any, req: CompletionRequest, out: RequestOutput) -> int:
+    """Where the generated tokens' ``text_offset`` starts: after the prompt's tokens, decoded one by one, when
+    they lead the logprobs (``echo``; vLLM counts offsets over prompt and generated tokens from 0), else 0."""
+    if not (req.echo and req.logprobs is not None and out.prompt_logprobs is not None):
+        return 0
+    return sum(len(tokenizer.decode([t])) for t in out.prompt_token_ids)
+
+
 def _logprobs(tokenizer: Any, req: CompletionRequest, out: RequestOutput, choice: CompletionOutput, start: int,
-              text_offset: int, echo_only: bool) -> dict | None:
-    """The completions ``logprobs`` of ``choice``'s tokens from ``start`` on (none with ``echo_only``), when the
-    request asked for them; with ``echo``, from the first (``start`` 0), the prompt's tokens before them, their
-    offsets from 0 (vLLM)."""
+              text_offset: int, first: bool, echo_only: bool) -> dict | None:
+    """The completions ``logprobs`` of ``choice``'s tokens from ``start`` on (none with ``echo_only``), their
+    offsets from ``text_offset``, when the request asked for them; with ``echo``, the choice's ``first`` logprobs
+    start with the prompt's tokens (the first one's null, offsets from 0; vLLM)."""
     if req.logprobs is None or choice.logprobs is None:
         return None
     end = start if echo_only else len(choice.token_ids)
     got = completion_logprobs(tokenizer, choice.token_ids[start:end], choice.logprobs[start:end], req.logprobs,
                               text_offset)
-    if not req.echo or start or out.prompt_logprobs is None:
+    if not (req.echo and first and out.prompt_logprobs is not None):
         return got
     prompt = completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, req.logprobs, 0)
     return {key: prompt[key] + got[key] for key in got}
@@ -88,12 +97,16 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, s
         body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices)
         return body.model_dump(exclude=None if req.include_usage else {"usage"})
 
+    offsets: dict[int, int] = {}  # per prompt: where its generated tokens' text_offset starts
     async for i, out in merge(streams):
         finals[i] = out
         for d in tracker.update(i, out):
             text = "" if echo_only else d.text
             text = echo[i] + text if d.first else text
-            logprobs = _logprobs(tokenizer, req, out, d.choice, d.token_start, len(echo[i]) + d.text_start, echo_only)
+            if i not in offsets:
+                offsets[i] = _prompt_offset(tokenizer, req, out)
+            logprobs = _logprobs(tokenizer, req, out, d.choice, d.token_start, offsets[i] + d.text_start, d.first,
+                                 echo_only)
             if text or d.finish_reason or (logprobs and logprobs["tokens"]):
                 yield chunk([CompletionChoice(index=d.index, text=text, finish_reason=d.finish_reason,
                                               stop_reason=d.choice.stop_reason if d.finish_reason else None,
