@@ -31,8 +31,9 @@ class EngineConfig:
     ``device``: "auto" (CUDA when available, else CPU), "cuda" or "cpu".
     ``dtype``: of activations and unquantized weights: "auto" (float32 on CPU, the exact reference path;
     bfloat16 on CUDA), "float32", "bfloat16" or "float16".
-    ``gpu_memory_utilization``: the fraction of the GPU's total memory the engine may use (weights, activations
-    and the KV cache, which gets the rest), in (0, 1].
+    ``gpu_memory_utilization``: the fraction of the GPU's total memory the engine may use (weights, activations,
+    the sampler's buffers for ``max_num_seqs`` rows, and the KV cache, which gets the rest:
+    ``model_runner.gpu_kv_budget``), in (0, 1].
     ``cpu_kv_cache_gib``: GiB of KV cache on CPU.
     ``max_num_seqs``: sequences running at once (one step's batch at most).
     ``block_size``: tokens per KV cache block.

@@ -21,7 +21,7 @@ from engine.attention import AttentionMetadata
 from engine.config import MIN_CAPABILITY, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
-from engine.prompt_logprobs import PromptChunk, launch as launch_prompt_logprobs, rows_to_launch
+from engine.prompt_logprobs import ROWS_PER_PASS, PromptChunk, launch as launch_prompt_logprobs, rows_to_launch
 from engine.sampler import StepLogprobs, penalised_pending, sample_tokens, step_logprobs, to_device
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -98,6 +98,26 @@ class LaunchedStep:
         return tokens, self.logprobs.entries(tokens) if self.logprobs else [None] * len(tokens)
 
 
+#: [rows, V] float32 buffers alive at the sampler's peak, the logits included: 9 measured on the CPU path with
+#: temperature, top-k, top-p, min-p, penalties and logprobs on 64 rows of a 152k vocabulary, 6 with temperature
+#: alone (``bench/sampler_memory.py``); the same torch ops run on the GPU, the penalties there in one int32 scratch
+SAMPLER_BUFFERS = 9
+#: the same for a prompt-logprobs pass (logits, log-softmax, top-k) of ``prompt_logprobs.ROWS_PER_PASS`` rows
+PROMPT_LOGPROBS_BUFFERS = 3
+
+
+def gpu_kv_budget(total: int, used: int, utilization: float, max_model_len: int, hidden: int, itemsize: int,
+                  max_num_seqs: int, vocab: int) -> float:
+    """Bytes the KV cache may take on a GPU: ``utilization`` x ``total`` memory, less what is ``used`` (weights,
+    the CUDA context), a prefill's activations (16 [max_model_len, hidden] buffers of ``itemsize`` bytes, x 4
+    spare), and the sampler's [rows, V] float32 buffers at their peak (:data:`SAMPLER_BUFFERS` for
+    ``max_num_seqs`` rows, or a prompt-logprobs pass, whichever is larger: 1.4 GB at 256 rows of a 152k
+    vocabulary, 0.3 GB at 32k)."""
+    activations = 4 * max_model_len * hidden * 16 * itemsize
+    sampler = 4 * vocab * max(SAMPLER_BUFFERS * max_num_seqs, PROMPT_LOGPROBS_BUFFERS * ROWS_PER_PASS)
+    return utilization * total - used - activations - sampler
+
+
 class ModelRunner:
     """Runs the model over the paged KV cache.
 
@@ -166,15 +186,14 @@ class ModelRunner:
         return 2 * self._layer_block_bytes() * len(self.model.layers)
 
     def _blocks_that_fit(self, max_model_len: int) -> int:
-        """KV blocks from the memory budget: ``cpu_kv_cache_gib`` on CPU; on CUDA the part of
-        ``gpu_memory_utilization`` x total memory not used by weights and a prefill's activations."""
+        """KV blocks from the memory budget: ``cpu_kv_cache_gib`` on CPU; on CUDA :func:`gpu_kv_budget`."""
         if self.device.type == "cpu":
             budget = self.config.cpu_kv_cache_gib * 2**30
         else:
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            activations = 4 * max_model_len * self.model.config["hidden_size"] * 16 * self.dtype.itemsize
-            budget = self.config.gpu_memory_utilization * total - used - activations
+            budget = gpu_kv_budget(total, total - free, self.config.gpu_memory_utilization, max_model_len,
+                                   self.model.config["hidden_size"], self.dtype.itemsize, self.config.max_num_seqs,
+                                   self.model.config["vocab_size"])
         return max(int(budget // self._bytes_per_block()), 0)
 
     def _allocate_kv_cache(self) -> None:
