@@ -14,7 +14,9 @@ Policy (``CpuThreads.update``), once per ``INTERVAL_S`` of wall time while the e
 * a process that takes whatever CPU we leave it (a niced batch job) looks like load only while we leave it a core,
   so every ``PROBE_S`` a reduced count tries torch's full count again for one interval and keeps it if the load
   then measured allows it;
-* at least 1 thread, at most torch's count at start (``torch.get_num_threads()``, one per physical core);
+* at least 1 thread, at most torch's count at start (``torch.get_num_threads()``, one per physical core), and at
+  most the CPUs a cgroup quota grants, rounded down (``docker --cpus 2`` on a 16-core host: 2; torch does not read
+  quotas, and 16 threads in a 2-CPU quota are throttled in turn while the others spin; :func:`cgroup_cpu_limit`);
 * the engine calls ``pause`` when it runs out of work: the next look only starts a new window (idle time is not
   judged, however long a step takes);
 * a change is logged at INFO at most once a minute (the rest at DEBUG); a probe that keeps the full count always;
@@ -30,6 +32,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -64,6 +67,49 @@ class CpuTimes:
     cpus: int
 
 
+def _quota(directory: Path) -> float | None:
+    """CPUs the cgroup ``directory``'s own quota grants: v2 ``cpu.max`` ("max 100000" or "200000 100000"), v1
+    ``cpu.cfs_quota_us`` (-1: none) over ``cpu.cfs_period_us``; None without one."""
+    if (directory / "cpu.max").is_file():
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    if (directory / "cpu.cfs_quota_us").is_file():
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        return None if quota < 0 else quota / int((directory / "cpu.cfs_period_us").read_text())
+    return None
+
+
+def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs this process's cgroup quotas grant (quota / period, the smallest on its cgroup's path up to the
+    hierarchy's root: a container's ``--cpus``), or None when none is set or it cannot be read. cgroup v2 (the
+    ``0::`` line of ``proc_cgroup``; mounted at ``root``, or at ``root``/unified beside v1) and v1 (the hierarchy
+    whose controllers include cpu, mounted at ``root``/<its controllers>). Source: the kernel's cgroup-v2 and
+    cfs-bandwidth documentation."""
+    base = Path(root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+        limits = []
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                mount = base if (base / "cgroup.controllers").is_file() else base / "unified"
+            elif "cpu" in controllers.split(","):
+                mount = base / controllers if (base / controllers).is_dir() else base / "cpu"
+            else:
+                continue
+            directory = mount / path.lstrip("/")
+            while True:
+                quota = _quota(directory)
+                if quota is not None:
+                    limits.append(quota)
+                if directory == mount or mount not in directory.parents:
+                    break
+                directory = directory.parent
+        return min(limits) if limits else None
+    except (OSError, ValueError):
+        return None
+
+
 def read_cpu_times() -> CpuTimes:
     """The current ``CpuTimes``. Raises OSError or psutil.Error when the counters cannot be read."""
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
@@ -84,12 +130,18 @@ class CpuThreads:
     def __init__(self, cores: int | None = None, read: Callable[[], CpuTimes] = read_cpu_times,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
                  clock: Callable[[], float] = time.monotonic, interval_s: float = INTERVAL_S,
-                 probe_s: float = PROBE_S):
+                 probe_s: float = PROBE_S, cpu_limit: Callable[[], float | None] = cgroup_cpu_limit):
         self.cores = cores or torch.get_num_threads()
-        self.threads = self.cores
         self._read, self._set, self._clock = read, set_threads, clock
         self._interval, self._probe_every = interval_s, probe_s
         self.fixed = "OMP_NUM_THREADS" in os.environ
+        limit = None if self.fixed else cpu_limit()
+        if limit is not None and int(limit) < self.cores:
+            logger.info("CPU threads %d -> %d: the cgroup's CPU quota grants %.2f CPUs (OMP_NUM_THREADS fixes it)",
+                        self.cores, max(1, int(limit)), limit)
+            self.cores = max(1, int(limit))
+            self._set(self.cores)
+        self.threads = self.cores
         self._last: CpuTimes | None = None if self.fixed else self._safe_read()
         self._next_probe: float | None = None  # while the count is reduced: when to try the full count again
         self._probe_from: int | None = None  # the count a running probe came from

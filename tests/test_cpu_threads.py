@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cpu_threads import CpuThreads, CpuTimes, read_cpu_times, threads_for
+from engine.cpu_threads import CpuThreads, CpuTimes, cgroup_cpu_limit, read_cpu_times, threads_for
 from engine_fixtures import RAW_PROMPTS, demo_dir
 
 
@@ -40,7 +40,7 @@ class FakeCpu:
     def governor(self, monkeypatch, cores: int = 2) -> CpuThreads:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         return CpuThreads(cores, read=self.read, set_threads=self.set_calls.append, clock=lambda: self.now.wall,
-                          interval_s=1.0, probe_s=30.0)
+                          interval_s=1.0, probe_s=30.0, cpu_limit=lambda: None)
 
     def run(self, gov: CpuThreads, seconds: int, others: float) -> list[int]:
         """Step once a second for ``seconds`` (our threads keep ``gov.threads`` cores busy); the counts seen."""
@@ -133,7 +133,8 @@ def test_logs_say_what_changed_once_a_minute_at_most(monkeypatch, caplog):
 def test_omp_num_threads_or_unreadable_counters_fix_the_count(monkeypatch, caplog):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     cpu = FakeCpu()
-    gov = CpuThreads(2, read=cpu.read, set_threads=cpu.set_calls.append, clock=lambda: cpu.now.wall)
+    gov = CpuThreads(2, read=cpu.read, set_threads=cpu.set_calls.append, clock=lambda: cpu.now.wall,
+                     cpu_limit=lambda: 1.0)  # not even a quota changes it
     cpu.advance(5.0, others=2.0, own=2.0)
     assert gov.update() == 2 and (cpu.reads, cpu.set_calls) == (0, [])
     monkeypatch.delenv("OMP_NUM_THREADS")
@@ -141,10 +142,49 @@ def test_omp_num_threads_or_unreadable_counters_fix_the_count(monkeypatch, caplo
     def broken():
         raise PermissionError("/proc/stat")
 
-    gov = CpuThreads(2, read=broken, set_threads=cpu.set_calls.append, clock=lambda: cpu.now.wall)
+    gov = CpuThreads(2, read=broken, set_threads=cpu.set_calls.append, clock=lambda: cpu.now.wall,
+                     cpu_limit=lambda: None)
     cpu.advance(5.0, others=2.0, own=2.0)
     assert gov.fixed and gov.update() == 2 and cpu.set_calls == []
     assert "cannot read the CPU times" in caplog.text
+
+
+def _tree(root, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize("cgroup,files,limit", [
+    # cgroup v2: the smallest quota on the way up; "max" is none; the root cgroup has no cpu.max
+    ("0::/a/b\n", {"cgroup.controllers": "cpu", "a/cpu.max": "max 100000", "a/b/cpu.max": "150000 100000"}, 1.5),
+    ("0::/a/b\n", {"cgroup.controllers": "cpu", "a/cpu.max": "100000 100000", "a/b/cpu.max": "300000 100000"},
+     1.0),
+    ("0::/a\n", {"cgroup.controllers": "cpu", "a/cpu.max": "max 100000"}, None),
+    # v1 beside v2 (hybrid): a container sees its own cgroup at the mount, not at the host's path
+    ("4:cpu,cpuacct:/docker/x\n0::/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "200000",
+                                         "cpu,cpuacct/cpu.cfs_period_us": "100000", "unified/cgroup.procs": ""}, 2.0),
+    ("1:cpu:/\n0::/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "oops", "cpu/cpu.cfs_period_us": "100000"}, None),  # unreadable
+])
+def test_cgroup_cpu_limit_reads_v1_and_v2_quotas(tmp_path, cgroup, files, limit):
+    _tree(tmp_path / "fs", files)
+    (tmp_path / "cgroup").write_text(cgroup)
+    assert cgroup_cpu_limit(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == limit
+    assert cgroup_cpu_limit(str(tmp_path / "missing"), str(tmp_path / "fs")) is None
+
+
+@pytest.mark.parametrize("limit,cores,calls", [(1.7, 4, [1]), (0.5, 4, [1]), (2.0, 4, [2]), (8.0, 4, []),
+                                               (None, 4, [])])
+def test_a_cgroup_quota_caps_the_threads(monkeypatch, limit, cores, calls):
+    """``docker --cpus``: torch's count per physical core of the host, the quota's CPUs rounded down at most."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpu = FakeCpu(cpus=8)  # an idle 8-CPU host
+    gov = CpuThreads(cores, read=cpu.read, set_threads=cpu.set_calls.append, clock=lambda: cpu.now.wall,
+                     cpu_limit=lambda: limit)
+    assert cpu.set_calls == calls and gov.threads == gov.cores == (calls or [cores])[0]
+    cpu.advance(2.0, others=0.0, own=1.0)
+    assert gov.update() == gov.cores  # the load rules never go above it
 
 
 def test_read_cpu_times_sees_our_cpu_time_in_the_busy_time():
