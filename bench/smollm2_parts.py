@@ -42,11 +42,33 @@ def latest_checkpoint() -> Path:
 
 
 def expected_tokens(model: Path) -> dict:
-    """The CPU engine's (fp32) greedy tokens for :data:`PROMPTS`, 32 each."""
+    """The CPU engine's (fp32) greedy tokens for :data:`PROMPTS`, 32 each, and at each step its two largest raw
+    logits (``top_logits``: what ``engine_bench.divergence_report`` measures a near-tie by), one prompt at a time
+    so that each LM-head call is that prompt's step."""
+    import torch
+
     from engine import LLM, SamplingParams
     llm = LLM(str(model), device="cpu")
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    return {"prompts": PROMPTS, "tokens": [o.outputs[0].token_ids for o in outs]}
+    model_ = llm.engine.runner.model
+    real = model_.compute_logits
+    tokens, tops = [], []
+    for prompt in PROMPTS:
+        seen: list[list[float]] = []
+
+        def watched(hidden: torch.Tensor, seen=seen) -> torch.Tensor:
+            logits = real(hidden)
+            seen.append(torch.topk(logits[-1], 2).values.tolist())
+            return logits
+
+        model_.compute_logits = watched
+        try:
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+        finally:
+            del model_.compute_logits
+        tokens.append(out.outputs[0].token_ids)
+        tops.append(seen)
+    assert all(len(t) == 32 for t in tops), [len(t) for t in tops]
+    return {"prompts": PROMPTS, "tokens": tokens, "top_logits": tops}
 
 
 def main() -> None:

@@ -1,0 +1,27 @@
+"""The SmolLM2 rows' verdict (bench/engine_bench.py): a greedy divergence from the reference counts as allowed only
+where the reference's two largest logits are within one bf16 spacing (issue 3)."""
+import pytest
+
+from bench.engine_bench import bf16_ulp, divergence_report
+
+
+@pytest.mark.parametrize("x,ulp", [(1.0, 2**-7), (1.99, 2**-7), (20.3, 0.125), (-20.3, 0.125), (32.0, 0.25),
+                                   (0.3, 2**-9)])
+def test_bf16_ulp_is_the_spacing_of_8_significant_bits(x, ulp):
+    assert bf16_ulp(x) == ulp
+
+
+def test_only_divergences_at_a_near_tie_of_the_reference_are_allowed():
+    refs = [[5, 6, 7], [5, 6, 7], [5, 6, 7], [1, 2, 3]]
+    got = [[5, 6, 7], [5, 9, 9], [5, 6, 8], [4, 2, 3]]
+    entries = [[{5: -0.1, 8: -2.5}, {6: -0.6, 9: -0.7}, {7: -0.2, 8: -0.4}]] * 4
+    ref_top = [[[20.0, 18.0], [20.3, 20.2], [20.0, 19.8]],  # step 1: 0.1 <= 0.125; step 2: 0.2 > 0.125
+               [[20.0, 18.0], [20.3, 20.2], [20.0, 19.8]],
+               [[20.0, 18.0], [20.3, 20.2], [20.0, 19.8]],
+               [[9.0, 8.95], [1.0, 0.0], [1.0, 0.0]]]  # step 0: 0.05 <= 0.0625
+    allowed, notes = divergence_report(got, entries, refs, ref_top)
+    assert allowed == 3  # identical, near-tie at step 1, near-tie at step 0; not prompt 2 (over at step 2)
+    assert [n.split(" (")[0] for n in notes] == ["prompt 1 diverges at token 1", "prompt 2 diverges at token 2",
+                                                 "prompt 3 diverges at token 0"]
+    assert "within" in notes[0] and "over" in notes[1] and "top-2 gap 0.100 nats here" in notes[0]
+    assert divergence_report(got, entries, refs, None)[0] == 1  # without the logits only identical ones count
