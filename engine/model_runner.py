@@ -321,7 +321,7 @@ class ModelRunner:
         sampling = [i for i, samples in enumerate(batch.samples) if samples]
         pending = self._pending_tokens([seqs[i] for i in sampling])
         self._rows = {}
-        tokens, logprobs = torch.zeros(0, dtype=torch.int64), None
+        tokens, logprobs = [], None
         if sampling:
             rows = [last[i] for i in sampling]
             # a slice when the rows are 0..n-1 (every decode step); a list index would be copied over with a sync
@@ -342,7 +342,8 @@ class ModelRunner:
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return out.copy_(t, non_blocking=True)
 
-        tokens, logprobs = to_pinned(tokens), (logprobs.to(to_pinned) if logprobs else None)
+        tokens = to_pinned(tokens) if sampling else []
+        logprobs = logprobs.to(to_pinned) if logprobs else None
         prompt = [chunk.to(to_pinned) for chunk in prompt]
         event = torch.cuda.Event()
         event.record()
