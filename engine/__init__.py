@@ -1,7 +1,7 @@
 """The paged serving engine: ``from engine import LLM, SamplingParams`` (design.md §2)."""
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -15,4 +15,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]

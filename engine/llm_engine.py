@@ -32,6 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.structured_output import GrammarCompiler
 from engine.swap_pool import SwapPool
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class LLMEngine:
             logger.info("the model's generation_config.json sets default sampling parameters %s (a request's own "
                         "values win; its max_new_tokens caps max_tokens)", self.default_sampling)
         self.requests: dict[str, Request] = {}
+        self._grammars: GrammarCompiler | None = None  # structured outputs: built at the first such request
         self._aborted: list[RequestOutput] = []
         self._pending: tuple | None = None  # (batch, LaunchedStep) launched and not read back (async scheduling)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -130,15 +132,25 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max(max_tokens, 1) > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(ids), max_tokens)
+        matchers = [self._matcher(params) for _ in range(params.n)]  # a schema it cannot follow raises here
         seqs = [Sequence(request_id, i, list(ids), params,  # a seeded child i draws from seed + i (vLLM V1)
                          torch.Generator(self.runner.device).manual_seed(params.seed + i)
-                         if params.seed is not None else None)
+                         if params.seed is not None else None, matcher=matchers[i])
                 for i in range(params.n)]
         self.requests[request_id] = Request(
             request_id, text, ids, params, seqs, [detokenizer.new_state(len(ids)) for _ in seqs],
             RequestMetrics(arrival_time=arrival_time or time.monotonic()))
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _matcher(self, params: SamplingParams):
+        """A grammar matcher for a structured request (None for another); ValueError when it cannot be had."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.model.config["vocab_size"],
+                                             sorted(self.eos_token_ids))
+        return self._grammars.matcher(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its last output (finish_reason "abort") comes with the next
@@ -185,6 +197,8 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if self.cpu_threads is not None:
             self.cpu_threads.update()
+        if self._pending is not None and any(s.matcher is not None for s in self._pending[0].seqs):
+            outputs = self._read_back([self._take_pending()], outputs)  # their grammar masks need every token
         batch = self.scheduler.schedule()
         if batch is None:
             return self._read_back([self._take_pending()], outputs)
@@ -260,10 +274,16 @@ class LLMEngine:
             seq.token_ids.append(token)
             if entry is not None:
                 seq.logprobs.append(entry)
+            if seq.matcher is not None and not seq.matcher.accept_token(token):  # the mask allowed it: a bug
+                logger.error("request %s: token %d breaks its structured output's grammar", seq.request_id, token)
+                self.scheduler.finish(seq, "abort")
             self._generation_tokens_total += 1
             req.metrics.first_token_time = req.metrics.first_token_time or now
             req.metrics.last_token_time = now
-            self._check_stop(req, seq, token)
+            if not seq.is_finished:
+                self._check_stop(req, seq, token)
+            if not seq.is_finished and seq.matcher is not None and seq.matcher.is_terminated():
+                self.scheduler.finish(seq, "stop")  # the grammar took a stop token (ignore_eos let it run on)
             touched[req.request_id] = req
         for request_id in dict.fromkeys(invalid):  # they get the error instead of an output
             touched.pop(request_id, None)

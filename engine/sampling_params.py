@@ -7,6 +7,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrained decoding (vLLM's ``StructuredOutputsParams``): ``json``, a JSON schema (dict or JSON text) the
+    output must match, or ``json_object``: any JSON object. Exactly one. Enforced by a grammar over the tokens
+    (``engine/structured_output.py``, xgrammar)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is not None) == self.json_object:
+            raise ValueError("structured_outputs: give exactly one of json (a schema) and json_object")
+
+
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -44,6 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k at its position (vLLM)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # added to the token's logit before everything else (OpenAI)
+    structured_outputs: StructuredOutputsParams | None = None  # the output follows a JSON schema or is JSON
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,6 +66,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     num_pending_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    matcher: Any = None  # structured outputs: the grammar matcher of this choice (engine/structured_output.py)
     num_prompt_logprobs: int = 1
     num_prompt_logprobs_read: int = 1
     _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False)

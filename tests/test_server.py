@@ -236,7 +236,10 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),  # xgrammar cannot follow it
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1114112": -100}}, "logit_bias"),  # outside the vocab
     ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias.abc.[key]"),
     ("/v1/completions", {"prompt": [104, -1], "echo": True}, "prompt"),  # checked before echo decodes it
@@ -277,14 +280,29 @@ def test_null_means_the_default(server):
 
 
 def test_unsupported_features_pass_when_they_ask_for_nothing(server):
-    """tools with tool_choice "none", a text response_format and an empty logit_bias are accepted; the tools still
-    reach the chat template, as in vLLM."""
+    """tools with tool_choice "none" and an empty logit_bias are accepted (and a text response_format); the tools
+    still reach the chat template, as in vLLM."""
     url, _, _ = server
     accepted = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
                 "response_format": {"type": "text"}, "logit_bias": {}}
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, **accepted})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == CHAT_PROMPT_LEN + len("<tool f>")  # the template saw the tools
+
+def test_response_format_reaches_the_engine_as_structured_outputs(server):
+    """OpenAI's response_format on both endpoints (as vLLM): json_object, json_schema's schema, text (none)."""
+    from engine.sampling_params import StructuredOutputsParams
+    url, fake, _ = server
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "hi"})):
+        for fmt, want in (({"type": "json_object"}, StructuredOutputsParams(json_object=True)),
+                          ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                           StructuredOutputsParams(json=schema)),
+                          ({"type": "text"}, None)):
+            r = httpx.post(f"{url}{path}", json={**body, "max_tokens": 2, "response_format": fmt})
+            assert r.status_code == 200, r.text
+            assert fake.params[-1].structured_outputs == want
+
 
 def test_bos_for_completions_and_tokenize_not_for_chat(server):
     """vLLM: string prompts of ``/v1/completions`` get the tokenizer's special tokens unless

@@ -119,3 +119,16 @@ def test_echo_logprobs_score_a_continuation_like_lm_eval(live):
     assert lp.token_logprobs[-1] == pytest.approx(logprob, abs=1e-4)
     assert max(lp.top_logprobs[-1].values()) == lp.token_logprobs[-1]  # greedy: it is the top token
     assert all(v <= 0 for v in lp.token_logprobs[1:])
+
+
+def test_response_format_json_schema_gives_json_that_follows_it(live):
+    pytest.importorskip("xgrammar")
+    url, model, _ = live
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
+              "required": ["capital"], "additionalProperties": False}
+    r = sdk(url).chat.completions.create(model=model, messages=QUESTION, max_tokens=30, temperature=0,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "capital", "schema": schema}})
+    answer = json.loads(r.choices[0].message.content)
+    assert set(answer) == {"capital"} and isinstance(answer["capital"], str)
+    assert r.choices[0].finish_reason == "stop"

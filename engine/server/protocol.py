@@ -17,7 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.generation_config import with_defaults
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_output import check_schema
 
 
 def random_id(prefix: str) -> str:
@@ -87,15 +88,33 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     user: str | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI: token id (a JSON key, so a string) -> bias in [-100, 100]
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    #: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema":
+    #: {...}}} (OpenAI's; vLLM takes it on both endpoints): the output is any JSON object, or follows the schema
+    response_format: dict[str, Any] | None = None
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Refused (a 400 naming it) rather than ignored: there is no structured (JSON) output."""
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format: only {{\"type\": \"text\"}} is supported, got {value.get('type')!r}")
+    def _known_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A 400 naming it for another type, a json_schema without a schema object, or (xgrammar installed) a
+        schema that cannot be turned into a grammar; never ignored."""
+        kind = "text" if value is None else value.get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format: json_schema needs {\"name\": ..., \"schema\": {...}}")
+            check_schema(spec["schema"], "response_format")
         return value
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The engine's constraint for ``response_format`` (None for text)."""
+        kind = "text" if self.response_format is None else self.response_format.get("type", "text")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            return StructuredOutputsParams(json=self.response_format["json_schema"]["schema"])
+        return None
 
     @field_validator("stream_options")
     @classmethod
@@ -122,6 +141,7 @@ class SamplingRequest(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+            structured_outputs=self.structured_outputs(),
             **with_defaults({**given, "max_tokens": max_tokens}, defaults or {}))
 
 

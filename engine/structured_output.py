@@ -1,0 +1,86 @@
+"""Structured outputs (vLLM's ``StructuredOutputsParams``; OpenAI's ``response_format`` json_object / json_schema):
+a grammar over the tokens that masks, at every step, the tokens that cannot continue a valid output.
+
+The grammar and its matcher come from xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured
+Generation Engine for Large Language Models"; the library vLLM uses), an optional dependency: without it a
+structured request is refused (ValueError, a 400 from the API). One :class:`GrammarCompiler` per engine holds the
+tokenizer's vocabulary (built on the first structured request, about 0.2 s for a 49k vocabulary) and caches the
+compiled grammars; each sequence gets its own matcher (``Sequence.matcher``), which accepts the tokens read back.
+
+The mask needs the matcher to have seen every token before it, so a step holding a structured sequence is read
+back before the next step is scheduled (no async-scheduling overlap for those steps; ``LLMEngine.step``). The
+sampler applies the mask first, before logit_bias and the penalties (:func:`apply_masks`); the logprobs stay raw.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+
+from engine.sampling_params import StructuredOutputsParams
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its timestamp and C++ source location."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[-1] if lines else type(e).__name__)
+
+
+def check_schema(schema: dict | str, field: str) -> None:
+    """Raise ValueError("<field>: ...") when xgrammar cannot make a grammar of the JSON schema ``schema``;
+    nothing when xgrammar is not installed (the engine refuses the request then)."""
+    try:
+        import xgrammar
+    except ImportError:
+        return
+    try:
+        xgrammar.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"{field}: not a JSON schema this server can follow ({_reason(e)})") from e
+
+
+class GrammarCompiler:
+    """Compiled grammars for one tokenizer and logits width ``vocab_size``; ``stop_token_ids`` end a complete
+    output (the model's EOS ids). Raises ValueError when xgrammar is not installed."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        try:
+            import xgrammar
+        except ImportError as e:
+            raise ValueError("structured outputs need the xgrammar package (pip install xgrammar)") from e
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_token_ids)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.vocab_size = vocab_size
+
+    def matcher(self, spec: StructuredOutputsParams) -> Any:
+        """A new matcher (``xgrammar.GrammarMatcher``) for ``spec``. Raises ValueError (naming the field) for a
+        schema xgrammar cannot compile."""
+        try:
+            if spec.json_object:
+                grammar = self._compiler.compile_builtin_json_grammar()
+            else:
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                grammar = self._compiler.compile_json_schema(schema)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs: not a JSON schema this server can follow ({_reason(e)})") from e
+        return self._xgr.GrammarMatcher(grammar)
+
+
+def apply_masks(logits: torch.Tensor, matchers: list[Any]) -> None:
+    """Set to -inf, in place, the logits [S, V] float32 of every token each row's matcher (``matchers[i]``, None
+    for an unconstrained row) rejects now: one bitmask [S, ceil(V / 32)] int32 filled on the host, copied over
+    without a sync and applied by xgrammar's kernel."""
+    import xgrammar
+
+    from engine.sampler import to_device
+
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    bitmask = xgrammar.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    xgrammar.apply_token_bitmask_inplace(logits, to_device(bitmask.numpy(), torch.int32, logits.device),
+                                         indices=rows)

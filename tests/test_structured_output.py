@@ -1,0 +1,80 @@
+"""Structured outputs (vLLM's StructuredOutputsParams, OpenAI's response_format) on the demo model, CPU path: the
+output follows the JSON schema or is JSON, with async scheduling as without, beside unconstrained rows that the
+mask leaves alone; a schema the grammar cannot follow is refused before anything is queued."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import SamplingParams, StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+
+YES_NO = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+def _llm(demo_model, **kw):
+    from engine import LLM
+    return LLM(str(demo_model), device="cpu", max_num_seqs=8, max_model_len=512, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model):
+    return _llm(demo_model)
+
+
+def chat(llm, question: str) -> str:
+    return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": question}],
+                                                   add_generation_prompt=True, tokenize=False)
+
+
+def schema_params(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=YES_NO), **kw)
+
+
+def test_outputs_follow_the_schema_beside_unconstrained_rows(llm):
+    questions = [chat(llm, "Is Paris in France? Answer in JSON."), chat(llm, "Is the sea dry?")]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([questions[0]], plain)[0].outputs[0].token_ids
+    outs = llm.generate(questions + [questions[0]], [schema_params(temperature=0),
+                                                    schema_params(temperature=1.0, seed=3, n=3), plain])
+    for out in outs[:2]:
+        for choice in out.outputs:
+            assert json.loads(choice.text) in ({"answer": "yes"}, {"answer": "no"}) and choice.finish_reason == "stop"
+    assert outs[2].outputs[0].token_ids == alone  # the unconstrained row is not masked
+
+
+def test_json_object_is_json(llm):
+    out = llm.generate([chat(llm, "Describe a cat as JSON with two keys.")],
+                       SamplingParams(temperature=0, max_tokens=120,
+                                      structured_outputs=StructuredOutputsParams(json_object=True)))[0].outputs[0]
+    assert out.text.lstrip().startswith("{")
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+
+
+def test_async_scheduling_gives_the_same_outputs(demo_model, llm):
+    prompts = [chat(llm, "Is Paris in France?"), chat(llm, "Is ice cold?")]
+    params = [schema_params(temperature=0), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    sync = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    overlapped = _llm(demo_model, async_scheduling=True)
+    assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params)] == sync
+
+
+def test_a_complete_output_stops_even_with_ignore_eos(llm):
+    out = llm.generate([chat(llm, "Is Paris in France?")], schema_params(temperature=0, ignore_eos=True))[0]
+    choice = out.outputs[0]
+    assert choice.finish_reason == "stop" and len(choice.token_ids) < 40
+    assert json.loads(choice.text.replace("<|im_end|>", "")) in ({"answer": "yes"}, {"answer": "no"})
+
+
+def test_a_schema_the_grammar_cannot_follow_is_refused_before_queueing(llm):
+    engine = llm.engine
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "nonsense"}))
+    with pytest.raises(ValueError, match="structured_outputs: .*nonsense"):
+        engine.add_request("bad", "hi", bad)
+    assert "bad" not in engine.requests and not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
