@@ -192,7 +192,8 @@ class LLMEngine:
         back, detokenizing, stop rules, outputs, scheduling, preparing inputs) overlaps the device's. A sequence
         of the unread batch counts its token as pending (see Sequence) and the next batch reads it on the
         device. A sequence found finished on read-back may be in the next batch already: that token is dropped
-        (and its logprobs entry with it).
+        (and its logprobs entry with it). A launched batch holding a structured-output sequence is read back
+        before scheduling instead: its grammar mask needs every token (engine/structured_output.py).
         """
         outputs, self._aborted = self._aborted, []
         if self.cpu_threads is not None:
@@ -269,19 +270,20 @@ class LLMEngine:
             if token == INVALID:
                 invalid.append(seq.request_id)
                 continue
+            if seq.matcher is not None and not seq.matcher.accept_token(token):  # the mask allowed it: a bug
+                logger.error("request %s: token %d breaks its structured output's grammar", seq.request_id, token)
+                self.scheduler.finish(seq, "abort")
+                touched[req.request_id] = req
+                continue
             if len(seq.token_ids) == seq.num_prompt_tokens:
                 self._prompt_tokens_total += seq.num_prompt_tokens
             seq.token_ids.append(token)
             if entry is not None:
                 seq.logprobs.append(entry)
-            if seq.matcher is not None and not seq.matcher.accept_token(token):  # the mask allowed it: a bug
-                logger.error("request %s: token %d breaks its structured output's grammar", seq.request_id, token)
-                self.scheduler.finish(seq, "abort")
             self._generation_tokens_total += 1
             req.metrics.first_token_time = req.metrics.first_token_time or now
             req.metrics.last_token_time = now
-            if not seq.is_finished:
-                self._check_stop(req, seq, token)
+            self._check_stop(req, seq, token)
             if not seq.is_finished and seq.matcher is not None and seq.matcher.is_terminated():
                 self.scheduler.finish(seq, "stop")  # the grammar took a stop token (ignore_eos let it run on)
             touched[req.request_id] = req

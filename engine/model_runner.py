@@ -24,6 +24,7 @@ from engine.models.llama import load_model
 from engine.prompt_logprobs import ROWS_PER_PASS, PromptChunk, launch as launch_prompt_logprobs, rows_to_launch
 from engine.sampler import StepLogprobs, penalised_pending, sample_tokens, step_logprobs, to_device
 from engine.scheduler import ScheduledBatch
+from engine.structured_output import apply_masks
 from engine.sequence import Sequence
 
 
@@ -98,10 +99,11 @@ class LaunchedStep:
         return tokens, self.logprobs.entries(tokens) if self.logprobs else [None] * len(tokens)
 
 
-#: [rows, V] float32 buffers alive at the sampler's peak, the logits included: 9 measured on the CPU path with
-#: temperature, top-k, top-p, min-p, penalties and logprobs on 64 rows of a 152k vocabulary, 6 with temperature
-#: alone (``bench/sampler_memory.py``); the same torch ops run on the GPU, the penalties there in one int32 scratch
-SAMPLER_BUFFERS = 9
+#: [rows, V] float32 buffers alive at the sampler's peak, the logits included: 8.9 measured on the CPU path with
+#: temperature, top-k, top-p, min-p, penalties and logprobs on 64 rows of a 152k vocabulary, 5.9 with temperature
+#: alone (``bench/sampler_memory.py``); the same torch ops run on the GPU (the penalties there in one int32
+#: scratch), where the sort's temporary storage is not counted: one buffer more for it
+SAMPLER_BUFFERS = 10
 #: the same for a prompt-logprobs pass (logits, log-softmax, top-k) of ``prompt_logprobs.ROWS_PER_PASS`` rows
 PROMPT_LOGPROBS_BUFFERS = 3
 
@@ -111,7 +113,7 @@ def gpu_kv_budget(total: int, used: int, utilization: float, max_model_len: int,
     """Bytes the KV cache may take on a GPU: ``utilization`` x ``total`` memory, less what is ``used`` (weights,
     the CUDA context), a prefill's activations (16 [max_model_len, hidden] buffers of ``itemsize`` bytes, x 4
     spare), and the sampler's [rows, V] float32 buffers at their peak (:data:`SAMPLER_BUFFERS` for
-    ``max_num_seqs`` rows, or a prompt-logprobs pass, whichever is larger: 1.4 GB at 256 rows of a 152k
+    ``max_num_seqs`` rows, or a prompt-logprobs pass, whichever is larger: 1.6 GB at 256 rows of a 152k
     vocabulary, 0.3 GB at 32k)."""
     activations = 4 * max_model_len * hidden * 16 * itemsize
     sampler = 4 * vocab * max(SAMPLER_BUFFERS * max_num_seqs, PROMPT_LOGPROBS_BUFFERS * ROWS_PER_PASS)
@@ -329,6 +331,9 @@ class ModelRunner:
                                                                                                  self.device)]
             logits = self.model.compute_logits(picked)
             sampling_seqs = [seqs[i] for i in sampling]
+            matchers = [s.matcher for s in sampling_seqs]
+            if any(m is not None for m in matchers):  # structured outputs: masked before sampling and logprobs
+                apply_masks(logits, matchers, self.model.config["vocab_size"])
             tokens = sample_tokens(logits, sampling_seqs, eos_token_ids, self.generator, pending)
             logprobs = step_logprobs(logits, tokens, sampling_seqs)
             self.last_tokens[:len(tokens)] = tokens.clamp(min=0)  # an INVALID row's request fails on read-back

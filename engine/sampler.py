@@ -1,7 +1,8 @@
 """Turning logits into next tokens with vLLM's semantics, one batch at a time on the logits' device.
 
-Order (vLLM ``Sampler``): a structured output's grammar mask, logit_bias, min_tokens mask on stop tokens,
-repetition / presence / frequency penalties, temperature, top-k, top-p, min-p, then sample. Temperature 0 is greedy (arg-max of the penalised logits).
+Order (vLLM ``Sampler``): logit_bias, min_tokens mask on stop tokens, repetition / presence / frequency
+penalties, temperature, top-k, top-p, min-p, then sample (a structured output's grammar mask comes before, in the
+model runner: ``structured_output.apply_masks``). Temperature 0 is greedy (arg-max of the penalised logits).
 Every step is a tensor operation over the rows that need it, so a batch of 256 sampled requests costs a few
 kernels and no host sync, not 256 row loops on the CPU (host lists go over by non-blocking copies,
 :func:`to_device`; the tokens, and the logprobs asked for, come back by the engine's copies after the step).
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import structured_output
 from engine.sequence import Sequence
 from kernels import ops
 
@@ -127,9 +127,6 @@ def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
     mask and penalties on every row; temperature and the filters on the rows that are not greedy. ``pending``: as
     :func:`apply_penalties`, for all S rows. Returns a new tensor."""
     logits = logits.clone()
-    matchers = [seq.matcher for seq in seqs]
-    if any(m is not None for m in matchers):  # structured outputs: the grammar's mask before anything else
-        structured_output.apply_masks(logits, matchers)
     # logit_bias first (vLLM V1 applies it with min_tokens, before the penalties)
     _put(logits, [seq.params.logit_bias or {} for seq in seqs], accumulate=True)
     _put(logits, [dict.fromkeys(_stop_ids(seq, eos_token_ids), float("-inf"))
@@ -263,4 +260,4 @@ def penalised_pending(seq: Sequence) -> bool:
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.params
     return (p.greedy and seq.logprobs is None and seq.num_output_tokens >= p.min_tokens and not _penalised(seq)
-            and not p.logit_bias and seq.matcher is None)
+            and not p.logit_bias)

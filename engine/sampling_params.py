@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Constrained decoding (vLLM's ``StructuredOutputsParams``): ``json``, a JSON schema (dict or JSON text) the
-    output must match, or ``json_object``: any JSON object. Exactly one. Enforced by a grammar over the tokens
+    output must match, or ``json_object``: a JSON object (any keys and values). Exactly one. Enforced by a grammar over the tokens
     (``engine/structured_output.py``, xgrammar)."""
 
     json: dict | str | None = None

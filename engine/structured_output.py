@@ -2,14 +2,16 @@
 a grammar over the tokens that masks, at every step, the tokens that cannot continue a valid output.
 
 The grammar and its matcher come from xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured
-Generation Engine for Large Language Models"; the library vLLM uses), an optional dependency: without it a
-structured request is refused (ValueError, a 400 from the API). One :class:`GrammarCompiler` per engine holds the
-tokenizer's vocabulary (built on the first structured request, about 0.2 s for a 49k vocabulary) and caches the
-compiled grammars; each sequence gets its own matcher (``Sequence.matcher``), which accepts the tokens read back.
+Generation Engine for Large Language Models"; the library vLLM uses), imported on the first structured request:
+an install without it refuses those (ValueError, a 400 from the API). One :class:`GrammarCompiler` per engine holds
+the tokenizer's vocabulary (built on the first structured request, about 0.2 s for a 49k vocabulary) and caches up
+to :data:`CACHE_BYTES` of compiled grammars; each sequence gets its own matcher (``Sequence.matcher``), which
+accepts the tokens read back. ``json_object`` is the schema ``{"type": "object"}`` (OpenAI's JSON mode, vLLM's).
 
 The mask needs the matcher to have seen every token before it, so a step holding a structured sequence is read
 back before the next step is scheduled (no async-scheduling overlap for those steps; ``LLMEngine.step``). The
-sampler applies the mask first, before logit_bias and the penalties (:func:`apply_masks`); the logprobs stay raw.
+model runner masks the logits in place before sampling and logprobs (:func:`apply_masks`), as vLLM V1 does:
+the sampler's processing and the logprobs see the masked distribution.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from typing import Any
 import torch
 
 from engine.sampling_params import StructuredOutputsParams
+
+#: compiled grammars kept per engine (xgrammar's cache; unbounded by default, and every client schema differs)
+CACHE_BYTES = 256 << 20
 
 
 def _reason(e: Exception) -> str:
@@ -53,15 +58,15 @@ class GrammarCompiler:
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=stop_token_ids)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
 
     def matcher(self, spec: StructuredOutputsParams) -> Any:
         """A new matcher (``xgrammar.GrammarMatcher``) for ``spec``. Raises ValueError (naming the field) for a
         schema xgrammar cannot compile."""
         try:
-            if spec.json_object:
-                grammar = self._compiler.compile_builtin_json_grammar()
+            if spec.json_object:  # a JSON object, not any JSON value
+                grammar = self._compiler.compile_json_schema('{"type": "object"}')
             else:
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
                 grammar = self._compiler.compile_json_schema(schema)
@@ -70,17 +75,18 @@ class GrammarCompiler:
         return self._xgr.GrammarMatcher(grammar)
 
 
-def apply_masks(logits: torch.Tensor, matchers: list[Any]) -> None:
+def apply_masks(logits: torch.Tensor, matchers: list[Any], vocab_size: int) -> None:
     """Set to -inf, in place, the logits [S, V] float32 of every token each row's matcher (``matchers[i]``, None
-    for an unconstrained row) rejects now: one bitmask [S, ceil(V / 32)] int32 filled on the host, copied over
-    without a sync and applied by xgrammar's kernel."""
+    for an unconstrained row) rejects now: one bitmask [S, ceil(vocab_size / 32)] int32 (``vocab_size``: the
+    grammar compiler's, the model's logits width) filled on the host, copied over without a sync and applied by
+    xgrammar's kernel (Triton on CUDA)."""
     import xgrammar
 
     from engine.sampler import to_device
 
     rows = [i for i, m in enumerate(matchers) if m is not None]
-    bitmask = xgrammar.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    bitmask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
     xgrammar.apply_token_bitmask_inplace(logits, to_device(bitmask.numpy(), torch.int32, logits.device),
-                                         indices=rows)
+                                         vocab_size=vocab_size, indices=rows)

@@ -289,6 +289,7 @@ def test_unsupported_features_pass_when_they_ask_for_nothing(server):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == CHAT_PROMPT_LEN + len("<tool f>")  # the template saw the tools
 
+
 def test_response_format_reaches_the_engine_as_structured_outputs(server):
     """OpenAI's response_format on both endpoints (as vLLM): json_object, json_schema's schema, text (none)."""
     from engine.sampling_params import StructuredOutputsParams

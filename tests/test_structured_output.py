@@ -46,13 +46,43 @@ def test_outputs_follow_the_schema_beside_unconstrained_rows(llm):
     assert outs[2].outputs[0].token_ids == alone  # the unconstrained row is not masked
 
 
-def test_json_object_is_json(llm):
+def test_json_object_means_an_object(llm):
+    """OpenAI's JSON mode (vLLM's json_object): an object, not any JSON value; the demo model's answer is one."""
+    from engine.structured_output import GrammarCompiler
+    tok = llm.get_tokenizer()
+    grammars = GrammarCompiler(tok, llm.engine.runner.model.config["vocab_size"], sorted(llm.engine.eos_token_ids))
+    first = lambda text: tok.encode(text, add_special_tokens=False)[0]
+    assert not grammars.matcher(StructuredOutputsParams(json_object=True)).accept_token(first("["))
+    assert grammars.matcher(StructuredOutputsParams(json_object=True)).accept_token(first("{"))
     out = llm.generate([chat(llm, "Describe a cat as JSON with two keys.")],
                        SamplingParams(temperature=0, max_tokens=120,
                                       structured_outputs=StructuredOutputsParams(json_object=True)))[0].outputs[0]
     assert out.text.lstrip().startswith("{")
     if out.finish_reason == "stop":
         assert isinstance(json.loads(out.text), dict)
+
+
+def test_logprobs_are_of_the_masked_distribution(llm):
+    """As vLLM V1: the grammar's mask comes before the logprobs, so the first step's top 20 hold only tokens that
+    can open a JSON object (whitespace, or a brace and what may follow it), their probabilities summing to at
+    most 1; the raw distribution's top 20 would hold words."""
+    import math
+    tok = llm.get_tokenizer()
+    entry = llm.generate([chat(llm, "Is Paris in France?")], schema_params(temperature=0, logprobs=20))[0] \
+        .outputs[0].logprobs[0]
+    finite = {t: lp for t, lp in entry.items() if lp > -math.inf}
+    assert finite and all(tok.decode([t]).strip()[:1] in ("", "{") for t in finite)  # "{", '{"', ...
+    assert sum(math.exp(lp) for lp in finite.values()) <= 1 + 1e-5
+
+
+def test_without_xgrammar_a_structured_request_is_refused(llm, monkeypatch):
+    import sys
+
+    from engine.structured_output import GrammarCompiler, check_schema
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+    with pytest.raises(ValueError, match="need the xgrammar package"):
+        GrammarCompiler(llm.get_tokenizer(), 49152, [2])
+    assert check_schema({"type": "nonsense"}, "response_format") is None  # the engine refuses instead
 
 
 def test_async_scheduling_gives_the_same_outputs(demo_model, llm):
