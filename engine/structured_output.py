@@ -33,9 +33,10 @@ def _reason(e: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[-1] if lines else type(e).__name__)
 
 
-def check_schema(schema: dict | str, field: str) -> None:
-    """Raise ValueError("<field>: ...") when xgrammar cannot make a grammar of the JSON schema ``schema``;
-    nothing when xgrammar is not installed (the engine refuses the request then)."""
+def check_schema(schema: dict | str) -> None:
+    """Raise ValueError when xgrammar cannot make a grammar of the JSON schema ``schema`` (the message without a
+    field name: the caller's validator adds it); nothing when xgrammar is not installed (the engine refuses the
+    request then)."""
     try:
         import xgrammar
     except ImportError:
@@ -43,7 +44,7 @@ def check_schema(schema: dict | str, field: str) -> None:
     try:
         xgrammar.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
     except (RuntimeError, ValueError, TypeError) as e:
-        raise ValueError(f"{field}: not a JSON schema this server can follow ({_reason(e)})") from e
+        raise ValueError(f"not a JSON schema this server can follow ({_reason(e)})") from e
 
 
 class GrammarCompiler:

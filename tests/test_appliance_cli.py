@@ -143,6 +143,7 @@ def test_usage_text_has_url_model_curl_and_sdk():
     text = installer.usage_text("http://127.0.0.1:8000", "SmolLM2-135M-Instruct", "k1")
     assert "http://127.0.0.1:8000/v1" in text and "curl http://127.0.0.1:8000/v1/chat/completions" in text
     assert "Authorization: Bearer k1" in text and 'OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="k1")' in text
+    assert '"max_tokens": 128' in text and "max_tokens=128" in text  # no chat that runs to the context's end
     assert installer.client_url("0.0.0.0", 9000) == "http://127.0.0.1:9000"
 
 

@@ -255,6 +255,7 @@ def test_more_bad_fields_are_400_naming_the_field(server, path, body, param):
     url, _, _ = server
     err = _error(httpx.post(f"{url}{path}", json=body), 400, param=param)
     assert "Value error" not in err["message"] and err["message"].startswith(f"{param}: ")
+    assert not err["message"].startswith(f"{param}: {param}:")  # named once
 
 
 def test_null_means_the_default(server):

@@ -99,12 +99,12 @@ class SamplingRequest(RequestModel):
         schema that cannot be turned into a grammar; never ignored."""
         kind = "text" if value is None else value.get("type", "text")
         if kind not in ("text", "json_object", "json_schema"):
-            raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
+            raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
         if kind == "json_schema":
             spec = value.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise ValueError("response_format: json_schema needs {\"name\": ..., \"schema\": {...}}")
-            check_schema(spec["schema"], "response_format")
+                raise ValueError("json_schema needs {\"name\": ..., \"schema\": {...}}")
+            check_schema(spec["schema"])
         return value
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
