@@ -52,38 +52,36 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
+    prompt_parts = [_prompt_logprobs(llm.tokenizer, req, out) for out in finals]
     choices = [CompletionChoice(index=i * req.n + c.index, text=echo[i] + ("" if echo_only else c.text),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                logprobs=_logprobs(llm.tokenizer, req, out, c, 0,
-                                                   _prompt_offset(llm.tokenizer, req, out), True, echo_only))
+                                logprobs=_logprobs(llm.tokenizer, req, c, 0, 0, prompt_parts[i], True, echo_only))
                for i, out in enumerate(finals) for c in out.outputs]
     body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
                               choices=sorted(choices, key=lambda c: c.index), usage=usage(finals))
     return JSONResponse(body.model_dump())
 
 
-def _prompt_offset(tokenizer: Any, req: CompletionRequest, out: RequestOutput) -> int:
-    """Where the generated tokens' ``text_offset`` starts: after the prompt's tokens, decoded one by one, when
-    they lead the logprobs (``echo``; vLLM counts offsets over prompt and generated tokens from 0), else 0."""
+def _prompt_logprobs(tokenizer: Any, req: CompletionRequest, out: RequestOutput) -> dict | None:
+    """The prompt's part of the logprobs (``echo`` with ``logprobs``; the first token's null, offsets from 0 as
+    in vLLM), once per prompt: every choice starts with it; None without echo."""
     if not (req.echo and req.logprobs is not None and out.prompt_logprobs is not None):
-        return 0
-    return sum(len(tokenizer.decode([t])) for t in out.prompt_token_ids)
+        return None
+    return completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, req.logprobs, 0)
 
 
-def _logprobs(tokenizer: Any, req: CompletionRequest, out: RequestOutput, choice: CompletionOutput, start: int,
-              text_offset: int, first: bool, echo_only: bool) -> dict | None:
-    """The completions ``logprobs`` of ``choice``'s tokens from ``start`` on (none with ``echo_only``), their
-    offsets from ``text_offset``, when the request asked for them; with ``echo``, the choice's ``first`` logprobs
-    start with the prompt's tokens (the first one's null, offsets from 0; vLLM)."""
+def _logprobs(tokenizer: Any, req: CompletionRequest, choice: CompletionOutput, start: int, text_start: int,
+              prompt: dict | None, first: bool, echo_only: bool) -> dict | None:
+    """The completions ``logprobs`` of ``choice``'s tokens from ``start`` on (none with ``echo_only``), when the
+    request asked for them; their offsets from ``text_start`` in the choice's text, after the ``prompt`` part
+    (:func:`_prompt_logprobs`), which leads the choice's ``first`` logprobs."""
     if req.logprobs is None or choice.logprobs is None:
         return None
     end = start if echo_only else len(choice.token_ids)
+    base = prompt["text_offset"][-1] + len(prompt["tokens"][-1]) if prompt else 0  # vLLM: over all tokens
     got = completion_logprobs(tokenizer, choice.token_ids[start:end], choice.logprobs[start:end], req.logprobs,
-                              text_offset)
-    if not (req.echo and first and out.prompt_logprobs is not None):
-        return got
-    prompt = completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, req.logprobs, 0)
-    return {key: prompt[key] + got[key] for key in got}
+                              base + text_start)
+    return {key: prompt[key] + got[key] for key in got} if prompt and first else got
 
 
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, streams: list[RequestStream],
@@ -97,15 +95,15 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, s
         body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices)
         return body.model_dump(exclude=None if req.include_usage else {"usage"})
 
-    offsets: dict[int, int] = {}  # per prompt: where its generated tokens' text_offset starts
+    prompt_parts: dict[int, dict | None] = {}  # per prompt, made at its first output
     async for i, out in merge(streams):
         finals[i] = out
         for d in tracker.update(i, out):
             text = "" if echo_only else d.text
             text = echo[i] + text if d.first else text
-            if i not in offsets:
-                offsets[i] = _prompt_offset(tokenizer, req, out)
-            logprobs = _logprobs(tokenizer, req, out, d.choice, d.token_start, offsets[i] + d.text_start, d.first,
+            if i not in prompt_parts:
+                prompt_parts[i] = _prompt_logprobs(tokenizer, req, out)
+            logprobs = _logprobs(tokenizer, req, d.choice, d.token_start, d.text_start, prompt_parts[i], d.first,
                                  echo_only)
             if text or d.finish_reason or (logprobs and logprobs["tokens"]):
                 yield chunk([CompletionChoice(index=d.index, text=text, finish_reason=d.finish_reason,
