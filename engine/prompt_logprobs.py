@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import to_device
+from engine.sampler import StepLogprobs, logprobs_of, to_device
 from engine.sequence import Sequence
 
 #: LM-head rows per pass
@@ -23,31 +23,23 @@ ROWS_PER_PASS = 256
 
 @dataclass
 class PromptChunk:
-    """The entries of prompt tokens [first, first + n) of ``seq``: ``chosen`` float32 [n] (each prompt token's
-    logprob), ``top_values`` float32 [n, K] and ``top_ids`` int64 [n, K] (the K most likely tokens at its
-    position, descending; the sequence asked for k <= K). On the device until :meth:`to` copies them."""
+    """The entries of prompt tokens [first, first + n) of ``seq``: ``logprobs`` row i for token first + i (each
+    prompt token's logprob and the top k at its position), on the device until :meth:`to` copies them."""
 
     seq: Sequence
     first: int
-    k: int
-    chosen: torch.Tensor
-    top_values: torch.Tensor
-    top_ids: torch.Tensor
+    logprobs: StepLogprobs
 
     def to(self, host) -> PromptChunk:
         """The same with each tensor copied by ``host`` (a function of one tensor)."""
-        return PromptChunk(self.seq, self.first, self.k, host(self.chosen), host(self.top_values),
-                           host(self.top_ids))
+        return PromptChunk(self.seq, self.first, self.logprobs.to(host))
 
     def fill(self) -> None:
         """Write the entries ({prompt token: its logprob, then the top k}) into ``seq.prompt_logprobs`` (read back
         first: the tensors are on the host)."""
-        prompt = self.seq.token_ids
-        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
-        for i, (lp, top_v, top_i) in enumerate(zip(chosen, values, ids)):
-            t = self.first + i
-            self.seq.prompt_logprobs[t] = {prompt[t]: lp, **dict(zip(top_i[:self.k], top_v[:self.k]))}
-        self.seq.num_prompt_logprobs_read += len(chosen)
+        end = self.first + len(self.logprobs.rows)
+        self.seq.prompt_logprobs[self.first:end] = self.logprobs.entries(self.seq.token_ids[self.first:end])
+        self.seq.num_prompt_logprobs_read += end - self.first
 
 
 def rows_to_launch(seqs: list[Sequence], num_new_tokens: list[int]) -> list[tuple[Sequence, int, int, int]]:
@@ -76,9 +68,7 @@ def launch(model, hidden: torch.Tensor, plan: list[tuple[Sequence, int, int, int
         k = seq.params.prompt_logprobs
         for lo in range(0, count, ROWS_PER_PASS):
             n = min(ROWS_PER_PASS, count - lo)
-            logp = torch.log_softmax(model.compute_logits(hidden[row + lo:row + lo + n]).float(), -1)
-            target = to_device(seq.token_ids[first + lo:first + lo + n], torch.int64, logp.device)
-            chosen = logp.gather(1, target[:, None])[:, 0]
-            top_values, top_ids = torch.topk(logp, k) if k else (logp[:, :0], logp[:, :0].long())
-            chunks.append(PromptChunk(seq, first + lo, k, chosen, top_values, top_ids))
+            target = to_device(seq.token_ids[first + lo:first + lo + n], torch.int64, hidden.device)
+            logits = model.compute_logits(hidden[row + lo:row + lo + n])
+            chunks.append(PromptChunk(seq, first + lo, logprobs_of(logits, target, list(range(n)), [k] * n)))
     return chunks

@@ -230,10 +230,15 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequenc
     rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
     if not rows:
         return None
-    k = [seqs[i].params.logprobs or 0 for i in rows]
     idx = to_device(rows, torch.int64, logits.device)
-    logp = torch.log_softmax(logits[idx].float(), -1)
-    chosen = logp.gather(1, tokens[idx].clamp_min(0)[:, None])[:, 0]
+    return logprobs_of(logits[idx], tokens[idx].clamp_min(0), rows, [seqs[i].params.logprobs or 0 for i in rows])
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: list[int]) -> StepLogprobs:
+    """:class:`StepLogprobs` of logits [W, V] (row j: ``rows[j]``, asking for ``k[j]``): the log-softmax, each
+    row's ``tokens`` (int64 [W]) logprob and the top max(k), on the logits' device without a host sync."""
+    logp = torch.log_softmax(logits.float(), -1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
     top_values, top_ids = torch.topk(logp, max(k)) if max(k) else (logp[:, :0], logp[:, :0].long())
     return StepLogprobs(rows, k, chosen, top_values, top_ids)
 
