@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.random_model import write_random_awq_model
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from kernels import w4a16
 from kernels._triton import pdl, without_early_trigger, without_pdl
 
@@ -447,7 +447,57 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
                              f"{len(got)} prompts x 32 tokens", len(got),
                              "identical, or first diverging where the reference's top-2 logits are within one bf16 "
                              "spacing", allowed, 1.0, "; ".join(notes) or "no divergence"))
-    return rows
+    return rows + _structured_rows(model_dir, expected.get("structured"), make_row)
+
+
+def follows_schema(text: str, schema: dict) -> bool:
+    """Whether ``text`` is a JSON object with the flat ``schema``'s required keys, no others when it says so, and
+    each value of its property's type (string, boolean, integer, number), within its ``enum`` and ``maxLength``:
+    the subset of JSON Schema the structured rows use."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    props = schema.get("properties", {})
+    if not isinstance(value, dict) or not set(schema.get("required", ())) <= value.keys():
+        return False
+    if schema.get("additionalProperties") is False and not value.keys() <= props.keys():
+        return False
+    types = {"string": str, "boolean": bool, "integer": int, "number": (int, float)}
+    for key, v in value.items():
+        spec = props.get(key, {})
+        kind = types.get(spec.get("type"), object)
+        if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+            return False
+        if v not in spec.get("enum", [v]) or len(v if isinstance(v, str) else "") > spec.get("maxLength", 1 << 30):
+            return False
+    return True
+
+
+def _structured_rows(model_dir: str, expected: dict | None, make_row) -> list:
+    """Structured outputs on the GPU (xgrammar's mask applied to the logits on the device): the SmolLM2 greedy
+    answers under the JSON schema ``expected["schema"]`` that follow it, and those equal to the CPU engine's
+    (``expected["tokens"]``). None when the check was not brought over or xgrammar is not installed."""
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return []
+    if not expected:
+        return []
+    params = SamplingParams(temperature=0, max_tokens=64,
+                            structured_outputs=StructuredOutputsParams(json=expected["schema"]))
+    outs = [o.outputs[0] for o in _smollm2_outputs(model_dir, expected["prompts"], params)]
+    valid = sum(follows_schema(o.text, expected["schema"]) for o in outs)
+    same = sum(o.token_ids == ref for o, ref in zip(outs, expected["tokens"]))
+    total = len(outs)
+    shape = f"{total} chat questions, greedy, json_schema, <= 64 tokens"
+    def cell(texts: list) -> str:  # one table cell: newlines shown as \n, no column bars
+        return " / ".join(t.replace("\n", "\\n").replace("|", "¦") for t in texts)
+    return [make_row("SmolLM2 structured outputs on CUDA: answers that follow the schema (counts, not µs)", shape,
+                     total, "answers", valid, 1.0, cell([o.text for o in outs])),
+            make_row("SmolLM2 structured outputs: GPU = CPU reference (counts, not µs)", shape, total,
+                     "answers identical", same, 1.0,
+                     "CPU: " + cell(expected["texts"]))]
 
 
 def _smollm2_outputs(model_dir: str, prompts: list, params: SamplingParams, **kw) -> list:

@@ -23,6 +23,13 @@ sys.path.insert(0, str(ROOT))
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "Explain what a GPU does in one sentence.", "List three colors:", "Once upon a time,",
            "The quick brown fox", "What is 12 times 7?"]
+#: The structured-output check (issue 3 asks for greedy equality; structured outputs ride on it): chat questions
+#: answered under :data:`SCHEMA`, greedy, up to 64 tokens.
+QUESTIONS = ["Is Paris in France? Answer in JSON.", "Is the sea dry? Answer in JSON.",
+             "Can a cat fly? Give your answer and a short reason.", "Is 12 times 7 equal to 84?"]
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                           "reason": {"type": "string", "maxLength": 60}},
+          "required": ["answer", "reason"], "additionalProperties": False}
 PART_BYTES = 57_000_000  # part A's share of model.safetensors; part B takes the rest and tokenizer.json
 CALL_BYTES = 62 << 20  # what one part may take: a device call carries 64 MiB, the repository's files included
 
@@ -68,7 +75,20 @@ def expected_tokens(model: Path) -> dict:
         tokens.append(out.outputs[0].token_ids)
         tops.append(seen)
     assert all(len(t) == 32 for t in tops), [len(t) for t in tops]
-    return {"prompts": PROMPTS, "tokens": tokens, "top_logits": tops}
+    return {"prompts": PROMPTS, "tokens": tokens, "top_logits": tops, "structured": structured_tokens(llm)}
+
+
+def structured_tokens(llm) -> dict:
+    """The CPU engine's greedy outputs for :data:`QUESTIONS` (chat-formatted here, the texts stored) under
+    :data:`SCHEMA`: {"schema", "prompts", "tokens", "texts"}."""
+    from engine import SamplingParams, StructuredOutputsParams
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+               for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    return {"schema": SCHEMA, "prompts": prompts, "tokens": [o.token_ids for o in outs],
+            "texts": [o.text for o in outs]}
 
 
 def main() -> None:

@@ -27,3 +27,25 @@ def test_only_divergences_at_a_near_tie_of_the_reference_are_allowed():
     assert divergence_report(got, entries, refs, None)[0] == 1  # without the logits only identical ones count
     across = divergence_report([[2]], [[{2: -0.1, 1: -0.2}]], [[1]], [[[-0.995, -1.0]]])  # 0.005 apart
     assert across[0] == 1 and "one bf16 spacing (0.008)" in across[1][0]  # -1.0's spacing, not -0.995's 0.004
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                           "reason": {"type": "string", "maxLength": 5},
+                                           "n": {"type": "integer"}},
+          "required": ["answer", "reason"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("text,ok", [
+    ('{"answer": "yes", "reason": "sunny"}', True),
+    ('{\n"answer" : "no", "reason": "", "n": 3}', True),
+    ('{"answer": "maybe", "reason": "x"}', False),  # not in the enum
+    ('{"answer": "yes"}', False),  # a required key missing
+    ('{"answer": "yes", "reason": "x", "extra": 1}', False),  # additionalProperties false
+    ('{"answer": "yes", "reason": "toolong"}', False),  # over maxLength
+    ('{"answer": "yes", "reason": "x", "n": true}', False),  # a boolean is not an integer
+    ('{"answer": "yes", "reason": "x", "n": 1.5}', False),
+    ('{"answer": "yes", "reason": 3}', False),
+    ('["yes"]', False), ('{"answer": "yes", "reason": "x"', False)])
+def test_follows_schema_checks_keys_types_enum_and_length(text, ok):
+    from bench.engine_bench import follows_schema
+    assert follows_schema(text, SCHEMA) is ok
