@@ -245,6 +245,7 @@ class AsyncLLMEngine:
         """
         if self._state == "new":
             raise RuntimeError("AsyncLLMEngine.start() was not called")
+        await self._compile_ahead(params)
         stream = RequestStream(self, request_id)
         self._register(stream)
         if self.is_dead:  # checked after registering: _fail_all() cannot miss this stream
@@ -258,6 +259,18 @@ class AsyncLLMEngine:
             stream.abort()
             raise
         return stream
+
+    async def _compile_ahead(self, params: SamplingParams) -> None:
+        """Compile a structured request's grammar on a worker thread (xgrammar releases the GIL), so that the
+        engine thread's ``add_request`` takes it from the compiler's cache instead of stalling every running
+        request while it compiles. Raises ValueError as ``LLMEngine.add_request`` would (a schema the grammar
+        cannot follow, no xgrammar). While the engine loads, the engine thread compiles it itself."""
+        engine = self._engine
+        if params.structured_outputs is None or self._state != "ready":
+            return
+        loop = asyncio.get_running_loop()
+        compiler = await loop.run_in_executor(None, engine.grammar_compiler)
+        await loop.run_in_executor(None, compiler.compile, params.structured_outputs)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,7 @@ class LLMEngine:
                         "values win; its max_new_tokens caps max_tokens)", self.default_sampling)
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None  # structured outputs: built at the first such request
+        self._grammars_lock = threading.Lock()
         self._aborted: list[RequestOutput] = []
         self._pending: tuple | None = None  # (batch, LaunchedStep) launched and not read back (async scheduling)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -143,14 +145,21 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured outputs' grammar compiler, built at the first call (about 0.2 s for a 49k vocabulary);
+        callable from any thread (the async engine compiles on a worker thread). Raises ValueError without
+        xgrammar."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.runner.model.config["vocab_size"],
+                                                 sorted(self.eos_token_ids))
+            return self._grammars
+
     def _matcher(self, params: SamplingParams):
         """A grammar matcher for a structured request (None for another); ValueError when it cannot be had."""
         if params.structured_outputs is None:
             return None
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.runner.model.config["vocab_size"],
-                                             sorted(self.eos_token_ids))
-        return self._grammars.matcher(params.structured_outputs)
+        return self.grammar_compiler().matcher(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its last output (finish_reason "abort") comes with the next

@@ -7,6 +7,9 @@ an install without it refuses those (ValueError, a 400 from the API). One :class
 the tokenizer's vocabulary (built on the first structured request, about 0.2 s for a 49k vocabulary) and caches up
 to :data:`CACHE_BYTES` of compiled grammars; each sequence gets its own matcher (``Sequence.matcher``), which
 accepts the tokens read back. ``json_object`` is the schema ``{"type": "object"}`` (OpenAI's JSON mode, vLLM's).
+The server compiles a request's grammar on a worker thread before the engine thread sees the request
+(``AsyncLLMEngine.add_request``), so the engine thread's matcher takes it from the cache and a long compile does
+not stall the running requests (vLLM compiles off its scheduler's thread too).
 
 The mask needs the matcher to have seen every token before it, so a step holding a structured sequence is read
 back before the next step is scheduled (no async-scheduling overlap for those steps; ``LLMEngine.step``). The
@@ -62,9 +65,10 @@ class GrammarCompiler:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
 
-    def matcher(self, spec: StructuredOutputsParams) -> Any:
-        """A new matcher (``xgrammar.GrammarMatcher``) for ``spec``. Raises ValueError (naming the field) for a
-        schema xgrammar cannot compile."""
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """``spec``'s compiled grammar (``xgrammar.CompiledGrammar``), from the cache when it was compiled before.
+        Safe from any thread; xgrammar releases the GIL while it compiles. Raises ValueError (naming the field)
+        for a schema xgrammar cannot compile."""
         try:
             if spec.json_object:  # a JSON object, not any JSON value
                 grammar = self._compiler.compile_json_schema('{"type": "object"}')
@@ -73,7 +77,11 @@ class GrammarCompiler:
                 grammar = self._compiler.compile_json_schema(schema)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs: not a JSON schema this server can follow ({_reason(e)})") from e
-        return self._xgr.GrammarMatcher(grammar)
+        return grammar
+
+    def matcher(self, spec: StructuredOutputsParams) -> Any:
+        """A new matcher (``xgrammar.GrammarMatcher``) for ``spec``; raises as :meth:`compile`."""
+        return self._xgr.GrammarMatcher(self.compile(spec))
 
 
 def apply_masks(logits: torch.Tensor, matchers: list[Any], vocab_size: int) -> None:

@@ -301,9 +301,13 @@ def test_response_format_reaches_the_engine_as_structured_outputs(server):
                           ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
                            StructuredOutputsParams(json=schema)),
                           ({"type": "text"}, None)):
+            compiled = len(fake.compiled)
             r = httpx.post(f"{url}{path}", json={**body, "max_tokens": 2, "response_format": fmt})
             assert r.status_code == 200, r.text
             assert fake.params[-1].structured_outputs == want
+            # compiled ahead, off the engine thread, once per structured request
+            assert fake.compiled[compiled:] == ([] if want is None else [(want, fake.compiled[-1][1])])
+            assert want is None or fake.compiled[-1][1] != "llm-engine"
 
 
 def test_bos_for_completions_and_tokenize_not_for_chat(server):

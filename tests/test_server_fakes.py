@@ -107,6 +107,7 @@ class FakeEngine:
         self.idle_checks = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.params: list[SamplingParams] = []  # of every request added, in order
+        self.compiled: list[tuple] = []  # (structured_outputs, thread name) of every grammar compiled ahead
 
     def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
         self.params.append(params)
@@ -126,6 +127,14 @@ class FakeEngine:
         self.waiting.append(_Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                                      max_tokens, metrics, [[] for _ in range(params.n)], [None] * params.n,
                                      [[] for _ in range(params.n)]))
+
+    def grammar_compiler(self) -> FakeEngine:
+        """As ``LLMEngine.grammar_compiler``: the async engine compiles a structured request's grammar on a worker
+        thread first; this one records the spec and the thread."""
+        return self
+
+    def compile(self, spec) -> None:
+        self.compiled.append((spec, threading.current_thread().name))
 
     def abort_request(self, request_id: str) -> None:
         for r in [*self.waiting, *self.running]:
