@@ -245,14 +245,18 @@ class AsyncLLMEngine:
         """
         if self._state == "new":
             raise RuntimeError("AsyncLLMEngine.start() was not called")
-        await self._compile_ahead(params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(self, request_id)
         self._register(stream)
         if self.is_dead:  # checked after registering: _fail_all() cannot miss this stream
             self._release(stream)
             raise EngineDeadError(f"engine is dead: {self.error!r}")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._send(("add", stream, prompt, params, arrival))
+        try:
+            grammar = await self._compile_ahead(params)
+        except BaseException:  # a schema it cannot follow, or the caller gave up: nothing of it is kept
+            stream.abort()
+            raise
+        self._send(("add", stream, prompt, params, arrival, grammar))
         try:
             await stream.wait_accepted()
         except asyncio.CancelledError:
@@ -260,17 +264,16 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def _compile_ahead(self, params: SamplingParams) -> None:
-        """Compile a structured request's grammar on a worker thread (xgrammar releases the GIL), so that the
-        engine thread's ``add_request`` takes it from the compiler's cache instead of stalling every running
-        request while it compiles. Raises ValueError as ``LLMEngine.add_request`` would (a schema the grammar
-        cannot follow, no xgrammar). While the engine loads, the engine thread compiles it itself."""
-        engine = self._engine
-        if params.structured_outputs is None or self._state != "ready":
-            return
-        loop = asyncio.get_running_loop()
+    async def _compile_ahead(self, params: SamplingParams) -> Any:
+        """A structured request's compiled grammar, compiled on a worker thread (xgrammar releases the GIL) and
+        handed to the engine thread with the request, so that a long compile does not stall the running requests;
+        None for another request, and while the engine loads (the engine thread compiles it then). Raises
+        ValueError as ``LLMEngine.add_request`` would (a schema the grammar cannot follow, no xgrammar)."""
+        if params.structured_outputs is None or self._state != "ready":  # "ready" is set after _engine
+            return None
+        engine, loop = self._engine, asyncio.get_running_loop()
         compiler = await loop.run_in_executor(None, engine.grammar_compiler)
-        await loop.run_in_executor(None, compiler.compile, params.structured_outputs)
+        return await loop.run_in_executor(None, compiler.compile, params.structured_outputs)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -399,16 +402,17 @@ class AsyncLLMEngine:
             elif self._routes.get(cmd[1].request_id) is cmd[1]:  # "abort": only if the engine holds that request
                 self._engine.abort_request(cmd[1].request_id)
 
-    def _admit(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams, arrival: float) -> None:
+    def _admit(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams, arrival: float,
+               grammar: Any) -> None:
         """Hand ``stream``'s request to the ``LLMEngine`` unless it was aborted meanwhile. While the engine still
         holds an old request of the same id (aborted, its last output not out yet) it is parked until that ends."""
         if not self._is_live(stream):  # aborted before the engine saw it
             return
         if stream.request_id in self._routes:
-            self._parked[stream.request_id] = (stream, prompt, params, arrival)  # an earlier parked one was aborted
+            self._parked[stream.request_id] = (stream, prompt, params, arrival, grammar)  # an earlier one was aborted
             return
         try:
-            self._engine.add_request(stream.request_id, prompt, params, arrival_time=arrival)
+            self._engine.add_request(stream.request_id, prompt, params, arrival_time=arrival, grammar=grammar)
         except Exception as e:  # noqa: BLE001 - rejections belong to the request, not the engine
             if self._release(stream):
                 stream.put_threadsafe(e)

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -112,10 +113,12 @@ class LLMEngine:
 
     # ---- requests in -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, grammar: Any = None) -> None:
         """Validate, tokenize and queue a request. A string prompt is encoded with the tokenizer's special tokens
         (its BOS, for Llama-family tokenizers), as vLLM encodes ``LLM.generate`` and ``/v1/completions`` prompts;
-        token ids are taken as they are (the chat endpoint renders its template to ids itself).
+        token ids are taken as they are (the chat endpoint renders its template to ids itself). ``grammar``: a
+        structured request's grammar, compiled by the caller (``grammar_compiler().compile``; the async engine
+        compiles on a worker thread); None compiles it here.
 
         Raises ContextLengthError when prompt + max_tokens exceed max_model_len, ValueError for an empty prompt,
         a duplicate id or a prompt or stop token id outside the vocabulary.
@@ -134,7 +137,7 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max(max_tokens, 1) > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(ids), max_tokens)
-        matchers = [self._matcher(params) for _ in range(params.n)]  # a schema it cannot follow raises here
+        matchers = [self._matcher(params, grammar) for _ in range(params.n)]  # a schema it cannot follow raises
         seqs = [Sequence(request_id, i, list(ids), params,  # a seeded child i draws from seed + i (vLLM V1)
                          torch.Generator(self.runner.device).manual_seed(params.seed + i)
                          if params.seed is not None else None, matcher=matchers[i])
@@ -155,11 +158,12 @@ class LLMEngine:
                                                  sorted(self.eos_token_ids))
             return self._grammars
 
-    def _matcher(self, params: SamplingParams):
-        """A grammar matcher for a structured request (None for another); ValueError when it cannot be had."""
+    def _matcher(self, params: SamplingParams, grammar: Any = None):
+        """A grammar matcher for a structured request, of ``grammar`` when given (None for another request);
+        ValueError when it cannot be had."""
         if params.structured_outputs is None:
             return None
-        return self.grammar_compiler().matcher(params.structured_outputs)
+        return self.grammar_compiler().matcher(params.structured_outputs, grammar)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its last output (finish_reason "abort") comes with the next

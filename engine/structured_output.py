@@ -7,9 +7,9 @@ an install without it refuses those (ValueError, a 400 from the API). One :class
 the tokenizer's vocabulary (built on the first structured request, about 0.2 s for a 49k vocabulary) and caches up
 to :data:`CACHE_BYTES` of compiled grammars; each sequence gets its own matcher (``Sequence.matcher``), which
 accepts the tokens read back. ``json_object`` is the schema ``{"type": "object"}`` (OpenAI's JSON mode, vLLM's).
-The server compiles a request's grammar on a worker thread before the engine thread sees the request
-(``AsyncLLMEngine.add_request``), so the engine thread's matcher takes it from the cache and a long compile does
-not stall the running requests (vLLM compiles off its scheduler's thread too).
+The server compiles a request's grammar on a worker thread and hands it to the engine thread with the request
+(``AsyncLLMEngine.add_request``), so a long compile does not stall the running requests (vLLM compiles off its
+scheduler's thread too).
 
 The mask needs the matcher to have seen every token before it, so a step holding a structured sequence is read
 back before the next step is scheduled (no async-scheduling overlap for those steps; ``LLMEngine.step``). The
@@ -79,9 +79,10 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs: not a JSON schema this server can follow ({_reason(e)})") from e
         return grammar
 
-    def matcher(self, spec: StructuredOutputsParams) -> Any:
-        """A new matcher (``xgrammar.GrammarMatcher``) for ``spec``; raises as :meth:`compile`."""
-        return self._xgr.GrammarMatcher(self.compile(spec))
+    def matcher(self, spec: StructuredOutputsParams, grammar: Any = None) -> Any:
+        """A new matcher (``xgrammar.GrammarMatcher``) for ``spec``, of ``grammar`` when the caller compiled it
+        (:meth:`compile`); raises as :meth:`compile`."""
+        return self._xgr.GrammarMatcher(grammar if grammar is not None else self.compile(spec))
 
 
 def apply_masks(logits: torch.Tensor, matchers: list[Any], vocab_size: int) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -301,13 +302,68 @@ def test_response_format_reaches_the_engine_as_structured_outputs(server):
                           ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
                            StructuredOutputsParams(json=schema)),
                           ({"type": "text"}, None)):
-            compiled = len(fake.compiled)
+            before = len(fake.compiled)
             r = httpx.post(f"{url}{path}", json={**body, "max_tokens": 2, "response_format": fmt})
             assert r.status_code == 200, r.text
             assert fake.params[-1].structured_outputs == want
-            # compiled ahead, off the engine thread, once per structured request
-            assert fake.compiled[compiled:] == ([] if want is None else [(want, fake.compiled[-1][1])])
-            assert want is None or fake.compiled[-1][1] != "llm-engine"
+            compiled = fake.compiled[before:]  # once, on a worker thread, handed over with the request
+            if want is None:
+                assert compiled == [] and fake.grammars[-1] is None
+            else:
+                assert [g[:2] for g in compiled] == [("grammar", want)] and compiled[0][2] != "llm-engine"
+                assert fake.grammars[-1] is compiled[0]
+
+
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+
+
+class UncompilableFake(FakeEngine):
+    def compile(self, spec):
+        raise ValueError("structured_outputs: not a JSON schema this server can follow (test)")
+
+
+class SlowCompileFake(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.compiling = threading.Event(), threading.Event()
+
+    def compile(self, spec):
+        self.compiling.set()
+        self.gate.wait(20)
+        return super().compile(spec)
+
+
+def test_a_grammar_that_fails_to_compile_is_a_400_and_nothing_is_kept():
+    fake = UncompilableFake()
+    engine, srv = serve(fake)
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        for path, body in (("/v1/chat/completions", {"messages": MESSAGES}),
+                           ("/v1/completions", {"prompt": ["a", "b", "c"]})):
+            r = httpx.post(f"{url}{path}", json={**body, "max_tokens": 2, "response_format": JSON_SCHEMA})
+            assert r.status_code == 400 and "(test)" in r.json()["error"]["message"], r.text
+        assert engine.num_requests == 0 and fake.params == []
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    engine.shutdown()
+
+
+def test_a_client_gone_while_its_grammar_compiles_leaves_nothing():
+    fake = SlowCompileFake()
+    engine, srv = serve(fake)
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        body = {"messages": MESSAGES, "max_tokens": 2, "response_format": JSON_SCHEMA}
+        client = threading.Thread(target=lambda: pytest.raises(httpx.ReadTimeout, httpx.post,
+                                                                f"{url}/v1/chat/completions", json=body, timeout=0.5))
+        client.start()
+        assert fake.compiling.wait(10)
+        assert engine.num_requests == 1  # registered (admission control) before it compiles
+        client.join()
+        fake.gate.set()  # the server sees the disconnect once the request is in, and aborts it there
+        wait_for(lambda: engine.num_requests == 0 and not fake.waiting and not fake.running, what="it released")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and engine.num_requests == 0
+    engine.shutdown()
 
 
 def test_bos_for_completions_and_tokenize_not_for_chat(server):
@@ -626,3 +682,31 @@ def test_streamed_echo_sends_each_choices_prompt_logprobs_once():
                      if c["index"] == i and c["logprobs"]["tokens"]] for i in (0, 1)}
     assert by_choice[0] == [("abx", ["a", "b", "x"], [0, 1, 2]), ("y", ["y"], [3])]
     assert by_choice[1] == [("ab", ["a", "b"], [0, 1]), ("z", ["z"], [2]), ("w", ["w"], [3])]
+
+
+def test_add_request_cancelled_while_its_grammar_compiles_keeps_nothing():
+    import asyncio
+
+    from engine.sampling_params import StructuredOutputsParams
+    fake = SlowCompileFake()
+    engine = AsyncLLMEngine(lambda: fake, MODEL)
+    engine.start()
+    wait_for(lambda: engine.is_ready, what="engine ready")
+    params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json_object=True))
+
+    async def cancelled() -> None:
+        task = asyncio.create_task(engine.add_request("r1", "hi", params))
+        while not fake.compiling.is_set():
+            await asyncio.sleep(0.01)
+        assert engine.num_requests == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    fake.gate.set()
+    assert engine.num_requests == 0
+    wait_for(lambda: fake.compiled, what="the abandoned compile to end")
+    time.sleep(0.1)  # a step of the engine thread: the request must not reach it
+    assert fake.params == []
+    engine.shutdown()

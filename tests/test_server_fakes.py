@@ -107,10 +107,12 @@ class FakeEngine:
         self.idle_checks = 0
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.params: list[SamplingParams] = []  # of every request added, in order
-        self.compiled: list[tuple] = []  # (structured_outputs, thread name) of every grammar compiled ahead
+        self.compiled: list[tuple] = []  # every grammar compiled ahead (compile)
+        self.grammars: list = []  # the grammar handed over with every request added, in order
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params, arrival_time=None, grammar=None) -> None:
         self.params.append(params)
+        self.grammars.append(grammar)
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
@@ -130,11 +132,14 @@ class FakeEngine:
 
     def grammar_compiler(self) -> FakeEngine:
         """As ``LLMEngine.grammar_compiler``: the async engine compiles a structured request's grammar on a worker
-        thread first; this one records the spec and the thread."""
+        thread first (:meth:`compile`)."""
         return self
 
-    def compile(self, spec) -> None:
-        self.compiled.append((spec, threading.current_thread().name))
+    def compile(self, spec) -> tuple:
+        """A stand-in grammar: ("grammar", spec, the compiling thread's name), also kept in ``compiled``."""
+        grammar = ("grammar", spec, threading.current_thread().name)
+        self.compiled.append(grammar)
+        return grammar
 
     def abort_request(self, request_id: str) -> None:
         for r in [*self.waiting, *self.running]:

@@ -111,21 +111,20 @@ def test_a_schema_the_grammar_cannot_follow_is_refused_before_queueing(llm):
 
 
 def test_the_async_engine_compiles_the_grammar_off_the_engine_thread(llm):
-    """AsyncLLMEngine (the server's) compiles a structured request's grammar on a worker thread before the engine
-    thread sees the request; the engine thread's matcher then takes it from xgrammar's cache (which does not grow
-    again), so a long compile does not stall the running requests."""
+    """AsyncLLMEngine (the server's) compiles a structured request's grammar on a worker thread and hands it to the
+    engine thread with the request, which compiles nothing, so a long compile does not stall the running
+    requests."""
     import asyncio
     import threading
-    import time
 
     from engine.async_engine import AsyncLLMEngine
+    from test_server_fakes import wait_for
     compiler = llm.engine.grammar_compiler()
     real, seen = compiler.compile, []
 
     def compile(spec):
-        grammar = real(spec)
-        seen.append((threading.current_thread().name, compiler._compiler.get_cache_size_bytes()))
-        return grammar
+        seen.append(threading.current_thread().name)
+        return real(spec)
 
     hot_cold = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["hot", "cold"]}},
                 "required": ["answer"], "additionalProperties": False}  # compiled by no other test
@@ -134,9 +133,7 @@ def test_the_async_engine_compiles_the_grammar_off_the_engine_thread(llm):
     compiler.compile = compile
     try:
         async_engine.start()
-        deadline = time.monotonic() + 30
-        while not async_engine.is_ready and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: async_engine.is_ready, what="engine ready")
 
         async def run():
             return [o async for o in async_engine.generate(chat(llm, "Is ice cold?"), params, "r1")][-1]
@@ -145,5 +142,4 @@ def test_the_async_engine_compiles_the_grammar_off_the_engine_thread(llm):
         async_engine.shutdown()
         del compiler.compile
     assert json.loads(out.text) in ({"answer": "hot"}, {"answer": "cold"})
-    assert [name == "llm-engine" for name, _ in seen] == [False, True]
-    assert seen[0][1] == seen[1][1] > 0  # the engine thread's compile was a cache hit
+    assert len(seen) == 1 and seen[0] != "llm-engine"
