@@ -44,8 +44,17 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": 
     ('{"answer": "yes", "reason": "toolong"}', False),  # over maxLength
     ('{"answer": "yes", "reason": "x", "n": true}', False),  # a boolean is not an integer
     ('{"answer": "yes", "reason": "x", "n": 1.5}', False),
+    ('{"answer": "yes", "reason": "x", "n": 2.0}', True),  # JSON Schema: a number with no fraction
+    ('{"answer": "yes", "reason": "x", "free": true}', False),  # no such property (additionalProperties)
     ('{"answer": "yes", "reason": 3}', False),
     ('["yes"]', False), ('{"answer": "yes", "reason": "x"', False)])
 def test_follows_schema_checks_keys_types_enum_and_length(text, ok):
     from bench.engine_bench import follows_schema
     assert follows_schema(text, SCHEMA) is ok
+
+
+def test_follows_schema_takes_any_value_of_an_untyped_property_and_typed_containers():
+    from bench.engine_bench import follows_schema
+    schema = {"type": "object", "properties": {"any": {}, "list": {"type": "array"}, "obj": {"type": "object"}}}
+    assert follows_schema('{"any": true, "list": [1], "obj": {}}', schema)
+    assert not follows_schema('{"list": {}}', schema) and not follows_schema('{"obj": []}', schema)
