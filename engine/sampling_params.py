@@ -9,16 +9,30 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Constrained decoding (vLLM's ``StructuredOutputsParams``): ``json``, a JSON schema (dict or JSON text) the
-    output must match, or ``json_object``: a JSON object (any keys and values). Exactly one. Enforced by a grammar over the tokens
-    (``engine/structured_output.py``, xgrammar)."""
+    """Constrained decoding (vLLM's ``StructuredOutputsParams``), exactly one of: ``json``, a JSON schema (dict or
+    JSON text) the output must match; ``json_object``: a JSON object (any keys and values); ``regex``: a regular
+    expression the whole output matches; ``choice``: the output is one of these strings; ``grammar``: an EBNF
+    grammar (GBNF-style, with a ``root`` rule) the output follows. Enforced by a grammar over the tokens
+    (``engine/structured_output.py``, xgrammar). Raises ValueError (naming the field) for none or several, an
+    empty ``choice`` or a non-string one."""
 
     json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
     json_object: bool = False
 
     def __post_init__(self) -> None:
-        if (self.json is not None) == self.json_object:
-            raise ValueError("structured_outputs: give exactly one of json (a schema) and json_object")
+        given = [self.json is not None, self.regex is not None, self.choice is not None, self.grammar is not None,
+                 self.json_object]
+        if sum(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar and json_object")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs: choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs: {name} must be a string")
 
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")

@@ -1,5 +1,6 @@
-"""Structured outputs (vLLM's ``StructuredOutputsParams``; OpenAI's ``response_format`` json_object / json_schema):
-a grammar over the tokens that masks, at every step, the tokens that cannot continue a valid output.
+"""Structured outputs (vLLM's ``StructuredOutputsParams``: a JSON schema, any JSON object, a regex, a choice of
+strings or an EBNF grammar; OpenAI's ``response_format`` json_object / json_schema): a grammar over the tokens that
+masks, at every step, the tokens that cannot continue a valid output.
 
 The grammar and its matcher come from xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured
 Generation Engine for Large Language Models"; the library vLLM uses), imported on the first structured request:
@@ -36,18 +37,44 @@ def _reason(e: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[-1] if lines else type(e).__name__)
 
 
-def check_schema(schema: dict | str) -> None:
-    """Raise ValueError when xgrammar cannot make a grammar of the JSON schema ``schema`` (the message without a
-    field name: the caller's validator adds it); nothing when xgrammar is not installed (the engine refuses the
-    request then)."""
+def choice_grammar(choice: list[str]) -> str:
+    """The EBNF grammar whose outputs are exactly the strings of ``choice``: ``root ::= "a" | "b"``, each a JSON
+    string literal (xgrammar's EBNF reads the same escapes: quote, backslash, newline)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+def _what(spec: StructuredOutputsParams) -> str:
+    return ("JSON schema" if spec.json is not None or spec.json_object else "regex" if spec.regex is not None
+            else "choice" if spec.choice is not None else "grammar")
+
+
+def _schema_text(spec: StructuredOutputsParams) -> str:
+    """The JSON schema of a ``json`` / ``json_object`` spec, as text (json_object: a JSON object, not any value)."""
+    schema = '{"type": "object"}' if spec.json_object else spec.json
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def _grammar(xgr: Any, spec: StructuredOutputsParams) -> Any:
+    """``spec`` as an ``xgrammar.Grammar`` (no tokenizer needed): raises xgrammar's RuntimeError when it is not a
+    schema, regex or EBNF grammar it can read."""
+    if spec.json is not None or spec.json_object:
+        return xgr.Grammar.from_json_schema(_schema_text(spec))
+    if spec.regex is not None:
+        return xgr.Grammar.from_regex(spec.regex)
+    return xgr.Grammar.from_ebnf(choice_grammar(spec.choice) if spec.choice is not None else spec.grammar)
+
+
+def check(spec: StructuredOutputsParams) -> None:
+    """Raise ValueError when xgrammar cannot make a grammar of ``spec`` (the message without a field name: the
+    caller's validator adds it); nothing when xgrammar is not installed (the engine refuses the request then)."""
     try:
         import xgrammar
     except ImportError:
         return
     try:
-        xgrammar.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
+        _grammar(xgrammar, spec)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise ValueError(f"not a JSON schema this server can follow ({_reason(e)})") from e
+        raise ValueError(f"not a {_what(spec)} this server can follow ({_reason(e)})") from e
 
 
 class GrammarCompiler:
@@ -68,16 +95,16 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """``spec``'s compiled grammar (``xgrammar.CompiledGrammar``), from the cache when it was compiled before.
         Safe from any thread; xgrammar releases the GIL while it compiles. Raises ValueError (naming the field)
-        for a schema xgrammar cannot compile."""
+        for a schema, regex or grammar xgrammar cannot compile."""
         try:
-            if spec.json_object:  # a JSON object, not any JSON value
-                grammar = self._compiler.compile_json_schema('{"type": "object"}')
-            else:
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                grammar = self._compiler.compile_json_schema(schema)
+            if spec.json is not None or spec.json_object:
+                return self._compiler.compile_json_schema(_schema_text(spec))
+            if spec.regex is not None:
+                return self._compiler.compile_regex(spec.regex)
+            return self._compiler.compile_grammar(choice_grammar(spec.choice) if spec.choice is not None
+                                                  else spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"structured_outputs: not a JSON schema this server can follow ({_reason(e)})") from e
-        return grammar
+            raise ValueError(f"structured_outputs: not a {_what(spec)} this server can follow ({_reason(e)})") from e
 
     def matcher(self, spec: StructuredOutputsParams, grammar: Any = None) -> Any:
         """A new matcher (``xgrammar.GrammarMatcher``) for ``spec``, of ``grammar`` when the caller compiled it

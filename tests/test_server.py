@@ -241,6 +241,14 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),  # xgrammar cannot follow it
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "("}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"whitespace_pattern": " "}},
+     "structured_outputs"),  # a vLLM key this server does not follow
+    ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"regex": "a"},
+                              "response_format": {"type": "json_object"}}, "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1114112": -100}}, "logit_bias"),  # outside the vocab
     ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias.abc.[key]"),
     ("/v1/completions", {"prompt": [104, -1], "echo": True}, "prompt"),  # checked before echo decodes it
@@ -312,6 +320,24 @@ def test_response_format_reaches_the_engine_as_structured_outputs(server):
             else:
                 assert [g[:2] for g in compiled] == [("grammar", want)] and compiled[0][2] != "llm-engine"
                 assert fake.grammars[-1] is compiled[0]
+
+
+def test_vllm_structured_outputs_reach_the_engine(server):
+    """vLLM's extra parameter ``structured_outputs`` on both endpoints; its unset keys (null, false) as vLLM's
+    client may send them are left out."""
+    from engine.sampling_params import StructuredOutputsParams
+    url, fake, _ = server
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "hi"})):
+        for given, want in (({"choice": ["a", "b"], "json": None, "json_object": False},
+                             StructuredOutputsParams(choice=["a", "b"])),
+                            ({"regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
+                            ({"grammar": 'root ::= "x"'}, StructuredOutputsParams(grammar='root ::= "x"')),
+                            ({"json": {"type": "object"}}, StructuredOutputsParams(json={"type": "object"})),
+                            ({"json_object": True}, StructuredOutputsParams(json_object=True))):
+            r = httpx.post(f"{url}{path}", json={**body, "max_tokens": 2, "structured_outputs": given,
+                                                  "response_format": {"type": "text"}})
+            assert r.status_code == 200, r.text
+            assert fake.params[-1].structured_outputs == want and fake.grammars[-1][1] == want
 
 
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}

@@ -132,3 +132,20 @@ def test_response_format_json_schema_gives_json_that_follows_it(live):
     answer = json.loads(r.choices[0].message.content)
     assert set(answer) == {"capital"} and isinstance(answer["capital"], str)
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_vllm_structured_outputs_choice_through_the_sdk(live):
+    """vLLM's ``extra_body={"structured_outputs": {"choice": [...]}}``: the answer is one of the choices, on both
+    endpoints, as the model's own answer would not be."""
+    pytest.importorskip("xgrammar")
+    url, model, _ = live
+    choices = ["Paris", "Lyon", "Marseille"]
+    extra = {"structured_outputs": {"choice": choices}}
+    chat = sdk(url).chat.completions.create(model=model, messages=QUESTION, max_tokens=10, temperature=0,
+                                            extra_body=extra).choices[0]
+    plain = sdk(url).completions.create(model=model, prompt="My favourite city:", max_tokens=10, temperature=0,
+                                        extra_body=extra).choices[0]
+    free = sdk(url).completions.create(model=model, prompt="My favourite city:", max_tokens=10,
+                                       temperature=0).choices[0]
+    assert chat.message.content in choices and chat.finish_reason == "stop"
+    assert plain.text in choices and plain.finish_reason == "stop" and free.text not in choices

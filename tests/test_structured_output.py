@@ -78,11 +78,11 @@ def test_logprobs_are_of_the_masked_distribution(llm):
 def test_without_xgrammar_a_structured_request_is_refused(llm, monkeypatch):
     import sys
 
-    from engine.structured_output import GrammarCompiler, check_schema
+    from engine.structured_output import GrammarCompiler, check
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
     with pytest.raises(ValueError, match="need the xgrammar package"):
         GrammarCompiler(llm.get_tokenizer(), 49152, [2])
-    assert check_schema({"type": "nonsense"}) is None  # the engine refuses instead
+    assert check(StructuredOutputsParams(json={"type": "nonsense"})) is None  # the engine refuses instead
 
 
 def test_async_scheduling_gives_the_same_outputs(demo_model, llm):
@@ -143,3 +143,40 @@ def test_the_async_engine_compiles_the_grammar_off_the_engine_thread(llm):
         del compiler.compile
     assert json.loads(out.text) in ({"answer": "hot"}, {"answer": "cold"})
     assert len(seen) == 1 and seen[0] != "llm-engine"
+
+
+def test_choice_regex_and_grammar_constrain_the_output(llm):
+    """vLLM's other structured outputs: one of the choices exactly (quotes, a backslash and a newline kept), the
+    whole output matching the regex, the output in the EBNF grammar's language; sampled, several seeds."""
+    import re
+    choices = ['yes', 'no "way"', "back\\slash", "two\nlines"]
+    question = chat(llm, "Is Paris in France?")
+    specs = [StructuredOutputsParams(choice=choices), StructuredOutputsParams(regex=r"[A-Z][a-z]{2,5}-\d{2}"),
+             StructuredOutputsParams(grammar='root ::= "(" num ("+" num)? ")"\nnum ::= [1-9] [0-9]?')]
+    outs = llm.generate([question] * 3, [SamplingParams(temperature=1.0, seed=s, n=4, max_tokens=40,
+                                                        structured_outputs=spec) for s, spec in enumerate(specs)])
+    texts = [[c.text for c in o.outputs] for o in outs]
+    assert all(o.finish_reason == "stop" for out in outs for o in out.outputs), texts
+    assert all(t in choices for t in texts[0]), texts[0]
+    assert all(re.fullmatch(r"[A-Z][a-z]{2,5}-\d{2}", t) for t in texts[1]), texts[1]
+    assert all(re.fullmatch(r"\([1-9][0-9]?(?:\+[1-9][0-9]?)?\)", t) for t in texts[2]), texts[2]
+    grammars = llm.engine.grammar_compiler()  # every choice is reachable, escapes and all, and nothing else
+    for text, ok in [(c, True) for c in choices] + [("no way", False), ("back\\\\slash", False), ("ye", False)]:
+        matcher = grammars.matcher(specs[0])
+        assert (matcher.accept_string(text) and matcher.is_completed()) is ok, text
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"), ({"choice": []}, "non-empty list"),
+    ({"choice": "ab"}, "non-empty list"), ({"choice": ["a", 3]}, "non-empty list"), ({"regex": 3}, "regex must be")])
+def test_structured_outputs_params_take_exactly_one_well_formed_constraint(kw, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kw)
+
+
+def test_a_regex_or_grammar_the_compiler_cannot_read_is_refused(llm):
+    for spec, what in ((StructuredOutputsParams(regex="("), "regex"),
+                       (StructuredOutputsParams(grammar='root ::= "a" |'), "grammar")):
+        with pytest.raises(ValueError, match=f"structured_outputs: not a {what} this server can follow"):
+            llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs=spec))
+    assert not llm.engine.has_unfinished_requests()

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from engine.generation_config import with_defaults
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.structured_output import check_schema
+from engine.structured_output import check
 
 
 def random_id(prefix: str) -> str:
@@ -104,11 +104,39 @@ class SamplingRequest(RequestModel):
             spec = value.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ValueError("json_schema needs {\"name\": ..., \"schema\": {...}}")
-            check_schema(spec["schema"])
+            check(StructuredOutputsParams(json=spec["schema"]))
         return value
 
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The engine's constraint for ``response_format`` (None for text)."""
+    #: vLLM's extra parameter: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": EBNF} |
+    #: {"json_object": true}; a request gives it or a JSON response_format, not both
+    structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _known_structured_outputs(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        """A 400 naming it for a key this server does not follow, none or several of the five, a JSON
+        response_format beside it, or (xgrammar installed) a schema, regex or grammar it cannot compile."""
+        if value is None:
+            return None
+        given = {k: v for k, v in value.items() if v is not None and v is not False}  # vLLM's defaults: unset
+        unknown = sorted(set(given) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)} not supported (json, regex, choice, grammar or json_object)")
+        fmt = info.data.get("response_format") or {}
+        if fmt.get("type", "text") != "text":
+            raise ValueError("give it or a JSON response_format, not both")
+        try:
+            spec = StructuredOutputsParams(**given)
+        except ValueError as e:
+            raise ValueError(str(e).removeprefix("structured_outputs: ")) from None
+        check(spec)
+        return given
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The engine's ``structured_outputs``: from the field of that name, or from ``response_format`` (None for
+        text)."""
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams(**self.structured_outputs)
         kind = "text" if self.response_format is None else self.response_format.get("type", "text")
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True)
@@ -141,7 +169,7 @@ class SamplingRequest(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
-            structured_outputs=self.structured_outputs(),
+            structured_outputs=self.constraint(),
             **with_defaults({**given, "max_tokens": max_tokens}, defaults or {}))
 
 
