@@ -687,8 +687,12 @@ def w4a16_linear(x: torch.Tensor | SplitK, qw: QuantizedWeight, bias: torch.Tens
 #: fifteenth session): 4 / 4 1,994-2,002 / 2,537-2,539; 16 / 4 1,996 / 2,537-2,541; 16 / 8 1,971-1,973 /
 #: 2,532-2,533; 16 / 16 1,981-1,983 / 2,560-2,561 (16 / 8 shipped). The CUDA-core GEMV's count changed nothing
 #: measurable; the mma GEMV's 22-split down projection at batch 1 waits for three rounds of loads instead of six.
+#: The mma GEMV at 9-16 rows (two sets of 8) loads 4 at once (``MMA_SUM_AHEAD_16``): with 8 its registers went from
+#: 168 to 173, a warp fewer per multiprocessor, and its suite rows with PDL from 17.7 to 22.6 µs (4096→12288) and
+#: 26.5 to 34.0 (4096→22016) (nineteenth session, `probe/ahead16.py`); M <= 8 keeps 8 (12.6 against 12.9 µs).
 GEMV_SUM_AHEAD = 16
 MMA_SUM_AHEAD = 8
+MMA_SUM_AHEAD_16 = 4
 
 _LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _MAX_LOCKS = 1 << 16  # column blocks of one GEMV: N up to 65536 x BLOCK_N
@@ -780,7 +784,8 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
             HAS_BIAS=bias is not None, SPLIT=splits > 1, SERIAL=serial, IS_BF16=x.dtype == torch.bfloat16,
             ASM=not dot_f32(x), WARPS=plan.num_warps,
             EVEN=k % (plan.block_k * plan.k_warps) == 0 and n % plan.block_n == 0,
-            SETS=1 if m <= 8 else 2, PDL=pdl(x), TRIG=early_trigger(x), KW=plan.k_warps, AHEAD=MMA_SUM_AHEAD,
+            SETS=1 if m <= 8 else 2, PDL=pdl(x), TRIG=early_trigger(x), KW=plan.k_warps,
+            AHEAD=MMA_SUM_AHEAD if m <= 8 else MMA_SUM_AHEAD_16,
             num_warps=plan.num_warps, num_stages=plan.num_stages)
         if serial or splits == 1:
             return out

@@ -423,11 +423,12 @@ def test_pre_hopper_packed_bf16_gives_the_same_bits(plan, monkeypatch):
 @pytest.mark.parametrize("ahead", [8, 16])
 def test_in_launch_split_sums_loading_more_splits_at_once_give_the_same_bits(monkeypatch, ahead):
     """The GEMVs' in-launch sums with AHEAD splits' loads in flight (a short last round: 9 splits) add in split
-    order like AHEAD = 4: the same bits."""
+    order like AHEAD = 4: the same bits, for the mma GEMV's one set of rows (M <= 8) and two (M 9-16)."""
     qw, w = make_weight("awq", 288, 128, 32, False)
     bias = torch.randn(128, dtype=torch.float16)
     plans = [(w4a16.Plan("gemv", block_m=1, block_n=64, block_k=32, k_per_split=32), 1),
-             (w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, k_per_split=32, num_warps=1, num_stages=1), 3)]
+             (w4a16.Plan("mma", block_m=8, block_n=64, block_k=32, k_per_split=32, num_warps=1, num_stages=1), 3),
+             (w4a16.Plan("mma", block_m=16, block_n=64, block_k=32, k_per_split=32, num_warps=1, num_stages=1), 12)]
     launched = []
     for owner, name in ((w4a16, "_gemv_kernel"), (w4a16_mma, "_gemv_mma_kernel")):
         real = getattr(owner, name)
@@ -437,8 +438,9 @@ def test_in_launch_split_sums_loading_more_splits_at_once_give_the_same_bits(mon
         runs = []
         for n in (4, ahead):
             monkeypatch.setattr(w4a16, "GEMV_SUM_AHEAD", n)
-            monkeypatch.setattr(w4a16, "MMA_SUM_AHEAD", n)
+            monkeypatch.setattr(w4a16, "MMA_SUM_AHEAD", n if rows <= 8 else 99)
+            monkeypatch.setattr(w4a16, "MMA_SUM_AHEAD_16", n if rows > 8 else 99)
             runs.append(w4a16.run_plan(x, qw, bias, plan))
         assert torch.equal(*runs)
         check_product(runs[0], x, w, bias)
-    assert [kw["AHEAD"] for kw in launched] == [4, ahead, 4, ahead]  # the setting reaches the launch
+    assert [kw["AHEAD"] for kw in launched] == [4, ahead] * 3  # each M's setting reaches its launch
