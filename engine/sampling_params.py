@@ -12,17 +12,25 @@ class StructuredOutputsParams:
     """Constrained decoding (vLLM's ``StructuredOutputsParams``), exactly one of: ``json``, a JSON schema (dict or
     JSON text) the output must match; ``json_object``: a JSON object (any keys and values); ``regex``: a regular
     expression the whole output matches; ``choice``: the output is one of these strings; ``grammar``: an EBNF
-    grammar (GBNF-style, with a ``root`` rule) the output follows. Enforced by a grammar over the tokens
-    (``engine/structured_output.py``, xgrammar). Raises ValueError (naming the field) for none or several, an
-    empty ``choice`` or a non-string one."""
+    grammar (GBNF-style, with a ``root`` rule; not Lark) the output follows. ``disable_any_whitespace``: JSON in
+    one fixed layout, separators ", " and ": " and no other whitespace (json / json_object only; xgrammar's
+    ``any_whitespace=False``, as vLLM). Enforced by a grammar over the tokens
+    (``engine/structured_output.py``, xgrammar). Raises ValueError (naming the field) for none or several, a
+    field of the wrong type, an empty ``choice`` or a non-string one."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs: {name} must be true or false")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs: json must be a JSON schema (an object, or its JSON text)")
         given = [self.json is not None, self.regex is not None, self.choice is not None, self.grammar is not None,
                  self.json_object]
         if sum(given) != 1:
@@ -72,7 +80,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k at its position (vLLM)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # added to the token's logit before everything else (OpenAI)
-    structured_outputs: StructuredOutputsParams | None = None  # the output follows a JSON schema or is JSON
+    structured_outputs: StructuredOutputsParams | None = None  # a schema, JSON, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

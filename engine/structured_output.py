@@ -58,7 +58,7 @@ def _grammar(xgr: Any, spec: StructuredOutputsParams) -> Any:
     """``spec`` as an ``xgrammar.Grammar`` (no tokenizer needed): raises xgrammar's RuntimeError when it is not a
     schema, regex or EBNF grammar it can read."""
     if spec.json is not None or spec.json_object:
-        return xgr.Grammar.from_json_schema(_schema_text(spec))
+        return xgr.Grammar.from_json_schema(_schema_text(spec), any_whitespace=not spec.disable_any_whitespace)
     if spec.regex is not None:
         return xgr.Grammar.from_regex(spec.regex)
     return xgr.Grammar.from_ebnf(choice_grammar(spec.choice) if spec.choice is not None else spec.grammar)
@@ -98,7 +98,8 @@ class GrammarCompiler:
         for a schema, regex or grammar xgrammar cannot compile."""
         try:
             if spec.json is not None or spec.json_object:
-                return self._compiler.compile_json_schema(_schema_text(spec))
+                return self._compiler.compile_json_schema(_schema_text(spec),
+                                                          any_whitespace=not spec.disable_any_whitespace)
             if spec.regex is not None:
                 return self._compiler.compile_regex(spec.regex)
             return self._compiler.compile_grammar(choice_grammar(spec.choice) if spec.choice is not None

@@ -243,6 +243,10 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),  # xgrammar cannot follow it
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "("}}, "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json_object": False}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json_object": "yes"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": 5}}, "structured_outputs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"whitespace_pattern": " "}},
      "structured_outputs"),  # a vLLM key this server does not follow
     ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"regex": "a", "choice": ["a"]}},
@@ -333,9 +337,10 @@ def test_vllm_structured_outputs_reach_the_engine(server):
                             ({"regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
                             ({"grammar": 'root ::= "x"'}, StructuredOutputsParams(grammar='root ::= "x"')),
                             ({"json": {"type": "object"}}, StructuredOutputsParams(json={"type": "object"})),
-                            ({"json_object": True}, StructuredOutputsParams(json_object=True))):
-            r = httpx.post(f"{url}{path}", json={**body, "max_tokens": 2, "structured_outputs": given,
-                                                  "response_format": {"type": "text"}})
+                            ({"json_object": True, "disable_any_whitespace": True, "disable_fallback": True},
+                             StructuredOutputsParams(json_object=True, disable_any_whitespace=True))):
+            text = {"response_format": {"type": "text"}} if "choice" in given else {}  # with it and without
+            r = httpx.post(f"{url}{path}", json={**body, **text, "max_tokens": 2, "structured_outputs": given})
             assert r.status_code == 200, r.text
             assert fake.params[-1].structured_outputs == want and fake.grammars[-1][1] == want
 

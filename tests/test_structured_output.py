@@ -1,6 +1,7 @@
 """Structured outputs (vLLM's StructuredOutputsParams, OpenAI's response_format) on the demo model, CPU path: the
-output follows the JSON schema or is JSON, with async scheduling as without, beside unconstrained rows that the
-mask leaves alone; a schema the grammar cannot follow is refused before anything is queued."""
+output follows the JSON schema, is JSON, matches the regex, is one of the choices or is in the grammar's language,
+with async scheduling as without, beside unconstrained rows that the mask leaves alone; a schema, regex or grammar
+the compiler cannot follow is refused before anything is queued."""
 from __future__ import annotations
 
 import json
@@ -168,7 +169,9 @@ def test_choice_regex_and_grammar_constrain_the_output(llm):
 
 @pytest.mark.parametrize("kw,message", [
     ({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"), ({"choice": []}, "non-empty list"),
-    ({"choice": "ab"}, "non-empty list"), ({"choice": ["a", 3]}, "non-empty list"), ({"regex": 3}, "regex must be")])
+    ({"choice": "ab"}, "non-empty list"), ({"choice": ["a", 3]}, "non-empty list"), ({"regex": 3}, "regex must be"),
+    ({"json_object": "yes"}, "true or false"), ({"json_object": 1}, "true or false"), ({"json": 5}, "JSON schema"),
+    ({"json_object": True, "disable_any_whitespace": "no"}, "true or false")])
 def test_structured_outputs_params_take_exactly_one_well_formed_constraint(kw, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**kw)
@@ -180,3 +183,18 @@ def test_a_regex_or_grammar_the_compiler_cannot_read_is_refused(llm):
         with pytest.raises(ValueError, match=f"structured_outputs: not a {what} this server can follow"):
             llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs=spec))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_disable_any_whitespace_gives_json_in_one_fixed_layout(llm):
+    """vLLM's disable_any_whitespace (xgrammar's any_whitespace=False): the JSON's separators are fixed (", " and
+    ": ", json.dumps's), no free whitespace; without it the model spaces it its own way."""
+    question = chat(llm, "Is Paris in France? Answer in JSON.")
+
+    def texts(**kw):
+        params = SamplingParams(temperature=1.0, seed=1, n=4, max_tokens=40,
+                                structured_outputs=StructuredOutputsParams(json=YES_NO, **kw))
+        return [c.text for c in llm.generate([question], params)[0].outputs]
+
+    fixed, loose = texts(disable_any_whitespace=True), texts()
+    assert all(t in ('{"answer": "yes"}', '{"answer": "no"}') for t in fixed), fixed
+    assert any(t.strip() != json.dumps(json.loads(t)) for t in loose), loose

@@ -108,7 +108,7 @@ class SamplingRequest(RequestModel):
         return value
 
     #: vLLM's extra parameter: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": EBNF} |
-    #: {"json_object": true}; a request gives it or a JSON response_format, not both
+    #: {"json_object": true}, optionally "disable_any_whitespace"; a request gives it or a JSON response_format
     structured_outputs: dict[str, Any] | None = None
 
     @field_validator("structured_outputs")
@@ -119,9 +119,11 @@ class SamplingRequest(RequestModel):
         if value is None:
             return None
         given = {k: v for k, v in value.items() if v is not None and v is not False}  # vLLM's defaults: unset
-        unknown = sorted(set(given) - {"json", "regex", "choice", "grammar", "json_object"})
+        given.pop("disable_fallback", None)  # one backend here: there is nothing to fall back to
+        unknown = sorted(set(given) - {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"})
         if unknown:
-            raise ValueError(f"{', '.join(unknown)} not supported (json, regex, choice, grammar or json_object)")
+            raise ValueError(f"{', '.join(unknown)} not supported (json, regex, choice, grammar, json_object, "
+                             "disable_any_whitespace)")
         fmt = info.data.get("response_format") or {}
         if fmt.get("type", "text") != "text":
             raise ValueError("give it or a JSON response_format, not both")
