@@ -690,6 +690,7 @@ def w4a16_linear(x: torch.Tensor | SplitK, qw: QuantizedWeight, bias: torch.Tens
 #: The mma GEMV at 9-16 rows (two sets of 8) loads 4 at once (``MMA_SUM_AHEAD_16``): with 8 its registers went from
 #: 168 to 173, a warp fewer per multiprocessor, and its suite rows with PDL from 17.7 to 22.6 µs (4096→12288) and
 #: 26.5 to 34.0 (4096→22016) (nineteenth session, `probe/ahead16.py`); M <= 8 keeps 8 (12.6 against 12.9 µs).
+#: (The Llama engine's M = 16 products defer their sums or run the tc GEMM: the in-launch sum is not in them.)
 GEMV_SUM_AHEAD = 16
 MMA_SUM_AHEAD = 8
 MMA_SUM_AHEAD_16 = 4
