@@ -34,7 +34,8 @@ class StructuredOutputsParams:
         given = [self.json is not None, self.regex is not None, self.choice is not None, self.grammar is not None,
                  self.json_object]
         if sum(given) != 1:
-            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar and json_object")
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar and "
+                             "json_object: true")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs: choice must be a non-empty list of strings")
