@@ -241,6 +241,13 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),  # xgrammar cannot follow it
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "auto"}, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, "tools"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "("}}, "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": []}}, "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, "structured_outputs"),
@@ -302,6 +309,48 @@ def test_unsupported_features_pass_when_they_ask_for_nothing(server):
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, **accepted})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == CHAT_PROMPT_LEN + len("<tool f>")  # the template saw the tools
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_named_tool_choice_constrains_the_output_and_returns_a_tool_call(server):
+    """vLLM without a tool-call parser: a named function is a JSON-schema constraint (its parameters), the output
+    its call's arguments, content "", finish_reason the engine's; the SDK reads it, streamed (id, type and name in
+    the first delta, then arguments) or not."""
+    from engine.sampling_params import StructuredOutputsParams
+    url, fake, _ = server
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=12, tools=[WEATHER_TOOL],
+              tool_choice={"type": "function", "function": {"name": "weather"}})
+    r = sdk(url).chat.completions.create(**kw)
+    want = StructuredOutputsParams(json=WEATHER_TOOL["function"]["parameters"])
+    assert fake.params[-1].structured_outputs == want
+    choice = r.choices[0]
+    text, reason = fake_completion(CHAT_PROMPT_LEN + len("<tool weather>"), fake.params[-1])
+    assert choice.message.content == "" and choice.finish_reason == reason
+    assert [(c.type, c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("function", "weather", text)]
+    deltas = [c.choices[0].delta for c in sdk(url).chat.completions.create(stream=True, **kw) if c.choices]
+    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert calls[0].id.startswith("chatcmpl-tool-") and calls[0].function.name == "weather"
+    assert all(c.id is None and c.function.name is None and c.index == 0 for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == text
+    assert not any(d.content for d in deltas)
+
+
+def test_required_tool_choice_asks_for_an_array_of_calls_and_keeps_text_that_is_not_one(server):
+    """"required": the schema is a non-empty array of {name, parameters} (one per tool); the fake's output is not
+    such JSON (as an output cut by max_tokens), so it comes back as the content, streamed whole at the end."""
+    url, fake, _ = server
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=12, tools=[WEATHER_TOOL], tool_choice="required")
+    r = sdk(url).chat.completions.create(**kw)
+    schema = fake.params[-1].structured_outputs.json
+    assert schema["type"] == "array" and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["weather"]
+    text, _ = fake_completion(CHAT_PROMPT_LEN + len("<tool weather>"), fake.params[-1])
+    assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
+    deltas = [c.choices[0].delta for c in sdk(url).chat.completions.create(stream=True, **kw) if c.choices]
+    assert [d.content for d in deltas if d.content] == [text]  # nothing streamed before the array was complete
 
 
 def test_response_format_reaches_the_engine_as_structured_outputs(server):

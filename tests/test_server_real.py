@@ -149,3 +149,33 @@ def test_vllm_structured_outputs_choice_through_the_sdk(live):
                                        temperature=0).choices[0]
     assert chat.message.content in choices and chat.finish_reason == "stop"
     assert plain.text in choices and plain.finish_reason == "stop" and free.text not in choices
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string", "maxLength": 30}},
+                                                           "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_through_the_sdk(live):
+    """A named function and "required" (vLLM's way without a tool-call parser): the SDK gets tool_calls whose
+    arguments are JSON that follows the function's parameters; a named call streamed adds up to the same."""
+    pytest.importorskip("xgrammar")
+    url, model, _ = live
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = dict(model=model, messages=ask, max_tokens=40, temperature=0, tools=[WEATHER, CLOCK],
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = sdk(url).chat.completions.create(**named).choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    streamed = [c.choices[0].delta.tool_calls for c in sdk(url).chat.completions.create(stream=True, **named)
+                if c.choices and c.choices[0].delta.tool_calls]
+    assert "".join(d[0].function.arguments for d in streamed) == call.function.arguments
+    required = sdk(url).chat.completions.create(**{**named, "tool_choice": "required", "max_tokens": 80})
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "stop" and calls
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert (c.function.name, set(args)) in (("get_weather", {"city"}), ("get_time", {"zone"}))

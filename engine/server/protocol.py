@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from engine.generation_config import with_defaults
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.server.tools import check as check_tools, schema as tool_schema
 from engine.structured_output import check
 
 
@@ -204,16 +205,29 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM: leave the last (assistant) message open, the model continues it
     chat_template_kwargs: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    #: refused unless tool_choice is "none" (there is no tool-call parsing); then the chat template sees them (vLLM)
-    tools: list[dict[str, Any]] | None = None
+    #: the chat template sees them; tool_choice "required" or a named function constrains the output to a call
+    #: (engine/server/tools.py); "auto" is refused (no tool-call parser), as vLLM without one
+    tools: list[dict[str, Any]] | None = Field(default=None, validate_default=True)
 
     @field_validator("tools")
     @classmethod
-    def _no_tool_calls(cls, value: list[dict[str, Any]] | None, info: ValidationInfo) -> list[dict[str, Any]] | None:
-        """vLLM without a tool-call parser: tools are a 400 naming them unless ``tool_choice`` is "none"."""
-        if value and info.data.get("tool_choice") != "none":
-            raise ValueError('tool calling is not supported by this server (only tool_choice "none" is accepted)')
+    def _tool_calls_we_can_make(cls, value: list[dict[str, Any]] | None,
+                                info: ValidationInfo) -> list[dict[str, Any]] | None:
+        """A 400 naming them for tools or a tool_choice ``tools.check`` refuses, and for a call-making
+        tool_choice beside a JSON response_format or structured_outputs (one constraint per request)."""
+        choice = info.data.get("tool_choice")
+        check_tools(value, choice)
+        fmt = info.data.get("response_format") or {}
+        if tool_schema(value, choice) is not None and (
+                info.data.get("structured_outputs") or fmt.get("type", "text") != "text"):
+            raise ValueError("a tool_choice that makes a call cannot be combined with response_format or "
+                             "structured_outputs")
         return value
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """A call-making tool_choice's JSON schema (``tools.schema``), else the response format's."""
+        call = tool_schema(self.tools, self.tool_choice)
+        return StructuredOutputsParams(json=call) if call is not None else super().constraint()
 
     @field_validator("top_logprobs")
     @classmethod
@@ -229,6 +243,7 @@ class ChatCompletionRequest(SamplingRequest):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -253,6 +268,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatStreamChoice(BaseModel):

@@ -17,6 +17,7 @@ from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, C
                                     TokenizeRequest, random_id)
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
                                    submit, usage)
+from engine.server.tools import new_call, tool_calls
 
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
@@ -29,7 +30,7 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
         raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
                        "`add_generation_prompt` to true", param="continue_final_message")
     kwargs = dict(req.chat_template_kwargs or {})
-    if getattr(req, "tools", None):  # accepted only with tool_choice "none": the model still sees them, as in vLLM
+    if getattr(req, "tools", None):  # the model sees them, whatever the tool_choice, as in vLLM
         kwargs["tools"] = req.tools
     if "chat_template" in kwargs:  # vLLM too needs a server flag for this: a template is code the server runs
         raise APIError(400, "chat_template_kwargs: a request cannot replace the chat template",
@@ -61,12 +62,35 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
-    choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+    choices = [ChatCompletionChoice(index=c.index, message=_message(req, c.text),
                                     logprobs=_logprobs(llm.tokenizer, req, c, 0), finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason)
                for c in finals[0].outputs]
     body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage(finals))
     return JSONResponse(body.model_dump())
+
+
+def _message(req: ChatCompletionRequest, text: str) -> ChatResponseMessage:
+    """The assistant's message: the tool calls a call-making tool_choice asked for (content "", as vLLM), else
+    the text."""
+    calls = tool_calls(text, req.tool_choice) if req.tools else None
+    return ChatResponseMessage(content="", tool_calls=calls) if calls else ChatResponseMessage(content=text)
+
+
+def _delta(req: ChatCompletionRequest, d: Any) -> DeltaMessage:
+    """A stream's delta of choice ``d``: a named function's arguments as they come (its id, type and name in the
+    first), a "required" array's calls once it is complete (nothing before), else the text."""
+    if not req.tools or req.tool_choice in (None, "none"):
+        return DeltaMessage(content=d.text)
+    if isinstance(req.tool_choice, dict):
+        first = new_call(req.tool_choice["function"]["name"], d.text) if d.first else None
+        return DeltaMessage(tool_calls=[{"index": 0, **(first or {"function": {"arguments": d.text}})}])
+    if not d.finish_reason:
+        return DeltaMessage()
+    message = _message(req, d.choice.text)
+    if not message.tool_calls:
+        return DeltaMessage(content=d.choice.text)
+    return DeltaMessage(tool_calls=[{"index": i, **call} for i, call in enumerate(message.tool_calls)])
 
 
 def _logprobs(tokenizer: Any, req: ChatCompletionRequest, choice: CompletionOutput, start: int) -> dict | None:
@@ -93,7 +117,9 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
     async for i, out in merge(streams):
         final = out
         for d in tracker.update(i, out):
-            delta = DeltaMessage(content=d.text)
+            delta = _delta(req, d)
+            if delta.content is None and delta.tool_calls is None and not d.finish_reason:
+                continue  # a "required" array still being written
             yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=d.finish_reason,
                                           stop_reason=d.choice.stop_reason if d.finish_reason else None,
                                           logprobs=_logprobs(tokenizer, req, d.choice, d.token_start))])

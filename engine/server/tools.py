@@ -1,0 +1,85 @@
+"""Tool calls without a tool-call parser, as vLLM serves them: ``tool_choice`` naming a function, or "required",
+turns the request into a structured output (a JSON schema over the tools' ``parameters``) and the generated JSON
+into the response's ``tool_calls``; "none" leaves the tools to the chat template only. "auto" (OpenAI's default
+when tools are given) needs a model-specific parser that reads tool calls out of free text: refused, as vLLM
+refuses it without ``--enable-auto-tool-choice``.
+
+Source: OpenAI chat completions API (``tools``, ``tool_choice``, ``message.tool_calls``, ``delta.tool_calls``);
+vLLM's serving_chat (a named function's arguments are the output text; "required" is a JSON array of
+``{"name", "parameters"}`` objects, one schema per tool; finish_reason stays the engine's).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+AUTO_REFUSED = ('"auto" tool choice needs a tool-call parser, which this server does not have: use tool_choice '
+                '"required", {"type": "function", "function": {"name": ...}} or "none"')
+
+
+def check(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> None:
+    """Raise ValueError (the message without a field name) for tools that are not ``{"type": "function",
+    "function": {"name": ..., "parameters": {...}}}`` objects, a tool_choice other than "none", "required" or a
+    named function among them, and "auto" (also the default when tools are given)."""
+    names = []
+    for tool in tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function" or not isinstance(
+                fn.get("name"), str) or not isinstance(fn.get("parameters", {}), (dict, type(None))):
+            raise ValueError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+        names.append(fn["name"])
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if choice == "auto":
+        raise ValueError(AUTO_REFUSED)
+    if choice in ("none", "required"):
+        if choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
+        return
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if name is None or choice.get("type", "function") != "function":
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                         '{"name": ...}}')
+    if name not in names:
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def schema(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON schema the output must follow (None when the tools only inform the template): the named function's
+    parameters, or for "required" a non-empty array of ``{"name": one of the tools, "parameters": its schema}``.
+    Assumes :func:`check` passed."""
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        return _parameters(next(t for t in tools if t["function"]["name"] == name))
+    if tool_choice != "required":
+        return None
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                               "parameters": _parameters(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+
+def new_call(name: str, arguments: str) -> dict[str, Any]:
+    """One ``tool_calls`` entry with a fresh id (vLLM's ``chatcmpl-tool-`` ids)."""
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_calls(text: str, tool_choice: str | dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """The response's ``tool_calls`` for an output ``text`` made under :func:`schema`: a named function's call with
+    ``text`` as its arguments, or one call per element of the "required" array (arguments re-serialized, as vLLM);
+    None for another tool_choice, or a "required" output that is not the complete array (cut by max_tokens): the
+    text is then the message's content."""
+    if isinstance(tool_choice, dict):
+        return [new_call(tool_choice["function"]["name"], text)]
+    if tool_choice != "required":
+        return None
+    try:
+        calls = json.loads(text)
+        return [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+    except (ValueError, TypeError, KeyError):
+        return None
