@@ -11,26 +11,46 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
 TIME = {"type": "function", "function": {"name": "time"}}  # no parameters: any object, vLLM's default
 
 
+@pytest.mark.parametrize("given", [[{"type": "function"}], ["weather"], [{"type": "retrieval", "function": {
+    "name": "x"}}], [{"type": "function", "function": {"name": "x", "parameters": []}}]])
+def test_check_tools_refuses_what_is_not_a_function(given):
+    with pytest.raises(ValueError, match="each tool must be"):
+        tools.check_tools(given)
+
+
 @pytest.mark.parametrize("given,choice,message", [
     ([WEATHER], None, "needs a tool-call parser"),  # OpenAI's default with tools: auto
     ([WEATHER], "auto", "needs a tool-call parser"),
-    (None, "required", "needs tools"),
+    (None, "required", "needs tools"), (None, "auto", "needs tools"),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
-    ([WEATHER], {"type": "function"}, "tool_choice must be"),
-    ([WEATHER], "sometimes", "tool_choice must be"),
-    ([{"type": "function"}], "none", "each tool must be"),
-    (["weather"], "none", "each tool must be"),
-    ([{"type": "retrieval", "function": {"name": "x"}}], "none", "each tool must be"),
-    ([{"type": "function", "function": {"name": "x", "parameters": []}}], "none", "each tool must be")])
-def test_check_refuses_what_cannot_be_served(given, choice, message):
+    ([WEATHER], {"type": "function"}, "must be"),
+    ([WEATHER], {"type": "function", "function": "weather"}, "must be"),  # a common slip: no 500
+    ([WEATHER], ["weather"], "must be"),
+    ([WEATHER], "sometimes", "must be")])
+def test_check_choice_refuses_what_cannot_be_served(given, choice, message):
     with pytest.raises(ValueError, match=message):
-        tools.check(given, choice)
+        tools.check_choice(given, choice)
 
 
-@pytest.mark.parametrize("given,choice", [(None, None), ([WEATHER], "none"), ([WEATHER, TIME], "required"),
+@pytest.mark.parametrize("given,choice", [(None, None), (None, "none"), ([WEATHER], "none"),
+                                          ([WEATHER, TIME], "required"),
                                           ([WEATHER, TIME], {"type": "function", "function": {"name": "time"}})])
-def test_check_takes_what_can_be_served(given, choice):
-    assert tools.check(given, choice) is None
+def test_check_choice_takes_what_can_be_served(given, choice):
+    assert tools.check_tools(given) is None and tools.check_choice(given, choice) is None
+
+
+def test_required_moves_the_tools_defs_to_the_root_so_refs_resolve():
+    def tool(name, defs):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "$defs": defs}}}
+    loc = {"Loc": {"type": "string"}}
+    got = tools.schema([tool("a", loc), tool("b", loc)], "required")
+    assert got["$defs"] == loc and all("$defs" not in c["properties"]["parameters"] for c in got["items"]["anyOf"])
+    from engine.sampling_params import StructuredOutputsParams
+    from engine.structured_output import check
+    check(StructuredOutputsParams(json=got))  # xgrammar resolves the refs
+    with pytest.raises(ValueError, match="define \\$defs 'Loc' differently"):
+        tools.schema([tool("a", loc), tool("b", {"Loc": {"type": "integer"}})], "required")
 
 
 def test_schema_of_a_named_function_and_of_required():
@@ -58,3 +78,30 @@ def test_tool_calls_from_the_constrained_output():
     assert len({c["id"] for c in required}) == 2
     assert tools.tool_calls('[{"name": "weather", "parame', "required") is None  # cut by max_tokens
     assert tools.tool_calls("hello", "none") is None
+
+
+def test_a_required_array_streams_as_its_calls_once_complete():
+    from types import SimpleNamespace
+
+    from engine.server.protocol import ChatCompletionRequest
+    from engine.server.serving_chat import _delta
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER, TIME],
+                                tool_choice="required")
+    text = '[{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "time", "parameters": {}}]'
+    step = SimpleNamespace(text=text[:10], first=True, finish_reason=None, choice=SimpleNamespace(text=text[:10]))
+    assert _delta(req, step).content is None and _delta(req, step).tool_calls is None
+    last = SimpleNamespace(text=text[10:], first=False, finish_reason="stop", choice=SimpleNamespace(text=text))
+    calls = _delta(req, last).tool_calls
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, "weather", {"city": "Oslo"}), (1, "time", {})]
+
+
+def test_tool_calls_in_the_history_reach_the_template_with_object_arguments():
+    from engine.server.serving_chat import _for_template
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    got = _for_template({"role": "assistant", "content": None, "tool_calls": [call]}, "")
+    assert got["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"} and got["content"] == ""
+    assert call["function"]["arguments"] == '{"city": "Oslo"}'  # the request's own message is left as it was
+    odd = {**call, "function": {"name": "weather", "arguments": "not json"}}
+    assert _for_template({"role": "assistant", "tool_calls": [odd]}, "")["tool_calls"][0] == odd
+    assert "tool_calls" not in _for_template({"role": "user", "content": "hi"}, "hi")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from engine.generation_config import with_defaults
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.server.tools import check as check_tools, schema as tool_schema
+from engine.server.tools import check_choice, check_tools, schema as tool_schema
 from engine.structured_output import check
 
 
@@ -204,24 +204,33 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant turn's header
     continue_final_message: bool = False  # vLLM: leave the last (assistant) message open, the model continues it
     chat_template_kwargs: dict[str, Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     #: the chat template sees them; tool_choice "required" or a named function constrains the output to a call
     #: (engine/server/tools.py); "auto" is refused (no tool-call parser), as vLLM without one
-    tools: list[dict[str, Any]] | None = Field(default=None, validate_default=True)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = Field(default=None, validate_default=True)
 
     @field_validator("tools")
     @classmethod
-    def _tool_calls_we_can_make(cls, value: list[dict[str, Any]] | None,
-                                info: ValidationInfo) -> list[dict[str, Any]] | None:
-        """A 400 naming them for tools or a tool_choice ``tools.check`` refuses, and for a call-making
-        tool_choice beside a JSON response_format or structured_outputs (one constraint per request)."""
-        choice = info.data.get("tool_choice")
-        check_tools(value, choice)
+    def _known_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        check_tools(value)
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_calls_we_can_make(cls, value: str | dict[str, Any] | None, info: ValidationInfo) -> Any:
+        """A 400 naming it for a tool_choice ``tools.check_choice`` refuses, a call whose schema the grammar
+        cannot follow, and a call-making tool_choice beside a JSON response_format or structured_outputs (one
+        constraint per request)."""
+        tools = info.data.get("tools")
+        check_choice(tools, value)
+        call = tool_schema(tools, value)
+        if call is None:
+            return value
         fmt = info.data.get("response_format") or {}
-        if tool_schema(value, choice) is not None and (
-                info.data.get("structured_outputs") or fmt.get("type", "text") != "text"):
+        if info.data.get("structured_outputs") or fmt.get("type", "text") != "text":
             raise ValueError("a tool_choice that makes a call cannot be combined with response_format or "
                              "structured_outputs")
+        check(StructuredOutputsParams(json=call))
         return value
 
     def constraint(self) -> StructuredOutputsParams | None:

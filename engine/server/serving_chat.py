@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: messages -> chat template -> one engine request -> response or SSE chunks."""
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,7 +37,7 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
         raise APIError(400, "chat_template_kwargs: a request cannot replace the chat template",
                        param="chat_template_kwargs")
     try:
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages or []]
+        messages = [_for_template(m.model_dump(exclude_none=True), m.text()) for m in req.messages or []]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message, tokenize=False,
                                              **kwargs)
@@ -45,6 +46,21 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
     except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages it refuses
         raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from e
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _for_template(message: dict[str, Any], text: str) -> dict[str, Any]:
+    """A message as chat templates take it: its text as ``content``, and the ``arguments`` of the tool calls an
+    assistant message carries back as objects, not JSON text (as vLLM: templates serialize them with ``tojson``)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError:
+                pass  # not JSON: the template gets the text
+        calls.append(call)
+    return {**message, "content": text, **({"tool_calls": calls} if calls else {})}
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -104,7 +120,7 @@ def _logprobs(tokenizer: Any, req: ChatCompletionRequest, choice: CompletionOutp
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionRequest, streams: list[RequestStream],
                   request_id: str) -> AsyncIterator[dict]:
     """``chat.completion.chunk`` dicts: per choice first a delta with only the role (content ""), as vLLM sends
-    before any token, then text deltas, the last one with its ``finish_reason``; with ``include_usage`` every chunk
+    before any token, then text or tool-call deltas (:func:`_delta`), the last one with its ``finish_reason``; with ``include_usage`` every chunk
     has ``usage: null`` and one final chunk has ``choices: []`` and the usage."""
     created, tracker, final = int(time.time()), DeltaTracker(req.n), None
 
@@ -120,8 +136,9 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
             delta = _delta(req, d)
             if delta.content is None and delta.tool_calls is None and not d.finish_reason:
                 continue  # a "required" array still being written
+            start = 0 if req.tools and req.tool_choice == "required" else d.token_start  # one delta at the end
             yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=d.finish_reason,
                                           stop_reason=d.choice.stop_reason if d.finish_reason else None,
-                                          logprobs=_logprobs(tokenizer, req, d.choice, d.token_start))])
+                                          logprobs=_logprobs(tokenizer, req, d.choice, start))])
     if req.include_usage:
         yield {**chunk([]), "usage": usage([final]).model_dump()}

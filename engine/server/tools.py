@@ -18,30 +18,36 @@ AUTO_REFUSED = ('"auto" tool choice needs a tool-call parser, which this server 
                 '"required", {"type": "function", "function": {"name": ...}} or "none"')
 
 
-def check(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> None:
+def check_tools(tools: list[dict[str, Any]] | None) -> None:
     """Raise ValueError (the message without a field name) for tools that are not ``{"type": "function",
-    "function": {"name": ..., "parameters": {...}}}`` objects, a tool_choice other than "none", "required" or a
-    named function among them, and "auto" (also the default when tools are given)."""
-    names = []
+    "function": {"name": ..., "parameters": {...}}}`` objects."""
     for tool in tools or []:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or tool.get("type", "function") != "function" or not isinstance(
                 fn.get("name"), str) or not isinstance(fn.get("parameters", {}), (dict, type(None))):
             raise ValueError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}')
-        names.append(fn["name"])
-    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
-    if choice == "auto":
-        raise ValueError(AUTO_REFUSED)
-    if choice in ("none", "required"):
-        if choice == "required" and not names:
-            raise ValueError('tool_choice "required" needs tools')
+
+
+def check_choice(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> None:
+    """Raise ValueError (the message without a field name) for a tool_choice other than "none", "required" or a
+    named function among ``tools`` (checked by :func:`check_tools`), one that needs tools without them, and "auto"
+    (also the default when tools are given)."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
         return
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    if name is None or choice.get("type", "function") != "function":
-        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                         '{"name": ...}}')
-    if name not in names:
-        raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    if not tools:
+        raise ValueError("needs tools: when using `tool_choice`, `tools` must be set")
+    if tool_choice == "auto":
+        raise ValueError(AUTO_REFUSED)
+    if tool_choice == "required":
+        return
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    if name not in [t["function"]["name"] for t in tools]:
+        raise ValueError(f"names {name!r}, which is not among the tools")
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -50,17 +56,26 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 def schema(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> dict[str, Any] | None:
     """The JSON schema the output must follow (None when the tools only inform the template): the named function's
-    parameters, or for "required" a non-empty array of ``{"name": one of the tools, "parameters": its schema}``.
-    Assumes :func:`check` passed."""
+    parameters, or for "required" a non-empty array of ``{"name": one of the tools, "parameters": its schema}``,
+    the tools' ``$defs`` moved to the array's root so their ``$ref``s still resolve. Assumes
+    :func:`check_choice` passed; raises ValueError when two tools define one ``$defs`` name differently."""
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         return _parameters(next(t for t in tools if t["function"]["name"] == name))
     if tool_choice != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                               "parameters": _parameters(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    defs: dict[str, Any] = {}
+    calls = []
+    for tool in tools:
+        params = dict(_parameters(tool))
+        for key, value in params.pop("$defs", {}).items():
+            if defs.setdefault(key, value) != value:
+                raise ValueError(f"two tools define $defs {key!r} differently")
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                                                       "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return {**array, "$defs": defs} if defs else array
 
 
 def new_call(name: str, arguments: str) -> dict[str, Any]:
