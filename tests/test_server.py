@@ -315,6 +315,8 @@ def test_unsupported_features_pass_when_they_ask_for_nothing(server):
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, **accepted})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == CHAT_PROMPT_LEN + len("<tool f>")  # the template saw the tools
+    counted = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES, "tools": accepted["tools"]}).json()
+    assert counted["count"] == r.json()["usage"]["prompt_tokens"]  # /tokenize renders them the same way
 
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {

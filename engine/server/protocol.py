@@ -360,6 +360,13 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # shown to the template, as the chat endpoint does (vLLM)
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        check_tools(value)
+        return value
 
 
 class TokenizeResponse(BaseModel):
