@@ -12,9 +12,9 @@ import time
 import types
 import typing
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.generation_config import with_defaults
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -29,6 +29,15 @@ def random_id(prefix: str) -> str:
 def _accepts_none(annotation: Any) -> bool:
     return annotation is None or annotation is type(None) or (
         typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation))
+
+
+def _checked_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    check_tools(tools)
+    return tools
+
+
+#: OpenAI's ``tools`` (function definitions); a 400 naming them for one that is not a function (``tools.check_tools``)
+Tools = Annotated[list[dict[str, Any]] | None, AfterValidator(_checked_tools)]
 
 
 class RequestModel(BaseModel):
@@ -206,14 +215,8 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     #: the chat template sees them; tool_choice "required" or a named function constrains the output to a call
     #: (engine/server/tools.py); "auto" is refused (no tool-call parser), as vLLM without one
-    tools: list[dict[str, Any]] | None = None
+    tools: Tools = None
     tool_choice: str | dict[str, Any] | None = Field(default=None, validate_default=True)
-
-    @field_validator("tools")
-    @classmethod
-    def _known_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        check_tools(value)
-        return value
 
     @field_validator("tool_choice")
     @classmethod
@@ -360,13 +363,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # shown to the template, as the chat endpoint does (vLLM)
-
-    @field_validator("tools")
-    @classmethod
-    def _known_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        check_tools(value)
-        return value
+    tools: Tools = None  # shown to the template, as the chat endpoint does (vLLM)
 
 
 class TokenizeResponse(BaseModel):
