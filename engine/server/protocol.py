@@ -31,6 +31,11 @@ def _accepts_none(annotation: Any) -> bool:
         typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation))
 
 
+def format_kind(response_format: dict[str, Any] | None) -> str:
+    """``response_format``'s type: "text" (also when absent), "json_object" or "json_schema"."""
+    return "text" if response_format is None else response_format.get("type", "text")
+
+
 def _checked_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     check_tools(tools)
     return tools
@@ -107,7 +112,7 @@ class SamplingRequest(RequestModel):
     def _known_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         """A 400 naming it for another type, a json_schema without a schema object, or (xgrammar installed) a
         schema that cannot be turned into a grammar; never ignored."""
-        kind = "text" if value is None else value.get("type", "text")
+        kind = format_kind(value)
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
         if kind == "json_schema":
@@ -134,8 +139,7 @@ class SamplingRequest(RequestModel):
         if unknown:
             raise ValueError(f"{', '.join(unknown)} not supported (json, regex, choice, grammar, json_object, "
                              "disable_any_whitespace)")
-        fmt = info.data.get("response_format") or {}
-        if fmt.get("type", "text") != "text":
+        if format_kind(info.data.get("response_format")) != "text":
             raise ValueError("give it or a JSON response_format, not both")
         try:
             spec = StructuredOutputsParams(**given)
@@ -149,7 +153,7 @@ class SamplingRequest(RequestModel):
         text)."""
         if self.structured_outputs is not None:
             return StructuredOutputsParams(**self.structured_outputs)
-        kind = "text" if self.response_format is None else self.response_format.get("type", "text")
+        kind = format_kind(self.response_format)
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True)
         if kind == "json_schema":
@@ -229,8 +233,7 @@ class ChatCompletionRequest(SamplingRequest):
         call = tool_schema(tools, value)
         if call is None:
             return value
-        fmt = info.data.get("response_format") or {}
-        if info.data.get("structured_outputs") or fmt.get("type", "text") != "text":
+        if info.data.get("structured_outputs") or format_kind(info.data.get("response_format")) != "text":
             raise ValueError("a tool_choice that makes a call cannot be combined with response_format or "
                              "structured_outputs")
         check(StructuredOutputsParams(json=call))
