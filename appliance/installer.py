@@ -430,6 +430,7 @@ def start_service(opts: InstallOptions, console: Console, use_systemd: bool, sys
         mgr = service.Systemd(user=not system)
         with step(console, "Installing and starting the systemd unit"):
             unit = mgr.install(config_file, data_dir)
+        service.Background(service.state_dir(data_dir)).uninstalled_file.unlink(missing_ok=True)
         console.print(f"Unit: {unit} (enabled; `systemctl{' --user' if not system else ''} status appliance`)")
         return mgr
     unit = service.Systemd(user=not cfgmod.is_root())  # this user's kind of install only: never another's unit

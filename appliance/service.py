@@ -35,6 +35,7 @@ class Status:
     pid: int | None = None
     detail: str = ""
     log: str = ""  # where the logs are: a file, or the journalctl command
+    installed: bool = True  # False once `appliance uninstall` removed the service (and nothing started it since)
 
 
 def systemd_running() -> bool:
@@ -183,6 +184,8 @@ class Background:
     """A detached ``appliance serve`` in its own session; ``appliance.pid`` and ``appliance.log`` in ``state_dir``.
 
     The pid file holds the pid and the process's start time, so a recycled pid is never mistaken for the server.
+    :meth:`uninstall` leaves the file ``uninstalled`` beside them (the log stays), which :meth:`start` removes, so
+    :meth:`status` can tell a removed service from a stopped one.
     """
 
     mode = "background"
@@ -191,6 +194,7 @@ class Background:
         self.state_dir = Path(state_dir)
         self.pid_file = self.state_dir / "appliance.pid"
         self.log_file = self.state_dir / "appliance.log"
+        self.uninstalled_file = self.state_dir / "uninstalled"
 
     def _recorded(self) -> tuple[int, float] | None:
         try:
@@ -234,12 +238,16 @@ class Background:
         except psutil.Error:
             started = time.time()
         write_atomic(self.pid_file, f"{proc.pid} {started}\n")
+        self.uninstalled_file.unlink(missing_ok=True)
         return proc.pid
 
     def status(self) -> Status:
         pid = self.pid()
         if pid is not None:
             detail = f"background process {pid}"
+        elif self.uninstalled_file.is_file():
+            return Status(mode=self.mode, running=False, detail="removed by `appliance uninstall`",
+                          log=str(self.log_file), installed=False)
         elif self._recorded() is not None:
             detail = "stopped (the process exited; see the log)"
         elif self.log_file.is_file():
@@ -289,8 +297,10 @@ class Background:
                     time.sleep(0.5)
 
     def uninstall(self) -> bool:
+        """Stop the server and mark the service removed (see the class doc); True if it was running."""
         was = self.stop()
         self.pid_file.unlink(missing_ok=True)
+        write_atomic(self.uninstalled_file, f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         return was
 
 

@@ -154,3 +154,23 @@ def test_stop_waits_for_the_servers_children(bg, tmp_path):
     child_pid = int(next(line for line in bg.log_lines(5) if line.startswith("child ")).split()[1])
     assert bg.stop(timeout=10) is True
     assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_uninstall_then_status_says_not_installed_until_started_again(bg):
+    """`appliance uninstall` (no --purge) stops the server and keeps its log; `status` then says the service is
+    not installed (exit 4, as `systemctl status` for a unit that does not exist), not merely stopped."""
+    runner = CliRunner()
+    pid = bg.start(FAKE_SERVER)
+    assert wait_for(lambda: "fake server up" in bg.log_lines(5))
+    result = runner.invoke(app, ["uninstall", "--yes"])
+    assert result.exit_code == 0 and "removed the background service" in result.output, result.output
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    st = bg.status()
+    assert (st.running, st.installed) == (False, False) and "fake server up" in bg.log_lines(5)
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 4 and "not installed" in result.output and "appliance install" in result.output
+    assert "not installed" in runner.invoke(app, ["status"]).output  # asking again changes nothing
+    bg.start(FAKE_SERVER)
+    assert (bg.status().running, bg.status().installed) == (True, True)
+    assert runner.invoke(app, ["status"]).exit_code == 0
+    assert bg.stop(timeout=10) is True and bg.status().installed  # a plain stop is not an uninstall
