@@ -361,7 +361,8 @@ class LLMEngine:
                                             seq.stop_reason, seq.logprobs))
         # complete once emitted (``_process`` holds a request's outputs back until then; an abort's may not be)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, choices, req.finished, req.metrics,
-                             prompt_logprobs=req.seqs[0].prompt_logprobs)
+                             prompt_logprobs=req.seqs[0].prompt_logprobs,
+                             prompt_logprob_ranks=req.seqs[0].prompt_logprob_ranks)
 
     # ---- introspection -------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -51,3 +51,6 @@ class RequestOutput:
     #: with ``SamplingParams.prompt_logprobs``: per prompt token {token_id: logprob, then the top k} (natural log),
     #: None for the first (vLLM's shape); None when not asked
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    #: the same prompt tokens' ranks in their distributions (1 = the most likely; vLLM's ``Logprob.rank``), None
+    #: for the first; None when not asked
+    prompt_logprob_ranks: list[int | None] | None = None

@@ -1,6 +1,6 @@
 """Prompt logprobs (vLLM's ``SamplingParams.prompt_logprobs``; what OpenAI completions return for the prompt with
-``echo`` and ``logprobs``): the log-probability of each prompt token given the tokens before it, and the top-k at
-its position, from the hidden states a prefill step computes anyway.
+``echo`` and ``logprobs``): the log-probability of each prompt token given the tokens before it, its rank, and the
+top-k at its position, from the hidden states a prefill step computes anyway.
 
 Prompt token t (t >= 1) is predicted by the hidden row of position t - 1. A prefill chunk of positions
 [start, end) therefore holds the rows of tokens [start + 1, end + 1), cut to the prompt and to those not launched
@@ -35,10 +35,11 @@ class PromptChunk:
         return PromptChunk(self.seq, self.first, self.logprobs.to(host))
 
     def fill(self) -> None:
-        """Write the entries ({prompt token: its logprob, then the top k}) into ``seq.prompt_logprobs`` (read back
-        first: the tensors are on the host)."""
+        """Write the entries ({prompt token: its logprob, then the top k}) into ``seq.prompt_logprobs`` and the
+        tokens' ranks into ``seq.prompt_logprob_ranks`` (read back first: the tensors are on the host)."""
         end = self.first + len(self.logprobs.rows)
         self.seq.prompt_logprobs[self.first:end] = self.logprobs.entries(self.seq.token_ids[self.first:end])
+        self.seq.prompt_logprob_ranks[self.first:end] = self.logprobs.ranks.tolist()
         self.seq.num_prompt_logprobs_read += end - self.first
 
 
@@ -70,5 +71,6 @@ def launch(model, hidden: torch.Tensor, plan: list[tuple[Sequence, int, int, int
             n = min(ROWS_PER_PASS, count - lo)
             target = to_device(seq.token_ids[first + lo:first + lo + n], torch.int64, hidden.device)
             logits = model.compute_logits(hidden[row + lo:row + lo + n])
-            chunks.append(PromptChunk(seq, first + lo, logprobs_of(logits, target, list(range(n)), [k] * n)))
+            chunks.append(PromptChunk(seq, first + lo, logprobs_of(logits, target, list(range(n)), [k] * n,
+                                                                    ranks=True)))
     return chunks

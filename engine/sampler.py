@@ -201,17 +201,21 @@ class StepLogprobs:
     """The logprobs a step's rows asked for, computed on the logits' device and read back with the tokens:
     ``rows`` (their positions among the step's sampling rows), ``k`` (each one's ``logprobs``), ``chosen`` float32
     [W] (the sampled token's), ``top_values`` float32 [W, K] and ``top_ids`` int64 [W, K] (the K = max(k) most
-    likely tokens', descending). Natural-log probabilities of the raw model distribution (vLLM's raw logprobs)."""
+    likely tokens', descending); ``ranks`` int64 [W] when asked for: each row's token's rank, the count of tokens
+    at least as likely (1 = the most likely; vLLM's ``Logprob.rank``). Natural-log probabilities of the raw model
+    distribution (vLLM's raw logprobs)."""
 
     rows: list[int]
     k: list[int]
     chosen: torch.Tensor
     top_values: torch.Tensor
     top_ids: torch.Tensor
+    ranks: torch.Tensor | None = None
 
     def to(self, host) -> StepLogprobs:
         """The same on the host: each tensor copied by ``host`` (a function of one tensor)."""
-        return StepLogprobs(self.rows, self.k, host(self.chosen), host(self.top_values), host(self.top_ids))
+        return StepLogprobs(self.rows, self.k, host(self.chosen), host(self.top_values), host(self.top_ids),
+                            None if self.ranks is None else host(self.ranks))
 
     def entries(self, tokens: list[int]) -> list[dict[int, float] | None]:
         """One entry per sampling row of the step (``tokens``: its sampled ids, read back): {sampled token: its
@@ -234,13 +238,16 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequenc
     return logprobs_of(logits[idx], tokens[idx].clamp_min(0), rows, [seqs[i].params.logprobs or 0 for i in rows])
 
 
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: list[int]) -> StepLogprobs:
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: list[int],
+                ranks: bool = False) -> StepLogprobs:
     """:class:`StepLogprobs` of logits [W, V] (row j: ``rows[j]``, asking for ``k[j]``): the log-softmax, each
-    row's ``tokens`` (int64 [W]) logprob and the top max(k), on the logits' device without a host sync."""
+    row's ``tokens`` (int64 [W]) logprob and the top max(k), and with ``ranks`` each token's rank (ties count
+    ahead, as vLLM counts), on the logits' device without a host sync."""
     logp = torch.log_softmax(logits.float(), -1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     top_values, top_ids = torch.topk(logp, max(k)) if max(k) else (logp[:, :0], logp[:, :0].long())
-    return StepLogprobs(rows, k, chosen, top_values, top_ids)
+    rank = (logp >= chosen[:, None]).sum(-1) if ranks else None
+    return StepLogprobs(rows, k, chosen, top_values, top_ids, rank)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],

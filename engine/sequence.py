@@ -43,7 +43,7 @@ class Sequence:
 
     Prompt logprobs (``params.prompt_logprobs``, computed for choice 0 only: the choices share the prompt):
     ``prompt_logprobs`` holds one entry per prompt token, None for the first (nothing predicts it) and until read
-    back; ``num_prompt_logprobs`` counts the prompt tokens whose entry is launched (from 1), so a prefill run
+    back, and ``prompt_logprob_ranks`` each one's rank alike (1 = the most likely token); ``num_prompt_logprobs`` counts the prompt tokens whose entry is launched (from 1), so a prefill run
     again after a recompute preemption does not launch them twice, and ``num_prompt_logprobs_read`` those read
     back. Until the first reaches ``num_prompt_tokens`` the sequence takes no prefix-cache hit (every position must
     be computed; vLLM does the same).
@@ -66,6 +66,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     num_pending_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     matcher: Any = None  # structured outputs: the grammar matcher of this choice (engine/structured_output.py)
     num_prompt_logprobs: int = 1
     num_prompt_logprobs_read: int = 1
@@ -77,6 +78,7 @@ class Sequence:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.index == 0:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
+            self.prompt_logprob_ranks = [None] * self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens

@@ -61,6 +61,37 @@ def test_prompt_logprobs_equal_the_logprobs_of_generating_those_tokens(llm, prom
     assert out.outputs[0].logprobs is None  # not asked for the generated token
 
 
+def test_prompt_token_ranks_are_their_places_in_the_sorted_distribution(llm, prompt, generated, monkeypatch):
+    """Each prompt token's rank (vLLM's ``Logprob.rank``) is its place in its position's logits sorted
+    descending, from 1: 1 for the greedy tokens, its place among the top k when there, else beyond k."""
+    import torch
+
+    from engine import prompt_logprobs as module
+    ids, _ = generated
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = module.logprobs_of
+
+    def watched(logits, tokens, rows, k, ranks=False):
+        seen.append((logits.clone(), tokens.clone()))
+        return real(logits, tokens, rows, k, ranks)
+
+    monkeypatch.setattr(module, "logprobs_of", watched)
+    out = llm.generate([ids], SCORE)[0]
+    logits = torch.cat([lg for lg, _ in seen])
+    targets = torch.cat([t for _, t in seen])
+    assert targets.tolist() == ids[1:]  # one row per prompt token after the first, in order (3 chunks here)
+    order = torch.argsort(logits, dim=-1, descending=True, stable=True)
+    places = ((order == targets[:, None]).nonzero()[:, 1] + 1).tolist()
+    ranks = out.prompt_logprob_ranks
+    assert ranks[0] is None and ranks[1:] == places
+    assert all(r == 1 for r in ranks[len(prompt):])  # the greedy continuation
+    assert any(r > 3 for r in ranks[1:]) and any(r == 1 for r in ranks[1:len(prompt)])
+    for t in range(1, len(ids)):
+        entry = out.prompt_logprobs[t]
+        top = sorted(entry, key=lambda tok: -entry[tok])[:3]
+        assert (ids[t] in top) == (ranks[t] <= 3) and (ranks[t] > 3 or top.index(ids[t]) == ranks[t] - 1), t
+
+
 def test_chunking_the_prefix_cache_and_async_scheduling_change_nothing(demo_model, llm, generated):
     ids, _ = generated
     first = llm.generate([ids], SCORE)[0].prompt_logprobs

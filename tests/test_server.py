@@ -181,6 +181,64 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_too(server):
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
 
 
+def _lp(logprob: float, rank: int, token: str) -> dict:
+    return {"logprob": logprob, "rank": rank, "decoded_token": token}
+
+
+def test_prompt_logprobs_extra_parameter(server):
+    """vLLM's ``prompt_logprobs``: per prompt token {token id: logprob, rank, decoded token} for the token and the
+    top k, the first null; per choice in completions (also for echo with logprobs, as vLLM), once per request in
+    chat; left out when nobody asked; a 400 naming it out of [0, 20] or with streaming."""
+    url, fake, _ = server
+    client = sdk(url)
+    r = client.completions.create(model=MODEL, prompt="ab", max_tokens=2, n=2, extra_body={"prompt_logprobs": 1})
+    assert fake.params[-1].prompt_logprobs == 1 and r.choices[0].logprobs is None
+    want = [None, {str(ord("b")): _lp(-1.5, 1, "b")}]  # the fake's prompt token is its most likely one
+    assert [c.model_extra["prompt_logprobs"] for c in r.choices] == [want, want]
+    two = client.completions.create(model=MODEL, prompt=["ab", "xyz"], max_tokens=1,
+                                    extra_body={"prompt_logprobs": 2})
+    assert [len(c.model_extra["prompt_logprobs"]) for c in two.choices] == [2, 3]
+    assert two.choices[1].model_extra["prompt_logprobs"][2] == {str(ord("z")): _lp(-1.5, 1, "z"),
+                                                                str(ord("#")): _lp(-2.0, 2, "#")}
+    echoed = client.completions.create(model=MODEL, prompt="ab", max_tokens=1, logprobs=2, echo=True,
+                                       extra_body={"prompt_logprobs": 0})
+    assert fake.params[-1].prompt_logprobs == 2  # echo's logprobs need the top 2
+    assert echoed.choices[0].logprobs.top_logprobs[1] == {"b": -1.5, "#": -2.0}
+    assert echoed.choices[0].model_extra["prompt_logprobs"] == want  # the request's k, 0: the token alone
+    only_echo = client.completions.create(model=MODEL, prompt="ab", max_tokens=1, logprobs=1, echo=True)
+    assert only_echo.choices[0].model_extra["prompt_logprobs"] == want
+    plain = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain["choices"][0] and fake.params[-1].prompt_logprobs is None
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1,
+                                                         "prompt_logprobs": 0}).json()
+    assert fake.params[-1].prompt_logprobs == 0 and len(chat["prompt_logprobs"]) == CHAT_PROMPT_LEN
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in chat["choices"][0]
+    assert "prompt_logprobs" not in httpx.post(f"{url}/v1/chat/completions", json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 1}).json()
+    for path, body in (("/v1/completions", {"prompt": "ab"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        for extra, why in (({"prompt_logprobs": 21}, "[0, 20]"), ({"prompt_logprobs": -1}, "[0, 20]"),
+                           ({"prompt_logprobs": 1, "stream": True}, "stream")):
+            bad = httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 1, **body, **extra})
+            err = bad.json()["error"]
+            assert bad.status_code == 400 and err["param"] == "prompt_logprobs" and why in err["message"], err
+
+
+def test_prompt_logprobs_field_puts_the_prompt_token_first_with_its_own_rank():
+    """The prompt token outside the top k comes first with its engine rank, then the top k ranked 1 .. k; inside
+    the top k it keeps its place first with its top-k rank (k entries in all); -inf is clamped as vLLM does."""
+    from engine.server.logprobs import prompt_logprobs
+    a, b, c, d = (ord(ch) for ch in "abcd")
+    entries = [None, {b: -5.0, c: -0.1, d: -1.0}, {c: -1.0, a: -0.5, b: -1.0}, {d: float("-inf"), a: -0.2, b: -0.3}]
+    got = prompt_logprobs(FakeTokenizer(), [a, b, c, d], entries, [None, 9, 2, 50000], 2)
+    assert got == [None,
+                   {b: _lp(-5.0, 9, "b"), c: _lp(-0.1, 1, "c"), d: _lp(-1.0, 2, "d")},
+                   {c: _lp(-1.0, 2, "c"), a: _lp(-0.5, 1, "a")},
+                   {d: _lp(-9999.0, 50000, "d"), a: _lp(-0.2, 1, "a"), b: _lp(-0.3, 2, "b")}]
+    assert [list(e) for e in got[1:]] == [[b, c, d], [c, a], [d, a, b]]  # the prompt token's key first
+    assert prompt_logprobs(FakeTokenizer(), [a, b], entries[:2], [None, 9], 0) == [None, {b: _lp(-5.0, 9, "b")}]
+
+
 def test_models_health_version_tokenize_kv(server):
     url, _, _ = server
     cards = sdk(url).models.list().data

@@ -202,11 +202,13 @@ class FakeEngine:
             logprobs = list(r.logprobs[c]) if r.params.logprobs is not None else None
             choices.append(CompletionOutput(index=c, text=text, token_ids=list(toks), finish_reason=r.done[c],
                                             logprobs=logprobs))
-        prompt_logprobs = None  # as LLMEngine: None for the first prompt token, then {token: logprob, top k}
+        prompt_logprobs = ranks = None  # as LLMEngine: None for the first prompt token, then {token: logprob,
+        # top k} and the token's rank (here always the most likely)
         if r.params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [{t: -1.5, ord("#"): -2.0, ord("~"): -3.0} for t in r.prompt_ids[1:]]
+            ranks = [None] + [1] * (len(r.prompt_ids) - 1)
         return RequestOutput(r.request_id, r.prompt, list(r.prompt_ids), choices, all(r.done), r.metrics,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, prompt_logprob_ranks=ranks)
 
     def get_stats(self) -> EngineStats:
         held = [(r.request_id, math.ceil((len(r.prompt_ids) + len(r.gen[0])) / self.block_size))

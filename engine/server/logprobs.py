@@ -52,3 +52,23 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict
             top.append((tid, entry.get(tid, float("-inf"))))
         out["top_logprobs"].append({tokenizer.decode([t]): _lp(lp) for t, lp in top})
     return out
+
+
+def prompt_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float] | None],
+                    ranks: list[int | None], k: int) -> list[dict[int, dict] | None]:
+    """vLLM's ``prompt_logprobs`` response field: per prompt token ``{token_id: {"logprob", "rank",
+    "decoded_token"}}``, the prompt token first (its own rank), then the k most likely (ranks 1 .. k; the prompt
+    token among them keeps its place first and takes its top-k rank, as vLLM's dict does); None for the first
+    token. ``entries`` / ``ranks``: the engine's (``RequestOutput.prompt_logprobs`` / ``prompt_logprob_ranks``)."""
+    out: list[dict[int, dict] | None] = []
+    for tid, entry, rank in zip(token_ids, entries, ranks):
+        if entry is None:
+            out.append(None)
+            continue
+        items = [(tid, entry.get(tid, float("-inf")), rank)]
+        items += [(t, lp, r) for r, (t, lp) in enumerate(_top(entry, k), start=1)]
+        field: dict[int, dict] = {}
+        for t, lp, r in items:
+            field[t] = {"logprob": _lp(lp), "rank": r, "decoded_token": tokenizer.decode([t])}
+        out.append(field)
+    return out

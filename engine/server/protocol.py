@@ -103,6 +103,20 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     user: str | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI: token id (a JSON key, so a string) -> bias in [-100, 100]
+    #: vLLM's extra parameter: each prompt token's logprob and rank, and the k most likely tokens at its position
+    #: (the response's ``prompt_logprobs``: per choice in completions, once for the request in chat)
+    prompt_logprobs: int | None = None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_in_range(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """vLLM's rules: in [0, 20] (its default ``--max-logprobs``), and not with ``stream: true``."""
+        if value is not None and not 0 <= value <= 20:
+            raise ValueError("must be in [0, 20]")
+        if value is not None and info.data.get("stream"):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`")
+        return value
+
     #: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema":
     #: {...}}} (OpenAI's; vLLM takes it on both endpoints): the output is any JSON object, or follows the schema
     response_format: dict[str, Any] | None = None
@@ -276,6 +290,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    #: vLLM's: with the request's ``prompt_logprobs`` (``logprobs.prompt_logprobs``'s shape), else left out
+    prompt_logprobs: list[dict[int, dict] | None] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class DeltaMessage(BaseModel):
@@ -327,6 +343,8 @@ class CompletionChoice(BaseModel):
     logprobs: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or stop token id that ended it (None for EOS)
+    #: vLLM's: with ``prompt_logprobs``, or ``echo`` with ``logprobs`` (``logprobs.prompt_logprobs``), else left out
+    prompt_logprobs: list[dict[int, dict] | None] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):

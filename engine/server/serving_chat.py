@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.async_engine import RequestStream
 from engine.outputs import CompletionOutput
 from engine.server.errors import APIError, bad_value
-from engine.server.logprobs import chat_logprobs
+from engine.server.logprobs import chat_logprobs, prompt_logprobs
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                     TokenizeRequest, random_id)
@@ -70,7 +70,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt = render_chat(llm.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_params(req.sampling_params, max_tokens, logprobs, llm.default_sampling)
+    params = build_params(req.sampling_params, max_tokens, logprobs, llm.default_sampling, req.prompt_logprobs)
     request_id = random_id("chatcmpl")
     streams = await submit(ctx, [prompt], params, request_id, "messages")
     if req.stream:
@@ -82,7 +82,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                     logprobs=_logprobs(llm.tokenizer, req, c, 0), finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason)
                for c in finals[0].outputs]
-    body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage(finals))
+    out = finals[0]
+    prompt = None if out.prompt_logprobs is None else prompt_logprobs(
+        llm.tokenizer, out.prompt_token_ids, out.prompt_logprobs, out.prompt_logprob_ranks, req.prompt_logprobs)
+    body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage(finals),
+                                  prompt_logprobs=prompt)
     return JSONResponse(body.model_dump())
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.async_engine import RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
-from engine.server.logprobs import completion_logprobs
+from engine.server.logprobs import completion_logprobs, prompt_logprobs
 from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
                                    submit, usage)
@@ -42,7 +42,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         llm.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in given]
     echo_only = req.echo and req.max_tokens == 0  # vLLM: the prompt back, one token generated and dropped
     params = build_params(req.sampling_params, 1 if echo_only else req.max_tokens, req.logprobs,
-                          llm.default_sampling, req.logprobs if req.echo else None)
+                          llm.default_sampling, _engine_prompt_logprobs(req))
     request_id = random_id("cmpl")
     streams = await submit(ctx, prompts, params, request_id, "prompt")  # checks the token ids before echo decodes
     echo = prompt_texts(llm.tokenizer, given) if req.echo else [""] * len(given)
@@ -53,13 +53,31 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
     prompt_parts = [_prompt_logprobs(llm.tokenizer, req, out) for out in finals]
+    prompt_fields = [_prompt_logprobs_field(llm.tokenizer, req, out) for out in finals]
     choices = [CompletionChoice(index=i * req.n + c.index, text=echo[i] + ("" if echo_only else c.text),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                logprobs=_logprobs(llm.tokenizer, req, c, 0, 0, prompt_parts[i], True, echo_only))
+                                logprobs=_logprobs(llm.tokenizer, req, c, 0, 0, prompt_parts[i], True, echo_only),
+                                prompt_logprobs=prompt_fields[i])
                for i, out in enumerate(finals) for c in out.outputs]
     body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
                               choices=sorted(choices, key=lambda c: c.index), usage=usage(finals))
     return JSONResponse(body.model_dump())
+
+
+def _engine_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """The top-k the engine computes for the prompt: the request's ``prompt_logprobs``, and ``logprobs`` for
+    ``echo`` (the echoed tokens' logprobs), the larger of the two; None when neither asks."""
+    asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    return max(asked) if asked else None
+
+
+def _prompt_logprobs_field(tokenizer: Any, req: CompletionRequest, out: RequestOutput) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a choice (:func:`engine.server.logprobs.prompt_logprobs`), with the request's
+    top-k, else ``echo``'s ``logprobs`` (vLLM returns them then too); None when the engine computed none."""
+    if out.prompt_logprobs is None:
+        return None
+    k = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs
+    return prompt_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, out.prompt_logprob_ranks, k)
 
 
 def _prompt_logprobs(tokenizer: Any, req: CompletionRequest, out: RequestOutput) -> dict | None:
