@@ -79,6 +79,10 @@ class Kernel:
             self._compiled = triton.jit(self.fn, do_not_specialize=self.do_not_specialize)
         if meta.get("PDL"):
             meta["launch_pdl"] = True
+        # FP contraction (a * b + c as one FMA) as every kernel was written and measured with: Triton 3.9 warns
+        # that its default turns to off in 3.10, which would change the rounding and the instruction count of the
+        # GEMVs' inner loops. Kernels that round like torch pass False themselves.
+        meta.setdefault("enable_fp_fusion", True)
         return self._compiled[grid](*args, **meta)
 
 

@@ -87,6 +87,17 @@ def test_launch_pdl_follows_the_pdl_constexpr(flag):
     assert kernel._compiled.meta["PDL"] is flag
 
 
+@pytest.mark.parametrize("given", [None, False])
+def test_compiled_launches_fuse_fp_unless_the_kernel_says_not(given):
+    """Triton 3.10 turns its FP-fusion default off: compiled launches ask for it explicitly (the rounding every
+    kernel was measured with), and a launch that passes False (the torch-rounding kernels) keeps False."""
+    pytest.importorskip("triton")
+    kernel = _triton.Kernel(lambda x: None)
+    kernel._compiled = _Recorder()
+    kernel[(1,)](3, **({} if given is None else {"enable_fp_fusion": given}))
+    assert kernel._compiled.meta["enable_fp_fusion"] is (given is None)
+
+
 def _is_wait(stmt) -> bool:
     return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
             and getattr(stmt.value.func, "id", None) == "pdl_wait"
