@@ -417,8 +417,9 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
     """Greedy GPU tokens vs the CPU reference's (fp32) on the SmolLM2 AWQ checkpoint, when it was brought over
     (``expected.json`` beside it: {"prompts": [...], "tokens": [[...]], "top_logits": [[[l1, l2] per step]]};
     ``bench/smollm2_parts.py`` makes both, in two parts for two device calls), and vs the torch references run on
-    the GPU in bf16 (``APPLIANCE_KERNELS=torch``, eager). The rows' numbers are counts: sequences identical, and
-    sequences identical or diverging first at a near-tie of the CPU reference (:func:`divergence_report`).
+    the GPU in bf16 (``APPLIANCE_KERNELS=torch``, eager), and again with fp16 activations. The rows' numbers are
+    counts: sequences identical, and sequences identical or diverging first at a near-tie of the CPU reference
+    (:func:`divergence_report`).
     """
     expected_path = Path(model_dir).parent / "expected.json"
     if not expected_path.is_file():
@@ -447,6 +448,18 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
                              f"{len(got)} prompts x 32 tokens", len(got),
                              "identical, or first diverging where the reference's top-2 logits are within one bf16 "
                              "spacing", allowed, 1.0, "; ".join(notes) or "no divergence"))
+        # AWQ is an fp16 format (its scales are fp16; vLLM's plain AWQ kernel runs fp16 activations): the same
+        # prompts with fp16 activations, whose rounding is 8x finer than bf16's
+        half = _smollm2_outputs(model_dir, expected["prompts"], params, dtype="float16")
+        got16 = [o.outputs[0].token_ids for o in half]
+        same16 = sum(a == b for a, b in zip(got16, expected["tokens"]))
+        allowed16, notes16 = divergence_report(got16, [o.outputs[0].logprobs for o in half], expected["tokens"],
+                                               expected["top_logits"])
+        rows.append(make_row("SmolLM2 AWQ greedy, fp16 activations: GPU = CPU reference but at bf16 near-ties "
+                             "(counts, not µs)", f"{len(got16)} prompts x 32 tokens", len(got16),
+                             "identical, or first diverging where the reference's top-2 logits are within one bf16 "
+                             "spacing", allowed16, 1.0,
+                             f"{same16} of {len(got16)} identical; " + ("; ".join(notes16) or "no divergence")))
     return rows + _structured_rows(model_dir, expected.get("structured"), make_row)
 
 
