@@ -223,9 +223,10 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
     """Whether the server runs, under systemd or as the background process, and where."""
     conf = _config(config)
     st = _manager(conf).status()
-    if not st.installed:
-        console.print(f"[yellow]not installed[/yellow]: {st.detail} (the config, models and logs were kept); "
-                      "`appliance install` sets it up again", highlight=False)
+    path = config or cfgmod.config_path()
+    if not st.running and (not st.installed or not path.is_file()):  # removed, purged, or never installed
+        why = f"{st.detail} (the config, models and logs were kept)" if path.is_file() else f"no config at {path}"
+        console.print(f"[yellow]not installed[/yellow]: {why}; `appliance install` sets it up", highlight=False)
         raise typer.Exit(4)  # like `systemctl status` for a unit that does not exist
     state = "[green]running[/green]" if st.running else "[yellow]not running[/yellow]"
     console.print(f"{state} ({st.mode}): {st.detail}", highlight=False)

@@ -32,6 +32,11 @@ def bg(tmp_path):
     mgr.stop(timeout=5)
 
 
+def _flat(result) -> str:
+    """A command's output with the console's line wrapping undone."""
+    return " ".join(result.output.split())
+
+
 def wait_for(predicate, seconds=30.0):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -122,8 +127,11 @@ def test_manager_without_systemd_is_the_background_process(tmp_path):
     assert isinstance(mgr, service.Background) and mgr.state_dir == tmp_path / "data" / "run"
 
 
-def test_status_stop_logs_commands(bg):
+def test_status_stop_logs_commands(bg, tmp_path):
     runner = CliRunner()
+    result = runner.invoke(app, ["status"])  # nothing installed: no config
+    assert result.exit_code == 4 and f"not installed: no config at {tmp_path / 'config.toml'}" in _flat(result)
+    (tmp_path / "config.toml").write_text('port = 8000\n')  # what an install writes, more or less
     result = runner.invoke(app, ["status"])
     assert result.exit_code == 3 and "not running" in result.output
     pid = bg.start(FAKE_SERVER)
@@ -156,10 +164,12 @@ def test_stop_waits_for_the_servers_children(bg, tmp_path):
     assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_uninstall_then_status_says_not_installed_until_started_again(bg):
-    """`appliance uninstall` (no --purge) stops the server and keeps its log; `status` then says the service is
-    not installed (exit 4, as `systemctl status` for a unit that does not exist), not merely stopped."""
+def test_uninstall_then_status_says_not_installed_until_started_again(bg, tmp_path):
+    """`appliance uninstall` (no --purge) stops the server and keeps its config and log; `status` then says the
+    service is not installed (exit 4, as `systemctl status` for a unit that does not exist), not merely stopped;
+    after --purge too."""
     runner = CliRunner()
+    (tmp_path / "config.toml").write_text('port = 8000\n')
     pid = bg.start(FAKE_SERVER)
     assert wait_for(lambda: "fake server up" in bg.log_lines(5))
     result = runner.invoke(app, ["uninstall", "--yes"])
@@ -168,9 +178,15 @@ def test_uninstall_then_status_says_not_installed_until_started_again(bg):
     st = bg.status()
     assert (st.running, st.installed) == (False, False) and "fake server up" in bg.log_lines(5)
     result = runner.invoke(app, ["status"])
-    assert result.exit_code == 4 and "not installed" in result.output and "appliance install" in result.output
+    assert result.exit_code == 4 and "not installed: removed by `appliance uninstall` (the config, models and " \
+        "logs were kept); `appliance install` sets it up" in _flat(result)
     assert "not installed" in runner.invoke(app, ["status"]).output  # asking again changes nothing
     bg.start(FAKE_SERVER)
     assert (bg.status().running, bg.status().installed) == (True, True)
     assert runner.invoke(app, ["status"]).exit_code == 0
     assert bg.stop(timeout=10) is True and bg.status().installed  # a plain stop is not an uninstall
+    assert runner.invoke(app, ["status"]).exit_code == 3
+    result = runner.invoke(app, ["uninstall", "--yes", "--purge"])
+    assert result.exit_code == 0 and not (tmp_path / "config.toml").exists() and not (tmp_path / "data").exists()
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 4 and "not installed: no config at" in _flat(result)
