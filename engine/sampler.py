@@ -238,6 +238,10 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequenc
     return logprobs_of(logits[idx], tokens[idx].clamp_min(0), rows, [seqs[i].params.logprobs or 0 for i in rows])
 
 
+#: rows of [rows, V] a rank count compares at a time (``logprobs_of``): 32 x 152k x 9 bytes = 44 MB of temporaries
+RANK_ROWS = 32
+
+
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: list[int],
                 ranks: bool = False) -> StepLogprobs:
     """:class:`StepLogprobs` of logits [W, V] (row j: ``rows[j]``, asking for ``k[j]``): the log-softmax, each
@@ -246,7 +250,9 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: 
     logp = torch.log_softmax(logits.float(), -1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     top_values, top_ids = torch.topk(logp, max(k)) if max(k) else (logp[:, :0], logp[:, :0].long())
-    rank = (logp >= chosen[:, None]).sum(-1) if ranks else None
+    rank = None
+    if ranks:  # by slices of rows: the comparison's bool [rows, V] and the sum's int64 one stay small
+        rank = torch.cat([(lp >= c[:, None]).sum(-1) for lp, c in zip(logp.split(RANK_ROWS), chosen.split(RANK_ROWS))])
     return StepLogprobs(rows, k, chosen, top_values, top_ids, rank)
 
 

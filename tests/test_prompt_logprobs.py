@@ -92,6 +92,21 @@ def test_prompt_token_ranks_are_their_places_in_the_sorted_distribution(llm, pro
         assert (ids[t] in top) == (ranks[t] <= 3) and (ranks[t] > 3 or top.index(ids[t]) == ranks[t] - 1), t
 
 
+def test_ranks_over_several_row_slices_count_ties_ahead():
+    """``logprobs_of``'s ranks, counted ``RANK_ROWS`` rows at a time: the count of tokens at least as likely as
+    the row's token (a tie counts ahead, as vLLM counts), across slice boundaries."""
+    import torch
+
+    from engine.sampler import RANK_ROWS, logprobs_of
+    gen = torch.Generator().manual_seed(0)
+    rows = 2 * RANK_ROWS + 5
+    logits = torch.randint(0, 6, (rows, 40), generator=gen).float()  # many ties
+    tokens = torch.randint(0, 40, (rows,), generator=gen)
+    got = logprobs_of(logits, tokens, list(range(rows)), [2] * rows, ranks=True).ranks.tolist()
+    want = [int((logits[i] >= logits[i, tokens[i]]).sum()) for i in range(rows)]
+    assert got == want and len(set(got)) > 5
+
+
 def test_chunking_the_prefix_cache_and_async_scheduling_change_nothing(demo_model, llm, generated):
     ids, _ = generated
     first = llm.generate([ids], SCORE)[0].prompt_logprobs

@@ -165,7 +165,7 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_too(server):
     assert fake.params[-1].prompt_logprobs == 1
     assert text == "ab" + fake_completion(2, SamplingParams(max_tokens=3))[0] and "".join(lp.tokens) == text
     assert lp.token_logprobs == [None, -1.5, -0.25, -0.25, -0.25] and lp.text_offset == [0, 1, 2, 3, 4]
-    assert lp.top_logprobs[:3] == [None, {"b": -1.5}, {text[2]: -0.25}]
+    assert lp.top_logprobs[:3] == [None, {"#": -1.0, "b": -1.5}, {text[2]: -0.25}]
     streamed = list(client.completions.create(model=MODEL, prompt="ab", max_tokens=3, logprobs=1, echo=True,
                                               stream=True))
     first = streamed[0].choices[0]
@@ -193,20 +193,20 @@ def test_prompt_logprobs_extra_parameter(server):
     client = sdk(url)
     r = client.completions.create(model=MODEL, prompt="ab", max_tokens=2, n=2, extra_body={"prompt_logprobs": 1})
     assert fake.params[-1].prompt_logprobs == 1 and r.choices[0].logprobs is None
-    want = [None, {str(ord("b")): _lp(-1.5, 1, "b")}]  # the fake's prompt token is its most likely one
+    want = [None, {str(ord("b")): _lp(-1.5, 2, "b"), str(ord("#")): _lp(-1.0, 1, "#")}]  # the fake's rank 2
     assert [c.model_extra["prompt_logprobs"] for c in r.choices] == [want, want]
     two = client.completions.create(model=MODEL, prompt=["ab", "xyz"], max_tokens=1,
                                     extra_body={"prompt_logprobs": 2})
     assert [len(c.model_extra["prompt_logprobs"]) for c in two.choices] == [2, 3]
-    assert two.choices[1].model_extra["prompt_logprobs"][2] == {str(ord("z")): _lp(-1.5, 1, "z"),
-                                                                str(ord("#")): _lp(-2.0, 2, "#")}
+    assert two.choices[1].model_extra["prompt_logprobs"][2] == {str(ord("z")): _lp(-1.5, 2, "z"),
+                                                                str(ord("#")): _lp(-1.0, 1, "#")}
     echoed = client.completions.create(model=MODEL, prompt="ab", max_tokens=1, logprobs=2, echo=True,
                                        extra_body={"prompt_logprobs": 0})
     assert fake.params[-1].prompt_logprobs == 2  # echo's logprobs need the top 2
-    assert echoed.choices[0].logprobs.top_logprobs[1] == {"b": -1.5, "#": -2.0}
-    assert echoed.choices[0].model_extra["prompt_logprobs"] == want  # the request's k, 0: the token alone
+    assert echoed.choices[0].logprobs.top_logprobs[1] == {"#": -1.0, "b": -1.5}
+    assert echoed.choices[0].model_extra["prompt_logprobs"] == [None, {str(ord("b")): _lp(-1.5, 2, "b")}]  # k 0
     only_echo = client.completions.create(model=MODEL, prompt="ab", max_tokens=1, logprobs=1, echo=True)
-    assert only_echo.choices[0].model_extra["prompt_logprobs"] == want
+    assert only_echo.choices[0].model_extra["prompt_logprobs"] == want  # echo's k, as vLLM
     plain = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 1}).json()
     assert "prompt_logprobs" not in plain["choices"][0] and fake.params[-1].prompt_logprobs is None
     chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1,
@@ -222,6 +222,10 @@ def test_prompt_logprobs_extra_parameter(server):
             bad = httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 1, **body, **extra})
             err = bad.json()["error"]
             assert bad.status_code == 400 and err["param"] == "prompt_logprobs" and why in err["message"], err
+        streamed = sse_events(url, path, {"model": MODEL, "max_tokens": 1, **body, "prompt_logprobs": 0,
+                                          "stream": True})  # vLLM accepts 0 with stream and sends none
+        assert streamed[-1] == "[DONE]" and fake.params[-1].prompt_logprobs is None
+        assert not any("prompt_logprobs" in e for e in streamed)
 
 
 def test_prompt_logprobs_field_puts_the_prompt_token_first_with_its_own_rank():
@@ -229,7 +233,7 @@ def test_prompt_logprobs_field_puts_the_prompt_token_first_with_its_own_rank():
     the top k it keeps its place first with its top-k rank (k entries in all); -inf is clamped as vLLM does."""
     from engine.server.logprobs import prompt_logprobs
     a, b, c, d = (ord(ch) for ch in "abcd")
-    entries = [None, {b: -5.0, c: -0.1, d: -1.0}, {c: -1.0, a: -0.5, b: -1.0}, {d: float("-inf"), a: -0.2, b: -0.3}]
+    entries = [None, {b: -5.0, c: -0.1, d: -1.0}, {c: -1.0, a: -0.5, b: -1.2}, {d: float("-inf"), a: -0.2, b: -0.3}]
     got = prompt_logprobs(FakeTokenizer(), [a, b, c, d], entries, [None, 9, 2, 50000], 2)
     assert got == [None,
                    {b: _lp(-5.0, 9, "b"), c: _lp(-0.1, 1, "c"), d: _lp(-1.0, 2, "d")},
@@ -237,6 +241,10 @@ def test_prompt_logprobs_field_puts_the_prompt_token_first_with_its_own_rank():
                    {d: _lp(-9999.0, 50000, "d"), a: _lp(-0.2, 1, "a"), b: _lp(-0.3, 2, "b")}]
     assert [list(e) for e in got[1:]] == [[b, c, d], [c, a], [d, a, b]]  # the prompt token's key first
     assert prompt_logprobs(FakeTokenizer(), [a, b], entries[:2], [None, 9], 0) == [None, {b: _lp(-5.0, 9, "b")}]
+    # the prompt token tied with the device's k-th (logits a = 2, b = c = 1, token c, k = 2: top-2 [a, b], c's rank
+    # 3): b stays in, as vLLM's dict has it
+    tie = prompt_logprobs(FakeTokenizer(), [a, c], [None, {c: -1.5, a: -0.5, b: -1.5}], [None, 3], 2)
+    assert tie == [None, {c: _lp(-1.5, 3, "c"), a: _lp(-0.5, 1, "a"), b: _lp(-1.5, 2, "b")}]
 
 
 def test_models_health_version_tokenize_kv(server):

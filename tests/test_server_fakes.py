@@ -88,6 +88,14 @@ class _Request:
     logprobs: list[list[dict[int, float]]] = field(default_factory=list)  # per choice, per token
 
 
+def _prompt_entry(token: int, k: int) -> tuple[dict[int, float], int]:
+    """A prompt token's entry and rank as LLMEngine makes them, from a fixed distribution: "#" the most likely
+    (-1.0), then the token (-1.5), then "~" (-2.0)."""
+    dist = {ord("#"): -1.0, token: -1.5, ord("~"): -2.0}
+    top = sorted(dist.items(), key=lambda kv: -kv[1])[:k]
+    return {token: dist[token], **dict(top)}, sum(v >= dist[token] for v in dist.values())
+
+
 class FakeEngine:
     """Deterministic stand-in for ``LLMEngine``; ``step_delay`` slows steps, ``fail_at_step`` makes step N raise."""
 
@@ -203,10 +211,10 @@ class FakeEngine:
             choices.append(CompletionOutput(index=c, text=text, token_ids=list(toks), finish_reason=r.done[c],
                                             logprobs=logprobs))
         prompt_logprobs = ranks = None  # as LLMEngine: None for the first prompt token, then {token: logprob,
-        # top k} and the token's rank (here always the most likely)
+        # top k} and the token's rank
         if r.params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + [{t: -1.5, ord("#"): -2.0, ord("~"): -3.0} for t in r.prompt_ids[1:]]
-            ranks = [None] + [1] * (len(r.prompt_ids) - 1)
+            pairs = [_prompt_entry(t, r.params.prompt_logprobs) for t in r.prompt_ids[1:]]
+            prompt_logprobs, ranks = [None] + [e for e, _ in pairs], [None] + [n for _, n in pairs]
         return RequestOutput(r.request_id, r.prompt, list(r.prompt_ids), choices, all(r.done), r.metrics,
                              prompt_logprobs=prompt_logprobs, prompt_logprob_ranks=ranks)
 

@@ -12,8 +12,11 @@ def _lp(value: float) -> float:
     return max(float(value), -9999.0)
 
 
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+def _top(entry: dict[int, float], token_id: int, k: int) -> list[tuple[int, float]]:
+    """The k most likely of ``entry`` (an engine dict: ``token_id``, then the device's top-k in its order), as the
+    device picked them: a ``token_id`` tied with the k-th goes after the others, since the device's top-k left it
+    out unless it is among them."""
+    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0] == token_id))[:k]
 
 
 def _item(tokenizer: Any, token_id: int, logprob: float) -> dict:
@@ -26,7 +29,7 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
     content = []
     for tid, entry in zip(token_ids, entries):
         content.append({**_item(tokenizer, tid, entry.get(tid, float("-inf"))),
-                        "top_logprobs": [_item(tokenizer, t, lp) for t, lp in _top(entry, k)]})
+                        "top_logprobs": [_item(tokenizer, t, lp) for t, lp in _top(entry, tid, k)]})
     return {"content": content}
 
 
@@ -47,7 +50,7 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(_lp(entry.get(tid, float("-inf"))))
-        top = _top(entry, k)
+        top = _top(entry, tid, k)
         if tid not in (t for t, _ in top):
             top.append((tid, entry.get(tid, float("-inf"))))
         out["top_logprobs"].append({tokenizer.decode([t]): _lp(lp) for t, lp in top})
@@ -66,7 +69,7 @@ def prompt_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int
             out.append(None)
             continue
         items = [(tid, entry.get(tid, float("-inf")), rank)]
-        items += [(t, lp, r) for r, (t, lp) in enumerate(_top(entry, k), start=1)]
+        items += [(t, lp, r) for r, (t, lp) in enumerate(_top(entry, tid, k), start=1)]
         field: dict[int, dict] = {}
         for t, lp, r in items:
             field[t] = {"logprob": _lp(lp), "rank": r, "decoded_token": tokenizer.decode([t])}

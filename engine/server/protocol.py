@@ -110,12 +110,18 @@ class SamplingRequest(RequestModel):
     @field_validator("prompt_logprobs")
     @classmethod
     def _prompt_logprobs_in_range(cls, value: int | None, info: ValidationInfo) -> int | None:
-        """vLLM's rules: in [0, 20] (its default ``--max-logprobs``), and not with ``stream: true``."""
+        """vLLM's rules: in [0, 20] (its default ``--max-logprobs``), and above 0 not with ``stream: true`` (0
+        with it is accepted, and no prompt logprobs are sent)."""
         if value is not None and not 0 <= value <= 20:
             raise ValueError("must be in [0, 20]")
-        if value is not None and info.data.get("stream"):
+        if value and info.data.get("stream"):
             raise ValueError("`prompt_logprobs` are not available when `stream=True`")
         return value
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The request's ``prompt_logprobs`` for the engine: None when streaming (nothing would carry them)."""
+        return None if self.stream else self.prompt_logprobs
 
     #: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema":
     #: {...}}} (OpenAI's; vLLM takes it on both endpoints): the output is any JSON object, or follows the schema

@@ -70,7 +70,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt = render_chat(llm.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_params(req.sampling_params, max_tokens, logprobs, llm.default_sampling, req.prompt_logprobs)
+    params = build_params(req.sampling_params, max_tokens, logprobs, llm.default_sampling,
+                          req.engine_prompt_logprobs)
     request_id = random_id("chatcmpl")
     streams = await submit(ctx, [prompt], params, request_id, "messages")
     if req.stream:

@@ -67,7 +67,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
 def _engine_prompt_logprobs(req: CompletionRequest) -> int | None:
     """The top-k the engine computes for the prompt: the request's ``prompt_logprobs``, and ``logprobs`` for
     ``echo`` (the echoed tokens' logprobs), the larger of the two; None when neither asks."""
-    asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    asked = [k for k in (req.engine_prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
     return max(asked) if asked else None
 
 
