@@ -186,6 +186,9 @@ def serve(
                                                help="GiB of CPU memory for preempted requests' KV (0 = recompute)"),
     max_waiting: Optional[int] = typer.Option(None, "--max-waiting",
                                               help="requests queued beyond --max-num-seqs before new ones get 503"),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, "--tool-call-parser", help='tool_choice "auto": hermes, none, or auto (hermes when the model\'s chat '
+                                         "template writes <tool_call> blocks; the default)"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
     if config is not None and not config.is_file():
@@ -194,7 +197,7 @@ def serve(
     overrides = {"model": str(model_dir) if model_dir else None, "host": host, "port": port, "api_key": api_key,
                  "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
                  "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "swap_space": swap_space,
-                 "max_waiting": max_waiting}
+                 "max_waiting": max_waiting, "tool_call_parser": tool_call_parser}
     for key, value in overrides.items():
         if value is not None:
             setattr(conf, key, value)
@@ -204,6 +207,9 @@ def serve(
     if conf.max_waiting < 0:
         raise ApplianceError(f"max_waiting: must be at least 0, got {conf.max_waiting}",
                              "fix it in the config file, APPLIANCE_MAX_WAITING or --max-waiting")
+    if conf.tool_call_parser not in ("auto", "hermes", "none"):
+        raise ApplianceError(f"tool_call_parser: must be auto, hermes or none, got {conf.tool_call_parser!r}",
+                             "fix it in the config file, APPLIANCE_TOOL_CALL_PARSER or --tool-call-parser")
     # CUDA numbers GPUs fastest first, NVML (`appliance detect`, the tuner's plan) in PCI bus order: serve in the
     # order the plan was made in (read when CUDA starts, so before the engine touches it; the env file may override)
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -211,7 +217,8 @@ def serve(
         from engine.server.api_server import run_server
     except ImportError as exc:
         raise ApplianceError(f"the server is not available ({exc})", "reinstall with `pip install -e .`") from None
-    run_server(engine_config, host=conf.host, port=conf.port, api_key=conf.api_key, max_waiting=conf.max_waiting)
+    run_server(engine_config, host=conf.host, port=conf.port, api_key=conf.api_key, max_waiting=conf.max_waiting,
+               tool_call_parser=conf.tool_call_parser)
 
 
 # -------------------------------------------------------------------------------------------------- lifecycle

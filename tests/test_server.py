@@ -413,6 +413,55 @@ def test_a_named_tool_choice_constrains_the_output_and_returns_a_tool_call(serve
     assert not any(d.content for d in deltas)
 
 
+def test_auto_tool_choice_reads_hermes_calls_out_of_the_text():
+    """tools without tool_choice ("auto") on a model whose template writes <tool_call> blocks: the output is free
+    (no constraint; special tokens kept, as vLLM's hermes parser asks), its blocks the message's tool_calls, the
+    text before them the content, finish_reason "tool_calls"; streamed the same; a model without such a template,
+    or the server's tool_call_parser "none", refuses it with a 400 naming tool_choice, and "hermes" forces it."""
+    call = '{"name": "weather", "arguments": {"city": "Paris"}}'
+    reply = f"Checking.<tool_call>\n{call}\n</tool_call>"
+    fake = FakeEngine(reply=reply)
+    fake.tokenizer.chat_template = "{% for t in tools %}{{ t }}{% endfor %} <tool_call> ... </tool_call>"
+    engine, srv = serve(fake)
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=120, tools=[WEATHER_TOOL])
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        r = sdk(url).chat.completions.create(**kw)
+        assert fake.params[-1].structured_outputs is None and fake.params[-1].skip_special_tokens is False
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+        assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("function", "weather", {"city": "Paris"})]
+        chunks = list(sdk(url).chat.completions.create(stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == "Checking."
+        calls = [t for d in deltas for t in d.tool_calls or []]
+        assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+            (0, "weather", {"city": "Paris"})] and calls[0].id.startswith("chatcmpl-tool-")
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        plain = sdk(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=120)  # no tools
+        assert plain.choices[0].message.content == reply and plain.choices[0].finish_reason == "stop"
+    engine.shutdown()
+    for parser, template in (("auto", None), ("none", fake.tokenizer.chat_template)):
+        other = FakeEngine(reply=reply)
+        other.tokenizer.chat_template = template
+        engine, srv = serve(other, tool_call_parser=parser)
+        with srv as url:
+            wait_for(lambda: engine.is_ready, what="engine ready")
+            bad = httpx.post(f"{url}/v1/chat/completions", json={**kw, "tools": [WEATHER_TOOL]}, timeout=20)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice", bad.text
+            assert "tool-call parser" in bad.json()["error"]["message"]
+        engine.shutdown()
+    forced = FakeEngine(reply=reply)  # no template, tool_call_parser "hermes"
+    engine, srv = serve(forced, tool_call_parser="hermes")
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        assert sdk(url).chat.completions.create(**kw).choices[0].message.tool_calls[0].function.name == "weather"
+    engine.shutdown()
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        serve(FakeEngine(), tool_call_parser="mistral")
+
+
 def test_required_tool_choice_asks_for_an_array_of_calls_and_keeps_text_that_is_not_one(server):
     """"required": the schema is a non-empty array of {name, parameters} (one per tool); the fake's output is not
     such JSON (as an output cut by max_tokens), so it comes back as the content, streamed whole at the end."""

@@ -97,11 +97,13 @@ def _prompt_entry(token: int, k: int) -> tuple[dict[int, float], int]:
 
 
 class FakeEngine:
-    """Deterministic stand-in for ``LLMEngine``; ``step_delay`` slows steps, ``fail_at_step`` makes step N raise."""
+    """Deterministic stand-in for ``LLMEngine``; ``step_delay`` slows steps, ``fail_at_step`` makes step N raise;
+    ``reply``: the text every choice writes (then its EOS) instead of :func:`fake_reply`'s."""
 
     def __init__(self, max_model_len: int = 256, max_num_seqs: int = 4, block_size: int = 4, num_blocks: int = 512,
-                 step_delay: float = 0.0, fail_at_step: int | None = None) -> None:
+                 step_delay: float = 0.0, fail_at_step: int | None = None, reply: str | None = None) -> None:
         self.tokenizer = FakeTokenizer()
+        self.reply = reply
         self.default_sampling: dict = {}  # the model's generation_config.json values (LLMEngine.default_sampling)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -186,7 +188,7 @@ class FakeEngine:
         for c, toks in enumerate(r.gen):
             if r.done[c]:
                 continue
-            reply = fake_reply(len(r.prompt_ids), c)
+            reply = self.reply if self.reply is not None else fake_reply(len(r.prompt_ids), c)
             if len(toks) >= len(reply) and not r.params.ignore_eos:
                 r.done[c] = "stop"
                 continue

@@ -1,10 +1,10 @@
-"""Tool calls without a tool-call parser (engine/server/tools.py), as vLLM: a named function or "required" is a
-JSON-schema constraint, its output the response's tool_calls; "auto" refused."""
+"""Tool calls (engine/server/tools.py, tool_parsers.py), as vLLM: a named function or "required" is a JSON-schema
+constraint, its output the response's tool_calls; "auto" reads <tool_call> blocks out of free text (hermes)."""
 import json
 
 import pytest
 
-from engine.server import tools
+from engine.server import tool_parsers, tools
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -19,8 +19,6 @@ def test_check_tools_refuses_what_is_not_a_function(given):
 
 
 @pytest.mark.parametrize("given,choice,message", [
-    ([WEATHER], None, "needs a tool-call parser"),  # OpenAI's default with tools: auto
-    ([WEATHER], "auto", "needs a tool-call parser"),
     (None, "required", "needs tools"), (None, "auto", "needs tools"),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
     ([WEATHER], {"type": "function"}, "must be"),
@@ -33,6 +31,7 @@ def test_check_choice_refuses_what_cannot_be_served(given, choice, message):
 
 
 @pytest.mark.parametrize("given,choice", [(None, None), (None, "none"), ([WEATHER], "none"),
+                                          ([WEATHER], None), ([WEATHER], "auto"),  # the server checks the parser
                                           ([WEATHER, TIME], "required"),
                                           ([WEATHER, TIME], {"type": "function", "function": {"name": "time"}})])
 def test_check_choice_takes_what_can_be_served(given, choice):
@@ -89,9 +88,9 @@ def test_a_required_array_streams_as_its_calls_once_complete():
                                 tool_choice="required")
     text = '[{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "time", "parameters": {}}]'
     step = SimpleNamespace(text=text[:10], first=True, finish_reason=None, choice=SimpleNamespace(text=text[:10]))
-    assert _delta(req, step).content is None and _delta(req, step).tool_calls is None
+    assert _delta(req, step, None).content is None and _delta(req, step, None).tool_calls is None
     last = SimpleNamespace(text=text[10:], first=False, finish_reason="stop", choice=SimpleNamespace(text=text))
-    calls = _delta(req, last).tool_calls
+    calls = _delta(req, last, None).tool_calls
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         (0, "weather", {"city": "Oslo"}), (1, "time", {})]
 
@@ -105,3 +104,62 @@ def test_tool_calls_in_the_history_reach_the_template_with_object_arguments():
     odd = {**call, "function": {"name": "weather", "arguments": "not json"}}
     assert _for_template({"role": "assistant", "tool_calls": [odd]}, "")["tool_calls"][0] == odd
     assert "tool_calls" not in _for_template({"role": "user", "content": "hi"}, "hi")
+
+
+HERMES_TEMPLATE = "{% for tool in tools %}...{% endfor %}<tool_call>\n{...}\n</tool_call>"  # as Qwen2.5's has
+
+
+def _call(c: dict) -> tuple[str, dict]:
+    return c["function"]["name"], json.loads(c["function"]["arguments"])
+
+
+def test_the_parser_follows_the_setting_and_the_template():
+    assert tool_parsers.resolve("auto", HERMES_TEMPLATE) == "hermes"
+    assert tool_parsers.resolve("auto", {"default": "x", "tool_use": HERMES_TEMPLATE}) == "hermes"
+    assert tool_parsers.resolve("auto", "{{ messages }}") is None and tool_parsers.resolve("auto", None) is None
+    assert tool_parsers.resolve("hermes", None) == "hermes" and tool_parsers.resolve("none", HERMES_TEMPLATE) is None
+    with pytest.raises(ValueError, match="auto, hermes, none"):
+        tool_parsers.resolve("mistral", None)
+
+
+def test_hermes_blocks_become_calls_and_the_text_before_them_the_content():
+    text = ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "time", "arguments": "{}"}\n</tool_call>')
+    content, calls = tool_parsers.parse(text)
+    assert content == "Let me check.\n" and [_call(c) for c in calls] == [("weather", {"city": "Zürich"}),
+                                                                          ("time", {})]
+    assert "Zürich" in calls[0]["function"]["arguments"] and len({c["id"] for c in calls}) == 2
+    assert tool_parsers.parse('<tool_call>{"name": "time", "arguments": {}}')[0] is None  # unclosed: a stop token
+    assert tool_parsers.parse("no calls here") == ("no calls here", [])
+    for bad in ('<tool_call>{"name": "time", "argum</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+                '<tool_call>["time"]</tool_call>', 'x<tool_call>{"name": "t", "arguments": 3}</tool_call>'):
+        assert tool_parsers.parse(bad) == (bad, [])  # vLLM: the whole output stays content
+
+
+def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict]], list]:
+    """(content, calls, per-update calls) of ``text`` streamed in pieces ending at ``cuts`` (then the rest)."""
+    state, content, calls, per_update = tool_parsers.StreamState(), "", [], []
+    ends = [*cuts, len(text)]
+    for n, end in enumerate(ends):
+        piece, new = state.delta(text[:end], n == len(ends) - 1)
+        content += piece or ""
+        calls += [_call(c) for c in new]
+        per_update.append([_call(c) for c in new])
+    return content, calls, per_update
+
+
+def test_a_stream_sends_the_text_then_each_call_once_its_block_closes():
+    text = ('Sure.<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>{"name": "time", "arguments": {}}</tool_call>')
+    first_end = text.index("</tool_call>") + len("</tool_call>")
+    cuts = [3, 7, 9, 20, first_end - 1, first_end + 3, len(text) - 2]  # "Sur", then "Sure.<t", "Sure.<too", ...
+    content, calls, per_update = _stream(text, cuts)
+    assert content == "Sure." and calls == [("weather", {"city": "Oslo"}), ("time", {})]
+    assert per_update[5] == [("weather", {"city": "Oslo"})] and per_update[-1] == [("time", {})]
+    whole = tool_parsers.parse(text)
+    assert (whole[0], [_call(c) for c in whole[1]]) == (content, calls)  # as the response without streaming
+    plain = "a < b and <tool is not a call"
+    assert _stream(plain, [3, 11, 15])[:2] == (plain, [])  # held back while it could start a block, then sent
+    broken = 'x<tool_call>{"name": oops}</tool_call> then more'
+    assert _stream(broken, [5, 30])[:2] == (broken, [])  # not a call: all of it as content
+    assert _stream('<tool_call>{"name": "time", "arguments": {}}', [12])[:2] == ("", [("time", {})])  # unclosed

@@ -1,5 +1,5 @@
 """``python -m engine.server --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N]
-[engine options]``.
+[--tool-call-parser auto|hermes|none] [engine options]``.
 
 Every ``EngineConfig`` field is an option (``--max-model-len 2048``, ``--enforce-eager``, ...).
 """
@@ -11,6 +11,7 @@ import typing
 
 from engine.async_engine import DEFAULT_MAX_WAITING
 from engine.config import EngineConfig, field_docs
+from engine.server import tool_parsers
 from engine.server.api_server import run_server
 
 
@@ -38,12 +39,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                         help="requests queued beyond --max-num-seqs before new ones get 503 with Retry-After")
+    parser.add_argument("--tool-call-parser", default="auto", choices=tool_parsers.SETTINGS,
+                        help='tool_choice "auto": hermes (<tool_call> blocks), none, or auto (hermes when the '
+                             "model's chat template writes <tool_call>)")
     _engine_options(parser)
     args = vars(parser.parse_args(argv))
-    host, port, api_key, log_level, max_waiting = (args.pop(k) for k in ("host", "port", "api_key", "log_level",
-                                                                          "max_waiting"))
+    host, port, api_key, log_level, max_waiting, parser_name = (args.pop(k) for k in (
+        "host", "port", "api_key", "log_level", "max_waiting", "tool_call_parser"))
     run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level,
-               max_waiting=max_waiting)
+               max_waiting=max_waiting, tool_call_parser=parser_name)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.async_engine import DEFAULT_MAX_WAITING, AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
+from engine.server import tool_parsers
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -134,9 +135,10 @@ class ApiKeyMiddleware:
 
 
 def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, tool_call_parser: str = "auto") -> FastAPI:
     """The OpenAI-compatible app over ``async_engine``; its lifespan starts the engine (idempotent) and feeds
-    a fresh per-app metrics registry from the engine's outputs."""
+    a fresh per-app metrics registry from the engine's outputs. ``tool_call_parser``: for tool_choice "auto"
+    (``tool_parsers.SETTINGS``; ValueError for another)."""
     name = served_model_name or async_engine.model_name
     config = async_engine.config
     cache_config = {} if config is None else {"gpu_memory_utilization": config.gpu_memory_utilization,
@@ -153,7 +155,7 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
             async_engine.remove_output_listener(metrics.observe)
 
     app = FastAPI(title="edge-appliance", lifespan=lifespan)
-    app.state.ctx = ServingContext(async_engine, name, metrics, api_key)
+    app.state.ctx = ServingContext(async_engine, name, metrics, api_key, tool_call_parser)
     install_error_handlers(app)
     app.include_router(router)
     if api_key:
@@ -182,19 +184,22 @@ class QuietPolls(logging.Filter):
 
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, log_level: str = "info",
-               max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+               max_waiting: int = DEFAULT_MAX_WAITING, tool_call_parser: str = "auto") -> None:
     """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM.
 
     ``max_waiting``: requests queued beyond ``max_num_seqs`` before new ones get 503 (``AsyncLLMEngine``).
+    ``tool_call_parser``: see :func:`build_app`.
     The engine's own log lines (loading, ready, failed steps, CPU thread counts) go to stderr at ``log_level``
     unless the caller set up logging first.
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tool_parsers.resolve(tool_call_parser, None)  # a bad setting fails before the engine loads
     engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting)
     engine.start()
     logging.getLogger("uvicorn.access").addFilter(QuietPolls())  # uvicorn's logging set-up keeps filters
     try:
-        uvicorn.run(build_app(engine, api_key=api_key), host=host, port=port, log_level=log_level,
+        uvicorn.run(build_app(engine, api_key=api_key, tool_call_parser=tool_call_parser), host=host, port=port,
+                    log_level=log_level,
                     timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()

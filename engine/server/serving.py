@@ -19,6 +19,7 @@ from engine.async_engine import AsyncLLMEngine, RequestStream
 from engine.metrics import EngineMetrics
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.server import tool_parsers
 from engine.server.errors import APIError, bad_value, engine_unavailable, from_engine_exception
 from engine.server.protocol import UsageInfo
 
@@ -30,8 +31,14 @@ class ServingContext:
     """Per-app state the handlers read: the engine, the served model name, metrics and the API key."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: EngineMetrics,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, tool_call_parser: str = "auto") -> None:
         self.engine, self.model_name, self.metrics, self.api_key = engine, model_name, metrics, api_key
+        tool_parsers.resolve(tool_call_parser, None)  # a bad setting fails here, before the engine loads
+        self.tool_call_parser = tool_call_parser
+
+    def tool_parser(self, tokenizer: Any) -> str | None:
+        """The tool-call parser for tool_choice "auto" (``tool_parsers.resolve`` on the model's chat template)."""
+        return tool_parsers.resolve(self.tool_call_parser, getattr(tokenizer, "chat_template", None))
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is the served name (None or "" means the served model)."""

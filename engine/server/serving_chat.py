@@ -18,7 +18,8 @@ from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, C
                                     TokenizeRequest, random_id)
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
                                    submit, usage)
-from engine.server.tools import new_call, tool_calls
+from engine.server import tool_parsers
+from engine.server.tools import AUTO_REFUSED, is_auto, new_call, tool_calls
 
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
@@ -67,6 +68,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     """Answer one chat request (JSON, or SSE when ``stream``). Errors: ``APIError`` (404/400/503)."""
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
+    if is_auto(req.tools, req.tool_choice):
+        if ctx.tool_parser(llm.tokenizer) is None:
+            raise APIError(400, f"tool_choice: {AUTO_REFUSED}", param="tool_choice", code="invalid_value")
+        req.skip_special_tokens = False  # as vLLM's hermes parser: a model's <tool_call> may be a special token
     prompt = render_chat(llm.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -79,10 +84,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
-    choices = [ChatCompletionChoice(index=c.index, message=_message(req, c.text),
-                                    logprobs=_logprobs(llm.tokenizer, req, c, 0), finish_reason=c.finish_reason,
-                                    stop_reason=c.stop_reason)
-               for c in finals[0].outputs]
+    choices = []
+    for c in finals[0].outputs:
+        message = _message(req, c.text)
+        called = message.tool_calls and is_auto(req.tools, req.tool_choice)  # vLLM: "tool_calls" then
+        choices.append(ChatCompletionChoice(index=c.index, message=message,
+                                            logprobs=_logprobs(llm.tokenizer, req, c, 0),
+                                            finish_reason="tool_calls" if called else c.finish_reason,
+                                            stop_reason=c.stop_reason))
     out = finals[0]
     prompt = None if out.prompt_logprobs is None else prompt_logprobs(
         llm.tokenizer, out.prompt_token_ids, out.prompt_logprobs, out.prompt_logprob_ranks, req.prompt_logprobs)
@@ -92,16 +101,25 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 
 def _message(req: ChatCompletionRequest, text: str) -> ChatResponseMessage:
-    """The assistant's message: the tool calls a call-making tool_choice asked for (content "", as vLLM), else
-    the text."""
+    """The assistant's message: the tool calls a call-making tool_choice asked for (content "", as vLLM), those
+    the model made under "auto" (``tool_parsers.parse``: content the text before them, or None), else the text."""
+    if is_auto(req.tools, req.tool_choice):
+        content, calls = tool_parsers.parse(text)
+        return ChatResponseMessage(content=content, tool_calls=calls or None)
     calls = tool_calls(text, req.tool_choice) if req.tools else None
     return ChatResponseMessage(content="", tool_calls=calls) if calls else ChatResponseMessage(content=text)
 
 
-def _delta(req: ChatCompletionRequest, d: Any) -> DeltaMessage:
+def _delta(req: ChatCompletionRequest, d: Any, state: tool_parsers.StreamState | None) -> DeltaMessage:
     """A stream's delta of choice ``d``: a named function's arguments as they come (its id, type and name in the
-    first), a "required" array's calls once it is complete (nothing before), else the text."""
-    if not req.tools or req.tool_choice in (None, "none"):
+    first), a "required" array's calls once it is complete (nothing before), under "auto" the text until a call
+    starts and each call once its block is closed (``state``, the choice's), else the text."""
+    if state is not None:
+        content, calls = state.delta(d.choice.text, d.finish_reason is not None)
+        first = state.calls - len(calls)
+        return DeltaMessage(content=content,
+                            tool_calls=[{"index": first + i, **c} for i, c in enumerate(calls)] or None)
+    if not req.tools or req.tool_choice == "none":
         return DeltaMessage(content=d.text)
     if isinstance(req.tool_choice, dict):
         first = new_call(req.tool_choice["function"]["name"], d.text) if d.first else None
@@ -125,24 +143,29 @@ def _logprobs(tokenizer: Any, req: ChatCompletionRequest, choice: CompletionOutp
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionRequest, streams: list[RequestStream],
                   request_id: str) -> AsyncIterator[dict]:
     """``chat.completion.chunk`` dicts: per choice first a delta with only the role (content ""), as vLLM sends
-    before any token, then text or tool-call deltas (:func:`_delta`), the last one with its ``finish_reason``; with ``include_usage`` every chunk
-    has ``usage: null`` and one final chunk has ``choices: []`` and the usage."""
+    before any token, then text or tool-call deltas (:func:`_delta`), the last one with its ``finish_reason``
+    ("tool_calls" where "auto" made calls); with ``include_usage`` every chunk has ``usage: null`` and one final
+    chunk has ``choices: []`` and the usage."""
     created, tracker, final = int(time.time()), DeltaTracker(req.n), None
 
     def chunk(choices: list[ChatStreamChoice]) -> dict:
         body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices)
         return body.model_dump(exclude=None if req.include_usage else {"usage"})
 
+    auto = is_auto(req.tools, req.tool_choice)
+    states = [tool_parsers.StreamState() if auto else None for _ in range(req.n)]
     for index in range(req.n):  # the role on its own: a client sees it whatever the engine's outputs coalesce to
         yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
     async for i, out in merge(streams):
         final = out
         for d in tracker.update(i, out):
-            delta = _delta(req, d)
+            state = states[d.index]
+            delta = _delta(req, d, state)
             if delta.content is None and delta.tool_calls is None and not d.finish_reason:
-                continue  # a "required" array still being written
+                continue  # a "required" array still being written, a possible tool call's start held back
             start = 0 if req.tools and req.tool_choice == "required" else d.token_start  # one delta at the end
-            yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=d.finish_reason,
+            reason = "tool_calls" if d.finish_reason and state is not None and state.calls else d.finish_reason
+            yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=reason,
                                           stop_reason=d.choice.stop_reason if d.finish_reason else None,
                                           logprobs=_logprobs(tokenizer, req, d.choice, start))])
     if req.include_usage:

@@ -1,8 +1,8 @@
 """Tool calls without a tool-call parser, as vLLM serves them: ``tool_choice`` naming a function, or "required",
 turns the request into a structured output (a JSON schema over the tools' ``parameters``) and the generated JSON
 into the response's ``tool_calls``; "none" leaves the tools to the chat template only. "auto" (OpenAI's default
-when tools are given) needs a model-specific parser that reads tool calls out of free text: refused, as vLLM
-refuses it without ``--enable-auto-tool-choice``.
+when tools are given) leaves the output free and reads tool calls out of it with a model-specific parser
+(``tool_parsers``); the server refuses it where it has none, as vLLM does without ``--enable-auto-tool-choice``.
 
 Source: OpenAI chat completions API (``tools``, ``tool_choice``, ``message.tool_calls``, ``delta.tool_calls``);
 vLLM's serving_chat (a named function's arguments are the output text; "required" is a JSON array of
@@ -14,7 +14,8 @@ import json
 import uuid
 from typing import Any
 
-AUTO_REFUSED = ('"auto" tool choice needs a tool-call parser, which this server does not have: use tool_choice '
+AUTO_REFUSED = ('"auto" tool choice needs a tool-call parser, and this model has none (its chat template writes no '
+                '<tool_call> blocks; the server\'s tool_call_parser setting can force "hermes"): use tool_choice '
                 '"required", {"type": "function", "function": {"name": ...}} or "none"')
 
 
@@ -29,18 +30,16 @@ def check_tools(tools: list[dict[str, Any]] | None) -> None:
 
 
 def check_choice(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> None:
-    """Raise ValueError (the message without a field name) for a tool_choice other than "none", "required" or a
-    named function among ``tools`` (checked by :func:`check_tools`), one that needs tools without them, and "auto"
-    (also the default when tools are given)."""
+    """Raise ValueError (the message without a field name) for a tool_choice other than "none", "auto" (the default
+    when tools are given; whether the model has a parser for it the server checks), "required" or a named function
+    among ``tools`` (checked by :func:`check_tools`), and one that needs tools without them."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
         return
     if not tools:
         raise ValueError("needs tools: when using `tool_choice`, `tools` must be set")
-    if tool_choice == "auto":
-        raise ValueError(AUTO_REFUSED)
-    if tool_choice == "required":
+    if tool_choice in ("auto", "required"):
         return
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
@@ -82,6 +81,11 @@ def new_call(name: str, arguments: str) -> dict[str, Any]:
     """One ``tool_calls`` entry with a fresh id (vLLM's ``chatcmpl-tool-`` ids)."""
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+def is_auto(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> bool:
+    """Whether the request leaves the calls to the model: tools given and tool_choice "auto" or unset."""
+    return bool(tools) and tool_choice in (None, "auto")
 
 
 def tool_calls(text: str, tool_choice: str | dict[str, Any] | None) -> list[dict[str, Any]] | None:
