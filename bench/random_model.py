@@ -36,8 +36,10 @@ def _tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(out)
 
 
-def write_random_awq_model(out: str | Path, group_size: int = 128, device: str = "cuda", **shape) -> Path:
-    """Write the checkpoint to ``out`` and return it; ``shape`` overrides fields of :data:`LLAMA2_7B`."""
+def write_random_awq_model(out: str | Path, group_size: int = 128, device: str = "cuda", qkv_bias: bool = False,
+                           **shape) -> Path:
+    """Write the checkpoint to ``out`` and return it; ``shape`` overrides fields of :data:`LLAMA2_7B`;
+    ``qkv_bias``: a Qwen2 checkpoint (Qwen2ForCausalLM: random fp16 biases on q/k/v)."""
     cfg = {**LLAMA2_7B, **shape}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -55,8 +57,11 @@ def write_random_awq_model(out: str | Path, group_size: int = 128, device: str =
         for name, (k, n) in shapes.items():
             for t, value in _awq_linear(k, n, group_size, device).items():
                 tensors[f"{p}.{name}.{t}"] = value
+            if qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                tensors[f"{p}.{name}.bias"] = (torch.randn(n) * 0.5).half()
     save_file(tensors, str(out / "model.safetensors"))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+    arch, kind = ("Qwen2ForCausalLM", "qwen2") if qkv_bias else ("LlamaForCausalLM", "llama")
+    config = {"architectures": [arch], "model_type": kind, "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float16",
               "bos_token_id": 1, "eos_token_id": 2, **cfg,
               "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": group_size,

@@ -1,4 +1,5 @@
-"""Llama (and Mistral-shaped) decoder over the paged KV cache — our own code; transformers gives only the config.
+"""Llama (and Mistral- and Qwen2-shaped) decoder over the paged KV cache — our own code; transformers gives only the
+config.
 
 Source: Touvron et al., "Llama 2" (2023); parameter names follow Hugging Face ``LlamaForCausalLM`` so
 checkpoints load as they are. q/k/v and gate/up are stacked into one linear each at load.
@@ -68,6 +69,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         cfg = ckpt.config
         self.config = cfg
+        if cfg.get("use_sliding_window"):  # Qwen2's switch; its configs ship with it off
+            raise CheckpointError("sliding-window attention (use_sliding_window) is not supported yet")
         embed = ckpt.tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
         self.embed_tokens = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ckpt, f"model.layers.{i}", dtype, device)
@@ -98,7 +101,10 @@ class LlamaForCausalLM(nn.Module):
         return [layer.attn for layer in self.layers]
 
 
-MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM}
+#: config.json ``architectures`` served by the Llama code: Mistral is Llama-shaped; Qwen2 (Qwen2.5) adds biases to
+#: q/k/v, which ``Linear`` loads wherever a checkpoint has them
+MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
+          "Qwen2ForCausalLM": LlamaForCausalLM}
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
