@@ -419,11 +419,12 @@ def test_auto_tool_choice_reads_hermes_calls_out_of_the_text():
     text before them the content, finish_reason "tool_calls"; streamed the same; a model without such a template,
     or the server's tool_call_parser "none", refuses it with a 400 naming tool_choice, and "hermes" forces it."""
     call = '{"name": "weather", "arguments": {"city": "Paris"}}'
-    reply = f"Checking.<tool_call>\n{call}\n</tool_call>"
-    fake = FakeEngine(reply=reply)
+    reply = f'Checking.<tool_call>\n{call}\n</tool_call>\n<tool_call>{{"name": "time", "arguments": {{}}}}</tool_call>'
+
+    fake = FakeEngine(max_model_len=512, reply=reply)
     fake.tokenizer.chat_template = "{% for t in tools %}{{ t }}{% endfor %} <tool_call> ... </tool_call>"
     engine, srv = serve(fake)
-    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=120, tools=[WEATHER_TOOL])
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=300, tools=[WEATHER_TOOL])
     with srv as url:
         wait_for(lambda: engine.is_ready, what="engine ready")
         r = sdk(url).chat.completions.create(**kw)
@@ -431,28 +432,33 @@ def test_auto_tool_choice_reads_hermes_calls_out_of_the_text():
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
         assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
-            ("function", "weather", {"city": "Paris"})]
-        chunks = list(sdk(url).chat.completions.create(stream=True, **kw))
-        deltas = [c.choices[0].delta for c in chunks if c.choices]
-        assert "".join(d.content or "" for d in deltas) == "Checking."
-        calls = [t for d in deltas for t in d.tool_calls or []]
-        assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
-            (0, "weather", {"city": "Paris"})] and calls[0].id.startswith("chatcmpl-tool-")
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
-        plain = sdk(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=120)  # no tools
+            ("function", "weather", {"city": "Paris"}), ("function", "time", {})]
+        full = sdk(url).chat.completions.create(logprobs=True, **kw).choices[0].logprobs.content
+        chunks = list(sdk(url).chat.completions.create(stream=True, n=2, logprobs=True, **kw))
+        for index in (0, 1):  # each choice its own stream state
+            mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+            assert "".join(m.delta.content or "" for m in mine) == "Checking."
+            calls = [t for m in mine for t in m.delta.tool_calls or []]
+            assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+                (0, "weather", {"city": "Paris"}), (1, "time", {})] and calls[0].id.startswith("chatcmpl-tool-")
+            assert mine[-1].finish_reason == "tool_calls"
+            streamed = [t for m in mine if m.logprobs for t in m.logprobs.content]
+            assert [t.token for t in streamed] == [t.token for t in full] and len(full) == len(reply)
+        plain = sdk(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300)  # no tools
         assert plain.choices[0].message.content == reply and plain.choices[0].finish_reason == "stop"
     engine.shutdown()
     for parser, template in (("auto", None), ("none", fake.tokenizer.chat_template)):
-        other = FakeEngine(reply=reply)
+        other = FakeEngine(max_model_len=512, reply=reply)
         other.tokenizer.chat_template = template
         engine, srv = serve(other, tool_call_parser=parser)
         with srv as url:
             wait_for(lambda: engine.is_ready, what="engine ready")
             bad = httpx.post(f"{url}/v1/chat/completions", json={**kw, "tools": [WEATHER_TOOL]}, timeout=20)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice", bad.text
-            assert "tool-call parser" in bad.json()["error"]["message"]
+            why = "tool_call_parser is none" if parser == "none" else "writes no <tool_call> blocks"
+            assert "tool-call parser" in bad.json()["error"]["message"] and why in bad.json()["error"]["message"]
         engine.shutdown()
-    forced = FakeEngine(reply=reply)  # no template, tool_call_parser "hermes"
+    forced = FakeEngine(max_model_len=512, reply=reply)  # no template, tool_call_parser "hermes"
     engine, srv = serve(forced, tool_call_parser="hermes")
     with srv as url:
         wait_for(lambda: engine.is_ready, what="engine ready")

@@ -148,18 +148,34 @@ def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict]], li
     return content, calls, per_update
 
 
-def test_a_stream_sends_the_text_then_each_call_once_its_block_closes():
-    text = ('Sure.<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
-            '<tool_call>{"name": "time", "arguments": {}}</tool_call>')
-    first_end = text.index("</tool_call>") + len("</tool_call>")
-    cuts = [3, 7, 9, 20, first_end - 1, first_end + 3, len(text) - 2]  # "Sur", then "Sure.<t", "Sure.<too", ...
-    content, calls, per_update = _stream(text, cuts)
-    assert content == "Sure." and calls == [("weather", {"city": "Oslo"}), ("time", {})]
-    assert per_update[5] == [("weather", {"city": "Oslo"})] and per_update[-1] == [("time", {})]
-    whole = tool_parsers.parse(text)
-    assert (whole[0], [_call(c) for c in whole[1]]) == (content, calls)  # as the response without streaming
-    plain = "a < b and <tool is not a call"
-    assert _stream(plain, [3, 11, 15])[:2] == (plain, [])  # held back while it could start a block, then sent
-    broken = 'x<tool_call>{"name": oops}</tool_call> then more'
-    assert _stream(broken, [5, 30])[:2] == (broken, [])  # not a call: all of it as content
-    assert _stream('<tool_call>{"name": "time", "arguments": {}}', [12])[:2] == ("", [("time", {})])  # unclosed
+GOOD = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+STREAMED = ["Sure." + GOOD + "\n" + '<tool_call>{"name": "time", "arguments": {}}</tool_call>',
+            "a < b and <tool is not a call", "plain text", "", GOOD, GOOD + "\n trailing words",
+            'x<tool_call>{"name": oops}</tool_call> then ' + GOOD,  # a bad block before a good one
+            "Sure." + GOOD + '\n<tool_call>{"name": "weather", "argu',  # a good one, then one cut by max_tokens
+            '<tool_call>{"name": "time", "arguments": {}}', "<<tool_call>x"]
+
+
+def test_a_stream_is_the_response_whatever_the_cut_points():
+    """Streamed in any pieces, an output gives the content and calls ``parse`` gives it whole (so a bad block after
+    a good one leaves both as content, as vLLM answers without streaming); text before a block goes out at once."""
+    import random
+    rng = random.Random(0)
+    for text in STREAMED:
+        whole = tool_parsers.parse(text)
+        want = (whole[0] or "", [_call(c) for c in whole[1]])
+        cut_sets = [list(range(1, len(text)))] + [sorted(rng.sample(range(1, len(text)), min(k, len(text) - 1)))
+                                                   for k in (1, 2, 3, 5, 8) for _ in range(40) if len(text) > 1]
+        for cuts in cut_sets:
+            assert _stream(text, cuts)[:2] == want, (text, cuts)
+    content, calls, per_update = _stream(STREAMED[0], [3, 7, 40])
+    assert per_update[0] == [] and calls == [("weather", {"city": "Oslo"}), ("time", {})]
+    assert per_update[-1] == calls and content == "Sure."
+    state = tool_parsers.StreamState()
+    assert state.delta("Sur", False) == ("Sur", []) and state.delta("Sure.<to", False) == ("e.", [])
+
+
+def test_a_block_without_arguments_is_a_call_with_none():
+    """Unlike vLLM (which needs "arguments"), a block naming a function alone calls it with {}."""
+    _, calls = tool_parsers.parse('<tool_call>{"name": "time"}</tool_call>')
+    assert [_call(c) for c in calls] == [("time", {})]

@@ -238,7 +238,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM: leave the last (assistant) message open, the model continues it
     chat_template_kwargs: dict[str, Any] | None = None
     #: the chat template sees them; tool_choice "required" or a named function constrains the output to a call
-    #: (engine/server/tools.py); "auto" is refused (no tool-call parser), as vLLM without one
+    #: (engine/server/tools.py); "auto" reads calls out of free text where the model has a parser (tool_parsers.py)
     tools: Tools = None
     tool_choice: str | dict[str, Any] | None = Field(default=None, validate_default=True)
 

@@ -70,7 +70,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     llm = ctx.ready_engine()
     if is_auto(req.tools, req.tool_choice):
         if ctx.tool_parser(llm.tokenizer) is None:
-            raise APIError(400, f"tool_choice: {AUTO_REFUSED}", param="tool_choice", code="invalid_value")
+            why = ("the server's tool_call_parser is none" if ctx.tool_call_parser == "none" else
+                   'its chat template writes no <tool_call> blocks; tool_call_parser "hermes" would force them')
+            raise APIError(400, f"tool_choice: {AUTO_REFUSED.format(why=why)}", param="tool_choice",
+                           code="invalid_value")
         req.skip_special_tokens = False  # as vLLM's hermes parser: a model's <tool_call> may be a special token
     prompt = render_chat(llm.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -154,6 +157,7 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
 
     auto = is_auto(req.tools, req.tool_choice)
     states = [tool_parsers.StreamState() if auto else None for _ in range(req.n)]
+    tokens_sent = [0] * req.n  # per choice: the tokens whose logprobs went out (a held-back delta sends none)
     for index in range(req.n):  # the role on its own: a client sees it whatever the engine's outputs coalesce to
         yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
     async for i, out in merge(streams):
@@ -162,8 +166,8 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
             state = states[d.index]
             delta = _delta(req, d, state)
             if delta.content is None and delta.tool_calls is None and not d.finish_reason:
-                continue  # a "required" array still being written, a possible tool call's start held back
-            start = 0 if req.tools and req.tool_choice == "required" else d.token_start  # one delta at the end
+                continue  # a "required" array or a tool call still being written, a possible call's start held back
+            start, tokens_sent[d.index] = tokens_sent[d.index], len(d.choice.token_ids)
             reason = "tool_calls" if d.finish_reason and state is not None and state.calls else d.finish_reason
             yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=reason,
                                           stop_reason=d.choice.stop_reason if d.finish_reason else None,

@@ -16,8 +16,10 @@ vLLM without its flags).
 Source: vLLM's ``hermes_tool_parser``: the text before the first block is the message's content (None when empty);
 if a block is not such a JSON object, the whole output stays content and no call is made; arguments are
 re-serialized; a response that made calls has finish_reason "tool_calls". Streamed (:class:`StreamState`), text
-goes out as content until a block starts (a possible start of one is held back), and each call goes out whole once
-its block is closed (vLLM streams the arguments piece by piece; OpenAI's clients add the pieces up either way).
+goes out as content until a block starts (a possible start of one is held back), and the calls go out whole when the
+output is complete, so that a streamed answer is the same as the response would be (vLLM streams the arguments
+piece by piece; OpenAI's clients add the pieces up either way). Unlike vLLM, a block without ``arguments`` is a call
+with none (``{}``), and arguments written as a JSON string of an object are taken as that object.
 """
 from __future__ import annotations
 
@@ -87,28 +89,26 @@ def _held(text: str) -> int:
 
 @dataclass
 class StreamState:
-    """What one streamed choice has sent: ``sent`` characters of its text (as content, or inside the blocks of
-    the ``calls`` calls sent)."""
+    """What one streamed choice has sent: ``sent`` characters of its text as content. Text goes out until the first
+    block starts (a possible start of one held back); from there on nothing goes out until the output is complete,
+    and then :func:`parse` decides, as for a response that is not streamed: the calls, or the rest as content."""
 
     sent: int = 0
     calls: int = 0
 
     def delta(self, text: str, finished: bool) -> tuple[str | None, list[dict]]:
         """(new content, new calls) now that the choice's text is ``text`` (cumulative); ``finished``: the last
-        update, when an unclosed block is parsed too, or given back as content if it does not parse."""
-        start = text.find(START, self.sent) if self.calls == 0 else self.sent
+        update."""
+        start = text.find(START)
         if start < 0:
-            end = len(text) if finished else len(text) - _held(text)
-            return self._content(text, end), []
+            return self._content(text, len(text) if finished else len(text) - _held(text)), []
         content = self._content(text, start)
-        closed = text.rfind(END, start)
-        end = len(text) if finished else (closed + len(END) if closed >= 0 else -1)
-        if end < 0:
+        if not finished:
             return content, []
-        calls = _calls(_BLOCK.findall(text[:end], start))
-        if calls is None:  # not a tool call after all: the rest is content
+        _, calls = parse(text)
+        if not calls:  # not a tool call after all: the rest is content
             return ((content or "") + (self._content(text, len(text)) or "")) or None, []
-        self.sent, self.calls = end, self.calls + len(calls)
+        self.calls = len(calls)
         return content, calls
 
     def _content(self, text: str, end: int) -> str | None:

@@ -14,9 +14,8 @@ import json
 import uuid
 from typing import Any
 
-AUTO_REFUSED = ('"auto" tool choice needs a tool-call parser, and this model has none (its chat template writes no '
-                '<tool_call> blocks; the server\'s tool_call_parser setting can force "hermes"): use tool_choice '
-                '"required", {"type": "function", "function": {"name": ...}} or "none"')
+AUTO_REFUSED = ('"auto" tool choice needs a tool-call parser, and this server has none for its model ({why}): use '
+                'tool_choice "required", {{"type": "function", "function": {{"name": ...}}}} or "none"')
 
 
 def check_tools(tools: list[dict[str, Any]] | None) -> None:
