@@ -287,12 +287,19 @@ def uninstall(
         if not typer.confirm(f"Remove {what}?", default=False):
             raise typer.Exit(1)
     mgr = service.manager(data)
-    console.print(f"removed the {mgr.mode} service" if mgr.uninstall() else "no service was running")
+    done = mgr.uninstall()  # a unit: whether there was one; the background process: whether it was running
     service.Background(service.state_dir(data)).uninstall()
+    if isinstance(mgr, service.Systemd):
+        console.print(f"removed the {mgr.mode} unit {mgr.unit_path}" if done else "no unit was installed")
+    else:
+        console.print("stopped the server and removed the background service" if done else
+                      "removed the background service (the server was not running)")
     if purge:
         path.unlink(missing_ok=True)
         shutil.rmtree(data, ignore_errors=True)
         console.print(f"deleted {path} and {data}")
+    else:
+        console.print(f"kept {path} and {data} (models, logs): --purge deletes them")
 
 
 # ------------------------------------------------------------------------------------------------- doctor

@@ -173,7 +173,8 @@ def test_uninstall_then_status_says_not_installed_until_started_again(bg, tmp_pa
     pid = bg.start(FAKE_SERVER)
     assert wait_for(lambda: "fake server up" in bg.log_lines(5))
     result = runner.invoke(app, ["uninstall", "--yes"])
-    assert result.exit_code == 0 and "removed the background service" in result.output, result.output
+    assert result.exit_code == 0 and "stopped the server and removed the background service" in _flat(result)
+    assert "--purge deletes them" in _flat(result)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     st = bg.status()
     assert (st.running, st.installed) == (False, False) and "fake server up" in bg.log_lines(5)
