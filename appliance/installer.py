@@ -158,6 +158,20 @@ def hf_cache_snapshot(name: str) -> Path | None:
 
 
 def resolve_model(spec: str | None, console: Console) -> tuple[Path, str]:
+    """A model folder and its served name (:func:`_find_model`), checked to be an architecture the engine serves
+    before anything is quantized."""
+    path, name = _find_model(spec, console)
+    from engine.models.llama import check_architecture
+    from engine.models.loader import CheckpointError
+    try:
+        check_architecture(json.loads((path / "config.json").read_text()))
+    except (CheckpointError, ValueError) as exc:
+        raise ApplianceError(f"{name}: {exc}", "pick a Llama (Llama 2 / 3.x), Mistral or Qwen2 (Qwen2.5) model") \
+            from None
+    return path, name
+
+
+def _find_model(spec: str | None, console: Console) -> tuple[Path, str]:
     """A model folder and its served name: the bundled demo (converted once), a local folder (its name), or an HF
     cache ``org/name`` (served as ``org/name``, as ``vllm serve org/name`` serves it)."""
     if spec is None:

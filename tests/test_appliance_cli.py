@@ -117,6 +117,16 @@ def test_resolve_model_folder_and_hf_cache(tmp_path):
         installer.resolve_model("org/Other", console)
 
 
+def test_install_refuses_an_architecture_the_engine_does_not_serve_before_quantizing(tmp_path):
+    folder = make_model(tmp_path / "Qwen3-Tiny", {**LLAMA, "architectures": ["Qwen3ForCausalLM"]})
+    one_line_error(runner.invoke(app, ["install", str(folder), "--yes", "--no-service"]), "Qwen3ForCausalLM",
+                   "not supported", "Qwen2")
+    sliding = make_model(tmp_path / "Qwen2-Sliding", {**LLAMA, "architectures": ["Qwen2ForCausalLM"],
+                                                     "use_sliding_window": True})
+    one_line_error(runner.invoke(app, ["install", str(sliding), "--yes", "--no-service"]), "sliding-window")
+    assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("*-awq-*"))  # nothing quantized
+
+
 def test_checkpoint_dir_is_keyed_by_source_method_and_group(tmp_path):
     a, b = make_model(tmp_path / "a"), make_model(tmp_path / "b")
     key = installer.checkpoint_dir(tmp_path, a, "a", "awq", 4, 128)

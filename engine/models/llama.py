@@ -69,8 +69,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         cfg = ckpt.config
         self.config = cfg
-        if cfg.get("use_sliding_window"):  # Qwen2's switch; its configs ship with it off
-            raise CheckpointError("sliding-window attention (use_sliding_window) is not supported yet")
         embed = ckpt.tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
         self.embed_tokens = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ckpt, f"model.layers.{i}", dtype, device)
@@ -107,14 +105,23 @@ MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCa
           "Qwen2ForCausalLM": LlamaForCausalLM}
 
 
+def check_architecture(cfg: dict) -> str:
+    """The :data:`MODELS` key for a config.json dict (no ``architectures``: Llama). Raises CheckpointError for an
+    architecture not served, or a Qwen2 config with sliding-window attention on (its releases ship it off)."""
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in MODELS:
+        raise CheckpointError(f"architecture {arch!r} is not supported yet (supported: {', '.join(MODELS)})")
+    if cfg.get("use_sliding_window"):
+        raise CheckpointError("sliding-window attention (use_sliding_window) is not supported yet")
+    return arch
+
+
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """Build the model class named by config.json's ``architectures`` and load its weights.
 
-    Raises CheckpointError for an unsupported architecture or a missing tensor.
+    Raises CheckpointError for an unsupported architecture (:func:`check_architecture`) or a missing tensor.
     """
     ckpt = CheckpointReader(model_dir, str(device))
-    arch = (ckpt.config.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch not in MODELS:
-        raise CheckpointError(f"architecture {arch!r} is not supported yet (supported: {', '.join(MODELS)})")
+    arch = check_architecture(ckpt.config)
     with torch.no_grad():
         return MODELS[arch](ckpt, dtype, device).eval()
