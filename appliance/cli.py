@@ -187,8 +187,8 @@ def serve(
     max_waiting: Optional[int] = typer.Option(None, "--max-waiting",
                                               help="requests queued beyond --max-num-seqs before new ones get 503"),
     tool_call_parser: Optional[str] = typer.Option(
-        None, "--tool-call-parser", help='tool_choice "auto": hermes, none, or auto (hermes when the model\'s chat '
-                                         "template writes <tool_call> blocks; the default)"),
+        None, "--tool-call-parser", help='tool_choice "auto": hermes, llama3_json, none, or auto (by the model\'s '
+                                         "chat template; the default)"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
     if config is not None and not config.is_file():
@@ -207,8 +207,9 @@ def serve(
     if conf.max_waiting < 0:
         raise ApplianceError(f"max_waiting: must be at least 0, got {conf.max_waiting}",
                              "fix it in the config file, APPLIANCE_MAX_WAITING or --max-waiting")
-    if conf.tool_call_parser not in ("auto", "hermes", "none"):
-        raise ApplianceError(f"tool_call_parser: must be auto, hermes or none, got {conf.tool_call_parser!r}",
+    from engine.server.tool_parsers import SETTINGS
+    if conf.tool_call_parser not in SETTINGS:
+        raise ApplianceError(f"tool_call_parser: must be {', '.join(SETTINGS)}; got {conf.tool_call_parser!r}",
                              "fix it in the config file, APPLIANCE_TOOL_CALL_PARSER or --tool-call-parser")
     # CUDA numbers GPUs fastest first, NVML (`appliance detect`, the tuner's plan) in PCI bus order: serve in the
     # order the plan was made in (read when CUDA starts, so before the engine touches it; the env file may override)

@@ -455,7 +455,7 @@ def test_auto_tool_choice_reads_hermes_calls_out_of_the_text():
             wait_for(lambda: engine.is_ready, what="engine ready")
             bad = httpx.post(f"{url}/v1/chat/completions", json={**kw, "tools": [WEATHER_TOOL]}, timeout=20)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice", bad.text
-            why = "tool_call_parser is none" if parser == "none" else "writes no <tool_call> blocks"
+            why = "tool_call_parser is none" if parser == "none" else "asks for no format this server reads"
             assert "tool-call parser" in bad.json()["error"]["message"] and why in bad.json()["error"]["message"]
         engine.shutdown()
     forced = FakeEngine(max_model_len=512, reply=reply)  # no template, tool_call_parser "hermes"
@@ -466,6 +466,25 @@ def test_auto_tool_choice_reads_hermes_calls_out_of_the_text():
     engine.shutdown()
     with pytest.raises(ValueError, match="tool_call_parser"):
         serve(FakeEngine(), tool_call_parser="mistral")
+
+
+def test_auto_tool_choice_reads_a_llama3_json_call():
+    """A Llama 3.1-style template (a "parameters" dictionary asked for): the whole output is the call, no content;
+    streamed, nothing before the call."""
+    fake = FakeEngine(reply='{"name": "weather", "parameters": {"city": "Paris"}}')
+    fake.tokenizer.chat_template = 'Respond in the format {"name": function name, "parameters": dictionary of ...}'
+    engine, srv = serve(fake)
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=100, tools=[WEATHER_TOOL])
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        choice = sdk(url).chat.completions.create(**kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("weather", {"city": "Paris"})]
+        deltas = [c.choices[0] for c in sdk(url).chat.completions.create(stream=True, **kw) if c.choices]
+        assert not any(d.delta.content for d in deltas) and deltas[-1].finish_reason == "tool_calls"
+        assert [t.function.name for d in deltas for t in d.delta.tool_calls or []] == ["weather"]
+    engine.shutdown()
 
 
 def test_required_tool_choice_asks_for_an_array_of_calls_and_keeps_text_that_is_not_one(server):

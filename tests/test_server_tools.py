@@ -106,6 +106,8 @@ def test_tool_calls_in_the_history_reach_the_template_with_object_arguments():
     assert "tool_calls" not in _for_template({"role": "user", "content": "hi"}, "hi")
 
 
+LLAMA31_TEMPLATE = ('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
+                    'its value}. Do not use variables.')  # as Llama 3.1's and 3.2's templates ask
 HERMES_TEMPLATE = "{% for tool in tools %}...{% endfor %}<tool_call>\n{...}\n</tool_call>"  # as Qwen2.5's has
 
 
@@ -118,7 +120,10 @@ def test_the_parser_follows_the_setting_and_the_template():
     assert tool_parsers.resolve("auto", {"default": "x", "tool_use": HERMES_TEMPLATE}) == "hermes"
     assert tool_parsers.resolve("auto", "{{ messages }}") is None and tool_parsers.resolve("auto", None) is None
     assert tool_parsers.resolve("hermes", None) == "hermes" and tool_parsers.resolve("none", HERMES_TEMPLATE) is None
-    with pytest.raises(ValueError, match="auto, hermes, none"):
+    assert tool_parsers.resolve("auto", LLAMA31_TEMPLATE) == "llama3_json"
+    assert tool_parsers.resolve("auto", "... {{- '<|python_tag|>' + call }} ...") == "llama3_json"
+    assert tool_parsers.resolve("llama3_json", None) == "llama3_json"
+    with pytest.raises(ValueError, match="auto, hermes, llama3_json, none"):
         tool_parsers.resolve("mistral", None)
 
 
@@ -136,9 +141,9 @@ def test_hermes_blocks_become_calls_and_the_text_before_them_the_content():
         assert tool_parsers.parse(bad) == (bad, [])  # vLLM: the whole output stays content
 
 
-def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict]], list]:
+def _stream(text: str, cuts: list[int], parser: str = "hermes") -> tuple[str, list[tuple[str, dict]], list]:
     """(content, calls, per-update calls) of ``text`` streamed in pieces ending at ``cuts`` (then the rest)."""
-    state, content, calls, per_update = tool_parsers.StreamState(), "", [], []
+    state, content, calls, per_update = tool_parsers.StreamState(parser), "", [], []
     ends = [*cuts, len(text)]
     for n, end in enumerate(ends):
         piece, new = state.delta(text[:end], n == len(ends) - 1)
@@ -156,23 +161,48 @@ STREAMED = ["Sure." + GOOD + "\n" + '<tool_call>{"name": "time", "arguments": {}
             '<tool_call>{"name": "time", "arguments": {}}', "<<tool_call>x"]
 
 
+def test_llama3_json_calls_are_the_whole_output():
+    """llama3_json (vLLM's llama_tool_parser): the output is one call or several joined by "; ", maybe after
+    <|python_tag|>, "parameters" (or "arguments") its arguments; no content then; anything else stays content."""
+    content, calls = tool_parsers.parse('{"name": "weather", "parameters": {"city": "Zürich"}}', "llama3_json")
+    assert content is None and [_call(c) for c in calls] == [("weather", {"city": "Zürich"})]
+    two = '<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}; {"name": "time", "arguments": {}}'
+    assert [_call(c) for c in tool_parsers.parse(two, "llama3_json")[1]] == [("weather", {"city": "Oslo"}),
+                                                                              ("time", {})]
+    for text in ("The weather is fine.", '{"name": "weather", "parameters": {"city": "Os', '{"city": "Oslo"}',
+                 '{"name": "time", "parameters": {}} and more words', ""):
+        assert tool_parsers.parse(text, "llama3_json") == (text, []), text
+
+
 def test_a_stream_is_the_response_whatever_the_cut_points():
     """Streamed in any pieces, an output gives the content and calls ``parse`` gives it whole (so a bad block after
     a good one leaves both as content, as vLLM answers without streaming); text before a block goes out at once."""
     import random
     rng = random.Random(0)
-    for text in STREAMED:
-        whole = tool_parsers.parse(text)
+    cases = [(t, "hermes") for t in STREAMED] + [(t, "llama3_json") for t in LLAMA3_STREAMED]
+    for text, parser in cases:
+        whole = tool_parsers.parse(text, parser)
         want = (whole[0] or "", [_call(c) for c in whole[1]])
         cut_sets = [list(range(1, len(text)))] + [sorted(rng.sample(range(1, len(text)), min(k, len(text) - 1)))
                                                    for k in (1, 2, 3, 5, 8) for _ in range(40) if len(text) > 1]
         for cuts in cut_sets:
-            assert _stream(text, cuts)[:2] == want, (text, cuts)
+            assert _stream(text, cuts, parser)[:2] == want, (text, cuts)
+    assert _stream("Sunny today.", [3], "llama3_json")[2] == [[], []]
+    state = tool_parsers.StreamState("llama3_json")
+    assert state.delta("Sun", False) == ("Sun", []) and state.delta("Sunny", False) == ("ny", [])
+    for start in ("<|py", "  {", '{"na'):  # a call may have started: nothing goes out yet
+        assert tool_parsers.StreamState("llama3_json").delta(start, False) == (None, [])
     content, calls, per_update = _stream(STREAMED[0], [3, 7, 40])
     assert per_update[0] == [] and calls == [("weather", {"city": "Oslo"}), ("time", {})]
     assert per_update[-1] == calls and content == "Sure."
     state = tool_parsers.StreamState()
     assert state.delta("Sur", False) == ("Sur", []) and state.delta("Sure.<to", False) == ("e.", [])
+
+
+LLAMA3_STREAMED = ['{"name": "weather", "parameters": {"city": "Oslo"}}', "Sunny today, 21 degrees.",
+                   '<|python_tag|>{"name": "time", "parameters": {}}; {"name": "weather", "parameters": {}}',
+                   '{"name": "weather", "parameters": {"ci', "{not json at all}", "\n" + '{"name": "t"}',
+                   "<|python_tag|> is what I would write"]
 
 
 def test_a_block_without_arguments_is_a_call_with_none():

@@ -1,5 +1,5 @@
 """``python -m engine.server --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N]
-[--tool-call-parser auto|hermes|none] [engine options]``.
+[--tool-call-parser auto|hermes|llama3_json|none] [engine options]``.
 
 Every ``EngineConfig`` field is an option (``--max-model-len 2048``, ``--enforce-eager``, ...).
 """
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                         help="requests queued beyond --max-num-seqs before new ones get 503 with Retry-After")
     parser.add_argument("--tool-call-parser", default="auto", choices=tool_parsers.SETTINGS,
-                        help='tool_choice "auto": hermes (<tool_call> blocks), none, or auto (hermes when the '
-                             "model's chat template writes <tool_call>)")
+                        help='tool_choice "auto": hermes (<tool_call> blocks), llama3_json, none, or auto (by the '
+                             "model's chat template)")
     _engine_options(parser)
     args = vars(parser.parse_args(argv))
     host, port, api_key, log_level, max_waiting, parser_name = (args.pop(k) for k in (

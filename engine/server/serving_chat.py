@@ -68,10 +68,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     """Answer one chat request (JSON, or SSE when ``stream``). Errors: ``APIError`` (404/400/503)."""
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
+    parser = ctx.tool_parser(llm.tokenizer) if is_auto(req.tools, req.tool_choice) else None
     if is_auto(req.tools, req.tool_choice):
-        if ctx.tool_parser(llm.tokenizer) is None:
+        if parser is None:
             why = ("the server's tool_call_parser is none" if ctx.tool_call_parser == "none" else
-                   'its chat template writes no <tool_call> blocks; tool_call_parser "hermes" would force them')
+                   "its chat template asks for no format this server reads; tool_call_parser hermes or "
+                   "llama3_json would force one")
             raise APIError(400, f"tool_choice: {AUTO_REFUSED.format(why=why)}", param="tool_choice",
                            code="invalid_value")
         req.skip_special_tokens = False  # as vLLM's hermes parser: a model's <tool_call> may be a special token
@@ -83,13 +85,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     streams = await submit(ctx, [prompt], params, request_id, "messages")
     if req.stream:
-        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id))
+        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, parser))
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
     choices = []
     for c in finals[0].outputs:
-        message = _message(req, c.text)
+        message = _message(req, c.text, parser)
         called = message.tool_calls and is_auto(req.tools, req.tool_choice)  # vLLM: "tool_calls" then
         choices.append(ChatCompletionChoice(index=c.index, message=message,
                                             logprobs=_logprobs(llm.tokenizer, req, c, 0),
@@ -103,11 +105,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return JSONResponse(body.model_dump())
 
 
-def _message(req: ChatCompletionRequest, text: str) -> ChatResponseMessage:
+def _message(req: ChatCompletionRequest, text: str, parser: str | None = None) -> ChatResponseMessage:
     """The assistant's message: the tool calls a call-making tool_choice asked for (content "", as vLLM), those
-    the model made under "auto" (``tool_parsers.parse``: content the text before them, or None), else the text."""
-    if is_auto(req.tools, req.tool_choice):
-        content, calls = tool_parsers.parse(text)
+    the model made under "auto" (``parser``'s, ``tool_parsers.parse``: the content what it leaves), else the
+    text."""
+    if parser is not None:
+        content, calls = tool_parsers.parse(text, parser)
         return ChatResponseMessage(content=content, tool_calls=calls or None)
     calls = tool_calls(text, req.tool_choice) if req.tools else None
     return ChatResponseMessage(content="", tool_calls=calls) if calls else ChatResponseMessage(content=text)
@@ -144,7 +147,7 @@ def _logprobs(tokenizer: Any, req: ChatCompletionRequest, choice: CompletionOutp
 
 
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionRequest, streams: list[RequestStream],
-                  request_id: str) -> AsyncIterator[dict]:
+                  request_id: str, parser: str | None = None) -> AsyncIterator[dict]:
     """``chat.completion.chunk`` dicts: per choice first a delta with only the role (content ""), as vLLM sends
     before any token, then text or tool-call deltas (:func:`_delta`), the last one with its ``finish_reason``
     ("tool_calls" where "auto" made calls); with ``include_usage`` every chunk has ``usage: null`` and one final
@@ -155,8 +158,7 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
         body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices)
         return body.model_dump(exclude=None if req.include_usage else {"usage"})
 
-    auto = is_auto(req.tools, req.tool_choice)
-    states = [tool_parsers.StreamState() if auto else None for _ in range(req.n)]
+    states = [tool_parsers.StreamState(parser) if parser else None for _ in range(req.n)]
     tokens_sent = [0] * req.n  # per choice: the tokens whose logprobs went out (a held-back delta sends none)
     for index in range(req.n):  # the role on its own: a client sees it whatever the engine's outputs coalesce to
         yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
