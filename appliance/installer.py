@@ -166,7 +166,7 @@ def resolve_model(spec: str | None, console: Console) -> tuple[Path, str]:
     try:
         check_architecture(json.loads((path / "config.json").read_text()))
     except (CheckpointError, ValueError) as exc:
-        raise ApplianceError(f"{name}: {exc}", "pick a Llama (Llama 2 / 3.x), Mistral or Qwen2 (Qwen2.5) model") \
+        raise ApplianceError(f"{name}: {exc}", "pick a Llama (Llama 2 / 3.x), Mistral, Qwen2 (Qwen2.5) or Qwen3 model") \
             from None
     return path, name
 

@@ -582,32 +582,37 @@ def _launches_without_sync(model_dir: str, steps: int = 4) -> int:
     return len(clean)
 
 
-def qkv_bias_rows(ctx: dict, make_row) -> list:
-    """A small random Qwen2-shaped AWQ model (q/k/v biases: the rotary kernel adds them to the deferred split-K
-    sums): CUDA graphs = eager Triton = the torch references, greedy. Counts, not µs."""
-    small = str(write_random_awq_model("/tmp/rand_qwen2", hidden_size=1024, intermediate_size=2816,
-                                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                                       vocab_size=4096, max_position_embeddings=2048, qkv_bias=True))
-    lp = dict(logprobs=2)
-    graphs = _small_model_tokens(small, lp, outputs=True)
-    eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
-    os.environ["APPLIANCE_KERNELS"] = "torch"
-    try:
-        ref = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
-    finally:
-        del os.environ["APPLIANCE_KERNELS"]
-    n = len(ref)
-    # how far the two paths' logprobs are apart where their tokens agree (the biases are in every logit)
-    gaps = [abs(a[t] - b[t]) for (ta, la), (tb, lb) in zip(eager, ref) for x, y, a, b in zip(ta, tb, la, lb)
-            if x == y for t in a.keys() & b.keys()]
-    distinct = len({t for tokens, _ in ref for t in tokens})
-    return [make_row("engine greedy, Qwen2 q/k/v bias: CUDA graphs = eager (counts, not µs)",
-                     "random 4-layer AWQ with q/k/v biases, 6 prompts", n, "sequences identical",
-                     sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0, ""),
-            make_row("engine greedy, Qwen2 q/k/v bias: Triton = torch reference (counts, not µs)", "same", n,
-                     "sequences identical", sum(a[0] == b[0] for a, b in zip(eager, ref)), 1.0,
-                     f"bf16 both; a near-tie may differ; {distinct} distinct tokens; top-2 logprobs at most "
-                     f"{max(gaps, default=float('nan')):.3f} apart")]
+def qwen_rows(ctx: dict, make_row) -> list:
+    """Small random Qwen-shaped AWQ models: Qwen2's q/k/v biases (the rotary kernel adds them to the deferred split-K
+    sums) and Qwen3's per-head q/k RMSNorm (q/k/v summed in the GEMV, the norm kernel on each head): CUDA graphs =
+    eager Triton = the torch references, greedy, with the gap between the two paths' logprobs. Counts, not µs."""
+    rows = []
+    for what, extra in (("Qwen2 q/k/v bias", dict(qkv_bias=True)), ("Qwen3 q/k norm", dict(qk_norm=True))):
+        small = str(write_random_awq_model(f"/tmp/rand_{what.split()[0].lower()}",
+                                           hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                           num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                                           max_position_embeddings=2048, **extra))
+        lp = dict(logprobs=2)
+        graphs = _small_model_tokens(small, lp, outputs=True)
+        eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
+        os.environ["APPLIANCE_KERNELS"] = "torch"
+        try:
+            ref = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
+        finally:
+            del os.environ["APPLIANCE_KERNELS"]
+        n = len(ref)
+        # how far the two paths' logprobs are apart where their tokens agree
+        gaps = [abs(a[t] - b[t]) for (ta, la), (tb, lb) in zip(eager, ref) for x, y, a, b in zip(ta, tb, la, lb)
+                if x == y for t in a.keys() & b.keys()]
+        distinct = len({t for tokens, _ in ref for t in tokens})
+        rows += [make_row(f"engine greedy, {what}: CUDA graphs = eager (counts, not µs)",
+                          f"random 4-layer AWQ, {what}, 6 prompts", n, "sequences identical",
+                          sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0, ""),
+                 make_row(f"engine greedy, {what}: Triton = torch reference (counts, not µs)", "same", n,
+                          "sequences identical", sum(a[0] == b[0] for a, b in zip(eager, ref)), 1.0,
+                          f"bf16 both; a near-tie may differ; {distinct} distinct tokens; top-2 logprobs at most "
+                          f"{max(gaps, default=float('nan')):.3f} apart")]
+    return rows
 
 
 def cuda_path_rows(ctx: dict, make_row) -> list:
@@ -704,6 +709,6 @@ def measured_plan_rows(ctx: dict, make_row) -> list:
 
 
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some.
-SUITE_ROWS = [cuda_path_rows, qkv_bias_rows, smollm2_rows, decode_rows, measured_plan_rows, throughput_rows]
+SUITE_ROWS = [cuda_path_rows, qwen_rows, smollm2_rows, decode_rows, measured_plan_rows, throughput_rows]
 if os.environ.get("ENGINE_ROWS"):
     SUITE_ROWS = [fn for fn in SUITE_ROWS if fn.__name__ in os.environ["ENGINE_ROWS"].split(",")]

@@ -37,9 +37,10 @@ def _tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def write_random_awq_model(out: str | Path, group_size: int = 128, device: str = "cuda", qkv_bias: bool = False,
-                           **shape) -> Path:
+                           qk_norm: bool = False, **shape) -> Path:
     """Write the checkpoint to ``out`` and return it; ``shape`` overrides fields of :data:`LLAMA2_7B`;
-    ``qkv_bias``: a Qwen2 checkpoint (Qwen2ForCausalLM: random fp16 biases on q/k/v)."""
+    ``qkv_bias``: a Qwen2 checkpoint (Qwen2ForCausalLM: random fp16 biases on q/k/v); ``qk_norm``: a Qwen3 one
+    (Qwen3ForCausalLM: per-head RMSNorm weights for q and k, random in [0.5, 1.5])."""
     cfg = {**LLAMA2_7B, **shape}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,8 +60,12 @@ def write_random_awq_model(out: str | Path, group_size: int = 128, device: str =
                 tensors[f"{p}.{name}.{t}"] = value
             if qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 tensors[f"{p}.{name}.bias"] = (torch.randn(n) * 0.5).half()
+        if qk_norm:
+            for name in ("q_norm", "k_norm"):
+                tensors[f"{p}.self_attn.{name}.weight"] = (torch.rand(h // cfg["num_attention_heads"]) + 0.5).half()
     save_file(tensors, str(out / "model.safetensors"))
-    arch, kind = ("Qwen2ForCausalLM", "qwen2") if qkv_bias else ("LlamaForCausalLM", "llama")
+    arch, kind = (("Qwen3ForCausalLM", "qwen3") if qk_norm else ("Qwen2ForCausalLM", "qwen2") if qkv_bias else
+                  ("LlamaForCausalLM", "llama"))
     config = {"architectures": [arch], "model_type": kind, "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float16",
               "bos_token_id": 1, "eos_token_id": 2, **cfg,

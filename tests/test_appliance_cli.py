@@ -118,8 +118,8 @@ def test_resolve_model_folder_and_hf_cache(tmp_path):
 
 
 def test_install_refuses_an_architecture_the_engine_does_not_serve_before_quantizing(tmp_path):
-    folder = make_model(tmp_path / "Qwen3-Tiny", {**LLAMA, "architectures": ["Qwen3ForCausalLM"]})
-    one_line_error(runner.invoke(app, ["install", str(folder), "--yes", "--no-service"]), "Qwen3ForCausalLM",
+    folder = make_model(tmp_path / "Gemma-Tiny", {**LLAMA, "architectures": ["Gemma2ForCausalLM"]})
+    one_line_error(runner.invoke(app, ["install", str(folder), "--yes", "--no-service"]), "Gemma2ForCausalLM",
                    "not supported", "Qwen2")
     sliding = make_model(tmp_path / "Qwen2-Sliding", {**LLAMA, "architectures": ["Qwen2ForCausalLM"],
                                                      "use_sliding_window": True})

@@ -1,5 +1,6 @@
 """Architectures other than Llama served by the Llama code, against transformers' own implementation on small
-random weights (design.md §6): Qwen2 (Qwen2.5: q/k/v biases, tied embeddings, rope_theta 1e6)."""
+random weights (design.md §6): Qwen2 (Qwen2.5: q/k/v biases, tied embeddings, rope_theta 1e6) and Qwen3 (an
+RMSNorm over each head of q and k, head_dim set apart from hidden / heads)."""
 from __future__ import annotations
 
 import copy
@@ -7,13 +8,27 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.models.loader import CheckpointError
 from test_engine_greedy import hf_greedy_choices
 
 TEXTS = ["The quick brown fox", "1, 2, 3, 5, 8, 13,", "Hello"]
+
+
+def _random_model(model, tokenizer, out, norms: bool = False):
+    """Random weights (transformers starts biases at 0 and norms at 1: random ones, so that a lost one shows),
+    saved with the tokenizer to ``out``; (folder, model, tokenizer)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3 if "bias" in name else 0.2)
+            elif norms:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out, model, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +40,22 @@ def qwen2(demo_model, tmp_path_factory):
     cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=1e6,
                       tie_word_embeddings=True, rms_norm_eps=1e-6)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # transformers starts biases at 0: random ones, so that a lost bias shows
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.3 if "bias" in name else 0.2)
-    out = tmp_path_factory.mktemp("qwen2")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out, model, tokenizer
+    return _random_model(Qwen2ForCausalLM(cfg).eval(), tokenizer, tmp_path_factory.mktemp("qwen2"))
 
 
-def test_qwen2_greedy_tokens_and_prompt_logprobs_equal_transformers(qwen2):
-    folder, model, tokenizer = qwen2
-    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+@pytest.fixture(scope="module")
+def qwen3(demo_model, tmp_path_factory):
+    """The same for a 2-layer Qwen3: q/k norms (random weights), head_dim 32 against hidden 64 / 4 heads."""
+    torch.manual_seed(1)
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
+    return _random_model(Qwen3ForCausalLM(cfg).eval(), tokenizer, tmp_path_factory.mktemp("qwen3"), norms=True)
+
+
+def _same_as_transformers(folder, model, tokenizer) -> list[list[int]]:
+    """Assert our engine's greedy tokens and prompt logprobs equal transformers' (module doc); its tokens."""
     llm = LLM(str(folder), device="cpu")
     got = [o.outputs[0].token_ids
            for o in llm.generate(TEXTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
@@ -50,12 +67,31 @@ def test_qwen2_greedy_tokens_and_prompt_logprobs_equal_transformers(qwen2):
     for t in range(1, len(ids)):
         assert set(want[t - 1].topk(5).indices.tolist()) <= set(entries[t]) and len(entries[t]) <= 6, t
         assert all(abs(lp - want[t - 1, tok].item()) < 1e-4 for tok, lp in entries[t].items()), t
-    unbiased = copy.deepcopy(model)  # the biases change the answer: without them transformers would choose otherwise
+    return got
+
+
+def _changed_without(model, tokenizer, got, suffix: str, value: float) -> bool:
+    """Whether transformers' greedy choices change with every parameter named ``*suffix`` set to ``value``."""
+    other = copy.deepcopy(model)
     with torch.no_grad():
-        for name, p in unbiased.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-    assert hf_greedy_choices(unbiased, tokenizer, TEXTS, got) != got
+        for name, p in other.named_parameters():
+            if name.endswith(suffix):
+                p.fill_(value)
+    return hf_greedy_choices(other, tokenizer, TEXTS, got) != got
+
+
+def test_qwen2_greedy_tokens_and_prompt_logprobs_equal_transformers(qwen2):
+    folder, model, tokenizer = qwen2
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    got = _same_as_transformers(folder, model, tokenizer)
+    assert _changed_without(model, tokenizer, got, "bias", 0.0)  # the biases matter to the answer
+
+
+def test_qwen3_greedy_tokens_and_prompt_logprobs_equal_transformers(qwen3):
+    folder, model, tokenizer = qwen3
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    got = _same_as_transformers(folder, model, tokenizer)
+    assert _changed_without(model, tokenizer, got, "q_norm.weight", 1.0)  # the q/k norms matter
 
 
 def test_sliding_window_is_refused(qwen2, tmp_path):

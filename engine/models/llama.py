@@ -1,5 +1,5 @@
-"""Llama (and Mistral- and Qwen2-shaped) decoder over the paged KV cache — our own code; transformers gives only the
-config.
+"""Llama (and Mistral-, Qwen2- and Qwen3-shaped) decoder over the paged KV cache — our own code; transformers gives
+only the config.
 
 Source: Touvron et al., "Llama 2" (2023); parameter names follow Hugging Face ``LlamaForCausalLM`` so
 checkpoints load as they are. q/k/v and gate/up are stacked into one linear each at load.
@@ -40,6 +40,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(ckpt.tensor(f"{prefix}.input_layernorm.weight"), eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(ckpt.tensor(f"{prefix}.post_attention_layernorm.weight"), eps,
                                                 dtype, device)
+        self.q_norm = self.k_norm = None  # Qwen3: RMSNorm over each head of q and k, before the rotation
+        if ckpt.has(f"{attn}.q_norm.weight"):
+            self.q_norm = RMSNorm(ckpt.tensor(f"{attn}.q_norm.weight"), eps, dtype, device)
+            self.k_norm = RMSNorm(ckpt.tensor(f"{attn}.k_norm.weight"), eps, dtype, device)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -47,8 +51,13 @@ class LlamaDecoderLayer(nn.Module):
         """hidden, residual: [T, hidden_size] → the same, after attention and MLP."""
         x, residual = self.input_layernorm(hidden, residual)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # the split-K sums of q/k/v and of gate/up are added by the next kernel as it loads them (kernels/split_k.py)
-        q, k, v = self.qkv_proj(x, defer_sum=True).split([q_size, kv_size, kv_size], dim=-1)
+        # the split-K sums of q/k/v and of gate/up are added by the next kernel as it loads them (kernels/split_k.py);
+        # with q/k norms that kernel is the norm, which takes plain tensors
+        qkv = self.qkv_proj(x, defer_sum=self.q_norm is None)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta, positions, rotary.cos_sin)
@@ -100,9 +109,9 @@ class LlamaForCausalLM(nn.Module):
 
 
 #: config.json ``architectures`` served by the Llama code: Mistral is Llama-shaped; Qwen2 (Qwen2.5) adds biases to
-#: q/k/v, which ``Linear`` loads wherever a checkpoint has them
+#: q/k/v, which ``Linear`` loads wherever a checkpoint has them; Qwen3 adds an RMSNorm over each head of q and k
 MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-          "Qwen2ForCausalLM": LlamaForCausalLM}
+          "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM}
 
 
 def check_architecture(cfg: dict) -> str:
