@@ -158,20 +158,6 @@ def hf_cache_snapshot(name: str) -> Path | None:
 
 
 def resolve_model(spec: str | None, console: Console) -> tuple[Path, str]:
-    """A model folder and its served name (:func:`_find_model`), checked to be an architecture the engine serves
-    before anything is quantized."""
-    path, name = _find_model(spec, console)
-    from engine.models.llama import check_architecture
-    from engine.models.loader import CheckpointError
-    try:
-        check_architecture(json.loads((path / "config.json").read_text()))
-    except (CheckpointError, ValueError) as exc:
-        raise ApplianceError(f"{name}: {exc}", "pick a Llama (Llama 2 / 3.x), Mistral, Qwen2 (Qwen2.5) or Qwen3 model") \
-            from None
-    return path, name
-
-
-def _find_model(spec: str | None, console: Console) -> tuple[Path, str]:
     """A model folder and its served name: the bundled demo (converted once), a local folder (its name), or an HF
     cache ``org/name`` (served as ``org/name``, as ``vllm serve org/name`` serves it)."""
     if spec is None:
@@ -201,6 +187,18 @@ def _find_model(spec: str | None, console: Console) -> tuple[Path, str]:
         return snapshot, spec
     raise ApplianceError(f"model {spec!r} not found", "give a model folder, an org/name already in the Hugging Face "
                          "cache, or no MODEL for the bundled demo")
+
+
+def check_servable(model_dir: Path, name: str) -> None:
+    """Raise ApplianceError unless the engine serves the model's architecture (before anything is quantized;
+    ``appliance quantize`` alone needs no engine and does not ask)."""
+    from engine.models.llama import check_architecture
+    from engine.models.loader import CheckpointError
+    try:
+        check_architecture(json.loads((model_dir / "config.json").read_text()))
+    except (CheckpointError, ValueError) as exc:
+        raise ApplianceError(f"{name}: {exc}", "pick another model (`appliance quantize` still quantizes this one)") \
+            from None
 
 
 def existing_quantization(model_dir: Path) -> str | None:
@@ -481,6 +479,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
 
         _confirm(opts, f"No model given: install the bundled demo model {DEMO_NAME}?")
     source, name = resolve_model(opts.model, console)
+    check_servable(source, name)
     console.print(f"Model: [bold]{name}[/bold] ({source})")
 
     # 2. quantize (or take the checkpoint as it is)

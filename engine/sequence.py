@@ -43,10 +43,11 @@ class Sequence:
 
     Prompt logprobs (``params.prompt_logprobs``, computed for choice 0 only: the choices share the prompt):
     ``prompt_logprobs`` holds one entry per prompt token, None for the first (nothing predicts it) and until read
-    back, and ``prompt_logprob_ranks`` each one's rank alike (1 = the most likely token); ``num_prompt_logprobs`` counts the prompt tokens whose entry is launched (from 1), so a prefill run
-    again after a recompute preemption does not launch them twice, and ``num_prompt_logprobs_read`` those read
-    back. Until the first reaches ``num_prompt_tokens`` the sequence takes no prefix-cache hit (every position must
-    be computed; vLLM does the same).
+    back, and ``prompt_logprob_ranks`` each one's rank alike (1 = the most likely token); ``num_prompt_logprobs``
+    counts the prompt tokens whose entry is launched (from 1), so a prefill run again after a recompute preemption
+    does not launch them twice, and ``num_prompt_logprobs_read`` those read back. Until the first reaches
+    ``num_prompt_tokens`` the sequence takes no prefix-cache hit (every position must be computed; vLLM does the
+    same).
     """
 
     request_id: str

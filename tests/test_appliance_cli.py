@@ -121,6 +121,7 @@ def test_install_refuses_an_architecture_the_engine_does_not_serve_before_quanti
     folder = make_model(tmp_path / "Gemma-Tiny", {**LLAMA, "architectures": ["Gemma2ForCausalLM"]})
     one_line_error(runner.invoke(app, ["install", str(folder), "--yes", "--no-service"]), "Gemma2ForCausalLM",
                    "not supported", "Qwen2")
+    assert installer.resolve_model(str(folder), Console(quiet=True))[1] == "Gemma-Tiny"  # `quantize` takes it
     sliding = make_model(tmp_path / "Qwen2-Sliding", {**LLAMA, "architectures": ["Qwen2ForCausalLM"],
                                                      "use_sliding_window": True})
     one_line_error(runner.invoke(app, ["install", str(sliding), "--yes", "--no-service"]), "sliding-window")

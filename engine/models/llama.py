@@ -116,7 +116,8 @@ MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCa
 
 def check_architecture(cfg: dict) -> str:
     """The :data:`MODELS` key for a config.json dict (no ``architectures``: Llama). Raises CheckpointError for an
-    architecture not served, or a Qwen2 config with sliding-window attention on (its releases ship it off)."""
+    architecture not served, or sliding-window attention switched on (``use_sliding_window``, which Qwen2 and Qwen3
+    releases ship off)."""
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in MODELS:
         raise CheckpointError(f"architecture {arch!r} is not supported yet (supported: {', '.join(MODELS)})")

@@ -16,7 +16,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.async_engine import DEFAULT_MAX_WAITING, AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
-from engine.server import tool_parsers
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -193,7 +192,6 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     unless the caller set up logging first.
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tool_parsers.resolve(tool_call_parser, None)  # a bad setting fails before the engine loads
     engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting)
     engine.start()
     logging.getLogger("uvicorn.access").addFilter(QuietPolls())  # uvicorn's logging set-up keeps filters

@@ -75,3 +75,11 @@ def prompt_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int
             field[t] = {"logprob": _lp(lp), "rank": r, "decoded_token": tokenizer.decode([t])}
         out.append(field)
     return out
+
+
+def response_prompt_logprobs(tokenizer: Any, out: Any, k: int) -> list[dict[int, dict] | None] | None:
+    """:func:`prompt_logprobs` of a ``RequestOutput`` (its prompt's entries and ranks) with the top ``k``; None
+    when the engine computed none."""
+    if out.prompt_logprobs is None:
+        return None
+    return prompt_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, out.prompt_logprob_ranks, k)

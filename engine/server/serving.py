@@ -33,12 +33,17 @@ class ServingContext:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: EngineMetrics,
                  api_key: str | None = None, tool_call_parser: str = "auto") -> None:
         self.engine, self.model_name, self.metrics, self.api_key = engine, model_name, metrics, api_key
-        tool_parsers.resolve(tool_call_parser, None)  # a bad setting fails here, before the engine loads
+        tool_parsers.resolve(tool_call_parser, None)  # a bad setting fails when the app is built, not per request
         self.tool_call_parser = tool_call_parser
+        self._tool_parser: tuple[str | None] | None = None  # resolved once, from the loaded model's template
 
     def tool_parser(self, tokenizer: Any) -> str | None:
-        """The tool-call parser for tool_choice "auto" (``tool_parsers.resolve`` on the model's chat template)."""
-        return tool_parsers.resolve(self.tool_call_parser, getattr(tokenizer, "chat_template", None))
+        """The tool-call parser for tool_choice "auto" (``tool_parsers.resolve`` on the model's chat template, the
+        first time it is asked)."""
+        if self._tool_parser is None:
+            self._tool_parser = (tool_parsers.resolve(self.tool_call_parser, getattr(tokenizer, "chat_template",
+                                                                                      None)),)
+        return self._tool_parser[0]
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is the served name (None or "" means the served model)."""

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.async_engine import RequestStream
 from engine.outputs import CompletionOutput
 from engine.server.errors import APIError, bad_value
-from engine.server.logprobs import chat_logprobs, prompt_logprobs
+from engine.server.logprobs import chat_logprobs, response_prompt_logprobs
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                     TokenizeRequest, random_id)
@@ -68,8 +68,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     """Answer one chat request (JSON, or SSE when ``stream``). Errors: ``APIError`` (404/400/503)."""
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
-    parser = ctx.tool_parser(llm.tokenizer) if is_auto(req.tools, req.tool_choice) else None
-    if is_auto(req.tools, req.tool_choice):
+    auto = is_auto(req.tools, req.tool_choice)
+    parser = ctx.tool_parser(llm.tokenizer) if auto else None
+    if auto:
         if parser is None:
             why = ("the server's tool_call_parser is none" if ctx.tool_call_parser == "none" else
                    "its chat template asks for no format this server reads; tool_call_parser hermes or "
@@ -92,16 +93,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     choices = []
     for c in finals[0].outputs:
         message = _message(req, c.text, parser)
-        called = message.tool_calls and is_auto(req.tools, req.tool_choice)  # vLLM: "tool_calls" then
+        called = message.tool_calls and auto  # vLLM: "tool_calls" then
         choices.append(ChatCompletionChoice(index=c.index, message=message,
                                             logprobs=_logprobs(llm.tokenizer, req, c, 0),
                                             finish_reason="tool_calls" if called else c.finish_reason,
                                             stop_reason=c.stop_reason))
-    out = finals[0]
-    prompt = None if out.prompt_logprobs is None else prompt_logprobs(
-        llm.tokenizer, out.prompt_token_ids, out.prompt_logprobs, out.prompt_logprob_ranks, req.prompt_logprobs)
     body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage(finals),
-                                  prompt_logprobs=prompt)
+                                  prompt_logprobs=response_prompt_logprobs(llm.tokenizer, finals[0],
+                                                                           req.prompt_logprobs))
     return JSONResponse(body.model_dump())
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.async_engine import RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
-from engine.server.logprobs import completion_logprobs, prompt_logprobs
+from engine.server.logprobs import completion_logprobs, response_prompt_logprobs
 from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
                                    submit, usage)
@@ -74,10 +74,8 @@ def _engine_prompt_logprobs(req: CompletionRequest) -> int | None:
 def _prompt_logprobs_field(tokenizer: Any, req: CompletionRequest, out: RequestOutput) -> list | None:
     """vLLM's ``prompt_logprobs`` of a choice (:func:`engine.server.logprobs.prompt_logprobs`), with the request's
     top-k, else ``echo``'s ``logprobs`` (vLLM returns them then too); None when the engine computed none."""
-    if out.prompt_logprobs is None:
-        return None
     k = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs
-    return prompt_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, out.prompt_logprob_ranks, k)
+    return response_prompt_logprobs(tokenizer, out, k)
 
 
 def _prompt_logprobs(tokenizer: Any, req: CompletionRequest, out: RequestOutput) -> dict | None:
