@@ -582,16 +582,25 @@ def _launches_without_sync(model_dir: str, steps: int = 4) -> int:
     return len(clean)
 
 
+def _logprob_gap(a: list, b: list) -> float:
+    """The largest difference between two runs' logprobs (``_small_model_tokens(..., outputs=True)``) of one token
+    at the positions where their tokens agree (nan when none)."""
+    gaps = [abs(x[t] - y[t]) for (ta, la), (tb, lb) in zip(a, b) for i, j, x, y in zip(ta, tb, la, lb)
+            if i == j for t in x.keys() & y.keys()]
+    return max(gaps, default=float("nan"))
+
+
 def qwen_rows(ctx: dict, make_row) -> list:
     """Small random Qwen-shaped AWQ models: Qwen2's q/k/v biases (the rotary kernel adds them to the deferred split-K
     sums) and Qwen3's per-head q/k RMSNorm (q/k/v summed in the GEMV, the norm kernel on each head): CUDA graphs =
     eager Triton = the torch references, greedy, with the gap between the two paths' logprobs. Counts, not µs."""
     rows = []
-    for what, extra in (("Qwen2 q/k/v bias", dict(qkv_bias=True)), ("Qwen3 q/k norm", dict(qk_norm=True))):
-        small = str(write_random_awq_model(f"/tmp/rand_{what.split()[0].lower()}",
-                                           hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                                           num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
-                                           max_position_embeddings=2048, **extra))
+    shape = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, vocab_size=4096,
+                 max_position_embeddings=2048)
+    for what, extra in (("Qwen2 q/k/v bias", dict(qkv_bias=True, num_attention_heads=8, num_key_value_heads=2)),
+                        ("Qwen3 q/k norm", dict(qk_norm=True, num_attention_heads=16, num_key_value_heads=8,
+                                                head_dim=128))):  # Qwen3-0.6B's heads: q is 2048 wide, hidden 1024
+        small = str(write_random_awq_model(f"/tmp/rand_{what.split()[0].lower()}", **shape, **extra))
         lp = dict(logprobs=2)
         graphs = _small_model_tokens(small, lp, outputs=True)
         eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
@@ -601,17 +610,15 @@ def qwen_rows(ctx: dict, make_row) -> list:
         finally:
             del os.environ["APPLIANCE_KERNELS"]
         n = len(ref)
-        # how far the two paths' logprobs are apart where their tokens agree
-        gaps = [abs(a[t] - b[t]) for (ta, la), (tb, lb) in zip(eager, ref) for x, y, a, b in zip(ta, tb, la, lb)
-                if x == y for t in a.keys() & b.keys()]
         distinct = len({t for tokens, _ in ref for t in tokens})
         rows += [make_row(f"engine greedy, {what}: CUDA graphs = eager (counts, not µs)",
                           f"random 4-layer AWQ, {what}, 6 prompts", n, "sequences identical",
-                          sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0, ""),
+                          sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0,
+                          f"top-2 logprobs at most {_logprob_gap(graphs, eager):.3f} apart"),
                  make_row(f"engine greedy, {what}: Triton = torch reference (counts, not µs)", "same", n,
                           "sequences identical", sum(a[0] == b[0] for a, b in zip(eager, ref)), 1.0,
                           f"bf16 both; a near-tie may differ; {distinct} distinct tokens; top-2 logprobs at most "
-                          f"{max(gaps, default=float('nan')):.3f} apart")]
+                          f"{_logprob_gap(eager, ref):.3f} apart")]
     return rows
 
 

@@ -45,11 +45,12 @@ def write_random_awq_model(out: str | Path, group_size: int = 128, device: str =
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]  # Qwen3 sets it apart from hidden / heads
+    q, kv = head_dim * cfg["num_attention_heads"], head_dim * cfg["num_key_value_heads"]
     tensors = {"model.embed_tokens.weight": (torch.randn(v, h) * 0.02).half(),
                "lm_head.weight": (torch.randn(v, h) * 0.02).half(), "model.norm.weight": torch.ones(h).half()}
-    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (h, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
               "mlp.down_proj": (inter, h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -62,7 +63,7 @@ def write_random_awq_model(out: str | Path, group_size: int = 128, device: str =
                 tensors[f"{p}.{name}.bias"] = (torch.randn(n) * 0.5).half()
         if qk_norm:
             for name in ("q_norm", "k_norm"):
-                tensors[f"{p}.self_attn.{name}.weight"] = (torch.rand(h // cfg["num_attention_heads"]) + 0.5).half()
+                tensors[f"{p}.self_attn.{name}.weight"] = (torch.rand(head_dim) + 0.5).half()
     save_file(tensors, str(out / "model.safetensors"))
     arch, kind = (("Qwen3ForCausalLM", "qwen3") if qk_norm else ("Qwen2ForCausalLM", "qwen2") if qkv_bias else
                   ("LlamaForCausalLM", "llama"))
