@@ -226,6 +226,9 @@ class _Checkpoint:
     def tensor(self, name):
         return self.norms[name.split(".")[-2]]
 
+    def has(self, name):  # no Qwen3 q/k norms here
+        return name.split(".")[-2] in self.norms
+
 
 def test_a_decoder_layer_gives_the_same_bits_with_deferred_sums(monkeypatch):
     """The Llama layer on the Triton kernels (interpreted here; ``ops.use_triton`` forced), every product split in
