@@ -32,6 +32,17 @@ from kernels._triton import pdl, without_early_trigger, without_pdl
 BUILT_IN = dict(tune_kernels=False, kernel_plans_dir=tempfile.mkdtemp(prefix="no-plans-"))
 
 
+@contextlib.contextmanager
+def _torch_references():
+    """While it lasts, engines built run the torch reference ops instead of the Triton kernels
+    (``APPLIANCE_KERNELS=torch``)."""
+    os.environ["APPLIANCE_KERNELS"] = "torch"
+    try:
+        yield
+    finally:
+        del os.environ["APPLIANCE_KERNELS"]
+
+
 def _free() -> None:
     """Return freed GPU memory to the device (callers ``del`` their references first)."""
     gc.collect()
@@ -427,11 +438,8 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
     expected = json.loads(expected_path.read_text())
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     outs = _smollm2_outputs(model_dir, expected["prompts"], params)
-    os.environ["APPLIANCE_KERNELS"] = "torch"
-    try:
+    with _torch_references():
         ref_outs = _smollm2_outputs(model_dir, expected["prompts"], params, enforce_eager=True)
-    finally:
-        del os.environ["APPLIANCE_KERNELS"]
     got = [o.outputs[0].token_ids for o in outs]
     logprobs = [o.outputs[0].logprobs for o in outs]
     rows = []
@@ -604,11 +612,8 @@ def qwen_rows(ctx: dict, make_row) -> list:
         lp = dict(logprobs=2)
         graphs = _small_model_tokens(small, lp, outputs=True)
         eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
-        os.environ["APPLIANCE_KERNELS"] = "torch"
-        try:
+        with _torch_references():
             ref = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
-        finally:
-            del os.environ["APPLIANCE_KERNELS"]
         n = len(ref)
         distinct = len({t for tokens, _ in ref for t in tokens})
         rows += [make_row(f"engine greedy, {what}: CUDA graphs = eager (counts, not µs)",
@@ -639,13 +644,10 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
     penalised_sync = _small_model_tokens(small, penalties, async_scheduling=False)
     with_logprobs = _small_model_tokens(small, dict(logprobs=2), outputs=True)
     with_logprobs_sync = _small_model_tokens(small, dict(logprobs=2), async_scheduling=False, outputs=True)
-    os.environ["APPLIANCE_KERNELS"] = "torch"
-    try:
+    with _torch_references():
         ref = _small_model_tokens(small, enforce_eager=True)
         ref_fp8 = _small_model_tokens(small, enforce_eager=True, kv_cache_dtype="fp8")
         ref_int8 = _small_model_tokens(small, enforce_eager=True, kv_cache_dtype="int8")
-    finally:
-        del os.environ["APPLIANCE_KERNELS"]
     n = len(ref)
     return [make_row("engine greedy: CUDA graphs = eager (counts, not µs)", "random 4-layer AWQ, 6 prompts", n,
                      "sequences identical", sum(a == b for a, b in zip(graphs, eager)), 1.0, ""),

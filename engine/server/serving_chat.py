@@ -118,12 +118,10 @@ def _message(req: ChatCompletionRequest, text: str, parser: str | None = None) -
 def _delta(req: ChatCompletionRequest, d: Any, state: tool_parsers.StreamState | None) -> DeltaMessage:
     """A stream's delta of choice ``d``: a named function's arguments as they come (its id, type and name in the
     first), a "required" array's calls once it is complete (nothing before), under "auto" the text until a call
-    starts and each call once its block is closed (``state``, the choice's), else the text."""
-    if state is not None:
+    may start and the calls once the output is complete (``state``, the choice's), else the text."""
+    if state is not None:  # the calls come all at once, in the last delta
         content, calls = state.delta(d.choice.text, d.finish_reason is not None)
-        first = state.calls - len(calls)
-        return DeltaMessage(content=content,
-                            tool_calls=[{"index": first + i, **c} for i, c in enumerate(calls)] or None)
+        return DeltaMessage(content=content, tool_calls=[{"index": i, **c} for i, c in enumerate(calls)] or None)
     if not req.tools or req.tool_choice == "none":
         return DeltaMessage(content=d.text)
     if isinstance(req.tool_choice, dict):
