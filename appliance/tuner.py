@@ -16,6 +16,8 @@ from pathlib import Path
 
 from appliance.errors import ApplianceError
 from appliance.hardware import Hardware, gib
+from engine.models.context import max_context
+from engine.models.rope import RopeError
 
 BLOCK_SIZE = 16
 GIB = 2**30
@@ -45,7 +47,8 @@ class ModelInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    max_position_embeddings: int
+    max_context: int  # tokens: max_position_embeddings with its RoPE scaling, or a Mistral sliding window
+    max_context_why: str
     weight_bytes: int
     quantization: str | None = None
 
@@ -57,6 +60,10 @@ class ModelInfo:
             raise TuneError(f"{model_dir} has no config.json", "give a Hugging Face model folder")
         try:
             cfg = json.loads(cfg_file.read_text())
+            try:
+                context, context_why = max_context(cfg)
+            except RopeError as exc:
+                raise TuneError(f"{cfg_file}: {exc}", "serve a model with a supported RoPE") from None
             cfg = cfg.get("text_config", cfg)
             heads = cfg["num_attention_heads"]
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -66,7 +73,7 @@ class ModelInfo:
                 num_layers=cfg["num_hidden_layers"],
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=head_dim,
-                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                max_context=context, max_context_why=context_why,
                 weight_bytes=sum(p.stat().st_size for p in model_dir.glob("*.safetensors")),
                 quantization=(quant or {}).get("quant_method") if quant else None,
             )
@@ -153,7 +160,7 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
                                      f"{gib(model.weight_bytes)} of weights and {gib(GPU_RESERVE)} for activations")
         cpu_gib = 0.0
         reasons["cpu_kv_cache_gib"] = "not used on a GPU"
-        len_cap, len_cap_why = model.max_position_embeddings, "the model's max_position_embeddings"
+        len_cap, len_cap_why = model.max_context, model.max_context_why
         seq_default = GPU_MAX_NUM_SEQS
         seq_why = f"vLLM's default of {GPU_MAX_NUM_SEQS}"
     else:
@@ -165,8 +172,8 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
         reasons["cpu_kv_cache_gib"] = (f"{CPU_KV_FRACTION:.0%} of the {gib(hw.available_memory)} of free RAM, in "
                                        f"steps of {CPU_KV_STEP_GIB} GiB, at most {CPU_KV_MAX_GIB:g} GiB")
         reasons["num_kv_blocks"] += f"; {cpu_gib:g} GiB of RAM"
-        len_cap = min(model.max_position_embeddings, CPU_MAX_MODEL_LEN)
-        len_cap_why = (f"the model's max_position_embeddings, at most {CPU_MAX_MODEL_LEN} on a CPU "
+        len_cap = min(model.max_context, CPU_MAX_MODEL_LEN)
+        len_cap_why = (f"{model.max_context_why}, at most {CPU_MAX_MODEL_LEN} on a CPU "
                        "(longer prompts take minutes to prefill)")
         seq_default = min(CPU_MAX_NUM_SEQS, CPU_SEQS_PER_CORE * hw.cpu_cores)
         seq_why = (f"CPU decoding is compute-bound: {CPU_SEQS_PER_CORE} sequences per core x {hw.cpu_cores} cores, "
@@ -176,9 +183,9 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
     kv_tokens = num_blocks * BLOCK_SIZE
 
     if max_model_len is not None:
-        if max_model_len > model.max_position_embeddings:
-            raise TuneError(f"--max-model-len {max_model_len} is over the model's limit of "
-                            f"{model.max_position_embeddings} tokens", f"use at most {model.max_position_embeddings}")
+        if max_model_len > model.max_context:
+            raise TuneError(f"--max-model-len {max_model_len} is over the model's limit of {model.max_context} "
+                            f"tokens ({model.max_context_why})", f"use at most {model.max_context}")
         if max_model_len > kv_tokens:
             raise TuneError(f"--max-model-len {max_model_len} does not fit in the KV cache ({kv_tokens} tokens)",
                             f"use at most {kv_tokens}, or give the cache more memory")

@@ -37,8 +37,9 @@ class EngineConfig:
     ``cpu_kv_cache_gib``: GiB of KV cache on CPU.
     ``max_num_seqs``: sequences running at once (one step's batch at most).
     ``block_size``: tokens per KV cache block.
-    ``max_model_len``: prompt + completion tokens per sequence; None = the model's ``max_position_embeddings``
-    capped at 8192.
+    ``max_model_len``: prompt + completion tokens per sequence, at most the model's context
+    (``engine.models.context.max_context``: ``max_position_embeddings`` with its RoPE scaling, a Mistral sliding
+    window); None = that context capped at 8192.
     ``num_kv_blocks``: force the KV pool size (tests); None = size it from ``gpu_memory_utilization`` on CUDA or
     ``cpu_kv_cache_gib`` on CPU.
     ``max_num_batched_tokens``: token budget of one step (decode tokens + prefill tokens); None =

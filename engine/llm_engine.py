@@ -29,6 +29,7 @@ from engine.generation_config import sampling_defaults
 from engine.errors import ContextLengthError, StepFailed
 from engine.sampler import INVALID
 from engine.model_runner import ModelRunner
+from engine.models.context import max_context
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -80,7 +81,11 @@ class LLMEngine:
         self._decode = detokenizer.decoder(self.tokenizer)  # resolved once: called twice per token
         self.model_name = config.served_model_name or Path(config.model).name
         model_cfg = json.loads((Path(config.model) / "config.json").read_text())
-        self.max_model_len = config.max_model_len or min(model_cfg.get("max_position_embeddings", 4096), 8192)
+        limit, limit_why = max_context(model_cfg)  # raises RopeError (a ValueError) for a RoPE not served
+        self.max_model_len = config.max_model_len or min(limit, 8192)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len: {self.max_model_len} is over {limit_why}, {limit} tokens; use at "
+                             f"most {limit}")
         #: token ids a request may name: the tokenizer's, and no more than the model's logits have rows for
         self.vocab_size = min(len(self.tokenizer), model_cfg.get("vocab_size") or len(self.tokenizer))
         budget = config.token_budget(self.max_model_len)  # raises before the model loads

@@ -138,7 +138,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, max_model_len)
         self.kernel_plans = kernel_plans.prepare(self.model, config, self.device, self.dtype)  # before any capture
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)  # unseeded sampling
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(max_model_len)

@@ -10,14 +10,21 @@ from .kv_cache import int8_codes, int8_row_stats, int8_scale, scale_args, to_cac
 from .split_k import SplitK, add_pair, load_pair
 
 
-def rope_cos_sin(head_dim: int, max_positions: int, base: float, device=None) -> torch.Tensor:
-    """The cos/sin cache: float32 [max_positions, head_dim] = cat(cos(p·f), sin(p·f)) over the head_dim/2 freqs.
+def rope_cos_sin(head_dim: int, max_positions: int, base: float, device=None, inv_freq: torch.Tensor | None = None,
+                 attention_factor: float = 1.0) -> torch.Tensor:
+    """The cos/sin cache: float32 [max_positions, head_dim] = cat(cos(p·f), sin(p·f)) · attention_factor over the
+    head_dim/2 frequencies f.
 
+    f: ``inv_freq`` (float32 [head_dim/2], a scaled RoPE's: ``engine.models.rope``), or by default
     f_i = base^(-2i/head_dim), computed as Hugging Face's default rotary does so the values match bit for bit.
+    ``attention_factor`` multiplies cos and sin (YaRN's; 1 otherwise).
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    if inv_freq is None:
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    inv_freq = inv_freq.to(device=device, dtype=torch.float32)
     freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return table * attention_factor if attention_factor != 1.0 else table
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

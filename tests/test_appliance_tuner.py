@@ -34,8 +34,9 @@ def gpu(total, free):
 
 def test_model_info_from_config(tmp_path):
     info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 5 * GIB))
-    assert (info.num_layers, info.num_kv_heads, info.head_dim, info.max_position_embeddings, info.weight_bytes,
+    assert (info.num_layers, info.num_kv_heads, info.head_dim, info.max_context, info.weight_bytes,
             info.quantization) == (32, 8, 128, 131072, 5 * GIB, "awq")
+    assert info.max_context_why == "the model's max_position_embeddings"
     assert info.kv_bytes_per_token() == 131072 and info.kv_bytes_per_token("fp8") == 65536
     assert info.kv_bytes_per_token("int8") == 2 * 32 * 8 * (128 + 4) == 67584  # codes + an fp32 scale per head
     assert info.kv_bytes_per_token("int8", device="cpu") == 67584
@@ -109,6 +110,31 @@ def test_impossible_requests_are_errors(tmp_path):
         tuner.plan(info, cpu(), gpu_memory_utilization=1.5)
     with pytest.raises(TuneError, match="kv-cache-dtype"):
         tuner.plan(info, cpu(), kv_cache_dtype="fp4")
+
+
+MISTRAL_V01 = {"architectures": ["MistralForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+               "sliding_window": 4096}
+
+
+def test_a_sliding_window_caps_the_plan(tmp_path):
+    """Mistral v0.1's 4096-token window (engine.models.context): the plan stays within it, and so must a flag."""
+    info = ModelInfo.from_dir(model_dir(tmp_path, MISTRAL_V01, 4 * GIB))
+    assert info.max_context == 4096 and "sliding window" in info.max_context_why
+    plan = tuner.plan(info, gpu(24 * GIB, 24 * GIB))
+    assert plan.max_model_len == 4096 and "sliding window (4096 tokens" in plan.reasons["max_model_len"]
+    with pytest.raises(TuneError, match="over the model's limit of 4096 tokens .the model's sliding window"):
+        tuner.plan(info, gpu(24 * GIB, 24 * GIB), max_model_len=8192)
+
+
+def test_scaled_rope_lengthens_and_unknown_rope_is_an_error(tmp_path):
+    yarn = {**SMOLLM2, "max_position_embeddings": 32768,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert ModelInfo.from_dir(model_dir(tmp_path, yarn, GIB)).max_context == 131072
+    longrope = {**SMOLLM2, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
+    with pytest.raises(TuneError, match="rope_type 'longrope' is not supported") as err:
+        ModelInfo.from_dir(model_dir(tmp_path, longrope, GIB))
+    assert err.value.hint == "serve a model with a supported RoPE"
 
 
 def test_missing_config_is_an_error(tmp_path):

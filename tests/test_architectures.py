@@ -1,6 +1,7 @@
 """Architectures other than Llama served by the Llama code, against transformers' own implementation on small
 random weights (design.md §6): Qwen2 (Qwen2.5: q/k/v biases, tied embeddings, rope_theta 1e6) and Qwen3 (an
-RMSNorm over each head of q and k, head_dim set apart from hidden / heads)."""
+RMSNorm over each head of q and k, head_dim set apart from hidden / heads); and scaled RoPE (Llama 3.1's
+``llama3``, YaRN), with a short original context so that the scaling changes the answer."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +9,8 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from engine import LLM, SamplingParams
 from engine.models.loader import CheckpointError
@@ -102,3 +104,48 @@ def test_sliding_window_is_refused(qwen2, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
     with pytest.raises(CheckpointError, match="sliding-window"):
         LLM(str(tmp_path), device="cpu")
+
+
+ROPE_CASES = {
+    "llama3": (LlamaConfig, LlamaForCausalLM, {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 16}),
+    "yarn": (Qwen2Config, Qwen2ForCausalLM, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 32}),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_scaled_rope_greedy_tokens_and_prompt_logprobs_equal_transformers(case, demo_model, tmp_path):
+    make_cfg, make_model, rope = ROPE_CASES[case]
+    torch.manual_seed(2)
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    folder, model, _ = _random_model(make_model(make_cfg(**shape, rope_parameters=rope)).eval(), tokenizer, tmp_path)
+    assert json.loads((folder / "config.json").read_text())["rope_parameters"]["rope_type"] == case
+    got = _same_as_transformers(folder, model, tokenizer)
+    plain = make_model(make_cfg(**shape, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})).eval()
+    plain.load_state_dict(model.state_dict())
+    assert hf_greedy_choices(plain, tokenizer, TEXTS, got) != got  # the scaling matters to the answer
+
+
+def test_mistral_sliding_window_caps_the_context(qwen2, tmp_path):
+    """Mistral v0.1 attends over its last ``sliding_window`` tokens, which the engine does not implement: it serves
+    up to the window (where full attention is the same) and refuses a longer max_model_len."""
+    folder, _, _ = qwen2
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    mistral = {**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 48}
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
+    assert LLM(str(tmp_path), device="cpu").engine.max_model_len == 48
+    with pytest.raises(ValueError, match=r"max_model_len: 64 is over the model's sliding window \(48 tokens.*at most 48"):
+        LLM(str(tmp_path), device="cpu", max_model_len=64)
+
+
+def test_max_model_len_over_the_model_context_is_refused(qwen2):
+    folder, _, _ = qwen2
+    with pytest.raises(ValueError, match="max_model_len: 513 is over the model's max_position_embeddings, 512 tokens"):
+        LLM(str(folder), device="cpu", max_model_len=513)
+    assert LLM(str(folder), device="cpu", max_model_len=512).engine.runner.model.rotary.cos_sin.shape == (512, 16)

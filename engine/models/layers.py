@@ -60,9 +60,12 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE: the precomputed float32 cos/sin table ``cos_sin`` [max_positions, head_dim]. The
-    rotation itself runs in ``PagedAttention``, fused with the KV-cache write."""
+    """RoPE's precomputed float32 cos/sin table ``cos_sin`` [max_positions, head_dim] (``kernels.rotary``):
+    default frequencies from ``base``, or a scaled RoPE's ``inv_freq`` [head_dim/2] and ``attention_factor``
+    (``engine.models.rope``). The rotation itself runs in ``PagedAttention``, fused with the KV-cache write."""
 
-    def __init__(self, head_dim: int, max_positions: int, base: float, device: torch.device):
+    def __init__(self, head_dim: int, max_positions: int, base: float, device: torch.device,
+                 inv_freq: torch.Tensor | None = None, attention_factor: float = 1.0):
         super().__init__()
-        self.register_buffer("cos_sin", rope_cos_sin(head_dim, max_positions, base, device), persistent=False)
+        table = rope_cos_sin(head_dim, max_positions, base, device, inv_freq, attention_factor)
+        self.register_buffer("cos_sin", table, persistent=False)

@@ -11,15 +11,9 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.models.context import max_context
 from engine.models.loader import CheckpointError, CheckpointReader
-
-
-def _rope_theta(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(f"rope_type {rope_type!r} is not supported yet (only default RoPE)")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+from engine.models.rope import RopeError, inv_freq, rope_scaling
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,7 +68,9 @@ class LlamaForCausalLM(nn.Module):
     ``compute_logits(hidden [S, hidden_size]) -> float32 [S, vocab_size]``.
     """
 
-    def __init__(self, ckpt: CheckpointReader, dtype: torch.dtype, device: torch.device):
+    def __init__(self, ckpt: CheckpointReader, dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None = None):
+        """``max_positions``: rows of the RoPE table, the engine's max_model_len; None = ``max_context``."""
         super().__init__()
         cfg = ckpt.config
         self.config = cfg
@@ -87,8 +83,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear([embed], [None], dtype, device)
         else:
             self.lm_head = Linear([ckpt.linear("lm_head")], [None], dtype, device)
-        head_dim = self.layers[0].head_dim
-        self.rotary = RotaryEmbedding(head_dim, cfg.get("max_position_embeddings", 4096), _rope_theta(cfg), device)
+        head_dim, scaling = self.layers[0].head_dim, rope_scaling(cfg)
+        freq, attention_factor = inv_freq(scaling, head_dim, cfg.get("max_position_embeddings", 4096))
+        self.rotary = RotaryEmbedding(head_dim, max_positions or max_context(cfg)[0], scaling.theta, device, freq,
+                                      attention_factor)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens[input_ids], None
@@ -116,22 +114,29 @@ MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCa
 
 def check_architecture(cfg: dict) -> str:
     """The :data:`MODELS` key for a config.json dict (no ``architectures``: Llama). Raises CheckpointError for an
-    architecture not served, or sliding-window attention switched on (``use_sliding_window``, which Qwen2 and Qwen3
-    releases ship off)."""
+    architecture not served, sliding-window attention switched on (``use_sliding_window``, which Qwen2 and Qwen3
+    releases ship off; Mistral's window instead caps the context: ``context.max_context``), or RoPE settings not
+    served (``rope.rope_scaling``)."""
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in MODELS:
         raise CheckpointError(f"architecture {arch!r} is not supported yet (supported: {', '.join(MODELS)})")
     if cfg.get("use_sliding_window"):
         raise CheckpointError("sliding-window attention (use_sliding_window) is not supported yet")
+    try:
+        rope_scaling(cfg)
+    except RopeError as exc:
+        raise CheckpointError(str(exc)) from None
     return arch
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the model class named by config.json's ``architectures`` and load its weights.
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
+               max_positions: int | None = None) -> LlamaForCausalLM:
+    """Build the model class named by config.json's ``architectures`` and load its weights; ``max_positions``: the
+    positions its RoPE table covers (the engine's max_model_len; None = the model's whole context).
 
     Raises CheckpointError for an unsupported architecture (:func:`check_architecture`) or a missing tensor.
     """
     ckpt = CheckpointReader(model_dir, str(device))
     arch = check_architecture(ckpt.config)
     with torch.no_grad():
-        return MODELS[arch](ckpt, dtype, device).eval()
+        return MODELS[arch](ckpt, dtype, device, max_positions).eval()
