@@ -717,7 +717,59 @@ def measured_plan_rows(ctx: dict, make_row) -> list:
     return rows
 
 
+#: Llama 3.1's RoPE (config.json ``rope_scaling``), and YaRN as Qwen's long-context recipe sets it
+LLAMA31_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+YARN_ROPE = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)
+
+
+def scaled_rope_rows(ctx: dict, make_row) -> list:
+    """Scaled RoPE on CUDA (engine/models/rope.py: the cos/sin table changes, the kernels do not). Small random
+    AWQ models with Llama 3.1's ``llama3`` RoPE (its original context shortened to 64 tokens, so that the scaling
+    moves the angles of these short prompts) and with YaRN (Qwen2-shaped, original context 256; its attention factor
+    scales cos and sin):
+    CUDA graphs = eager = the torch references, greedy, with logprob gaps. Then batch-1 decode of a Llama-3.1-8B-
+    shaped model (128k vocabulary, llama3 RoPE, max_position_embeddings 131072) against its bandwidth bound."""
+    rows = []
+    shape = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, vocab_size=4096,
+                 num_attention_heads=8, num_key_value_heads=2)
+    for what, extra in (("llama3 RoPE", dict(rope_theta=500000.0, max_position_embeddings=131072,
+                                              rope_scaling={**LLAMA31_ROPE, "original_max_position_embeddings": 64})),
+                        ("YaRN RoPE", dict(qkv_bias=True, rope_theta=1e6, max_position_embeddings=32768,
+                                           rope_scaling={**YARN_ROPE, "original_max_position_embeddings": 256}))):
+        small = str(write_random_awq_model(f"/tmp/rand_{what.split()[0].lower()}", **shape, **extra))
+        lp = dict(logprobs=2)
+        graphs = _small_model_tokens(small, lp, outputs=True)
+        eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
+        with _torch_references():
+            ref = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
+        n, distinct = len(ref), len({t for tokens, _ in ref for t in tokens})
+        rows += [make_row(f"engine greedy, {what}: CUDA graphs = eager (counts, not µs)",
+                          f"random 4-layer AWQ, {what}, 6 prompts", n, "sequences identical",
+                          sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0,
+                          f"top-2 logprobs at most {_logprob_gap(graphs, eager):.3f} apart"),
+                 make_row(f"engine greedy, {what}: Triton = torch reference (counts, not µs)", "same", n,
+                          "sequences identical", sum(a[0] == b[0] for a, b in zip(eager, ref)), 1.0,
+                          f"bf16 both; a near-tie may differ; {distinct} distinct tokens; top-2 logprobs at most "
+                          f"{_logprob_gap(eager, ref):.3f} apart")]
+    model_dir = str(write_random_awq_model("/tmp/rand_8b_31", **LLAMA3_8B, rope_theta=500000.0,
+                                           max_position_embeddings=131072, rope_scaling=LLAMA31_ROPE))
+    torch.cuda.reset_peak_memory_stats()
+    llm = _decode_engine(model_dir)
+    tok_s = _decode_tok_s(llm, 32, 256)
+    bytes_per_step = _bytes_per_step(llm)
+    rows.append(make_row("Llama-3.1-8B AWQ decode bs1, CUDA graphs, vs bandwidth bound",
+                         "Llama-3.1-8B shape, llama3 RoPE, ctx ~160", 1e6 / tok_s, "bytes/step ÷ copy BW",
+                         bytes_per_step / ctx["copy_bw"] * 1e6, None,
+                         f"{tok_s:.0f} tok/s; {bytes_per_step / 1e9:.2f} GB/step; built-in plans; peak "
+                         f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"))
+    del llm
+    _free()
+    return rows
+
+
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some.
-SUITE_ROWS = [cuda_path_rows, qwen_rows, smollm2_rows, decode_rows, measured_plan_rows, throughput_rows]
+SUITE_ROWS = [cuda_path_rows, qwen_rows, scaled_rope_rows, smollm2_rows, decode_rows, measured_plan_rows,
+              throughput_rows]
 if os.environ.get("ENGINE_ROWS"):
     SUITE_ROWS = [fn for fn in SUITE_ROWS if fn.__name__ in os.environ["ENGINE_ROWS"].split(",")]
