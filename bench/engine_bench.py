@@ -752,8 +752,8 @@ def scaled_rope_rows(ctx: dict, make_row) -> list:
                           "sequences identical", sum(a[0] == b[0] for a, b in zip(eager, ref)), 1.0,
                           f"bf16 both; a near-tie may differ; {distinct} distinct tokens; top-2 logprobs at most "
                           f"{_logprob_gap(eager, ref):.3f} apart")]
-    model_dir = str(write_random_awq_model("/tmp/rand_8b_31", **LLAMA3_8B, rope_theta=500000.0,
-                                           max_position_embeddings=131072, rope_scaling=LLAMA31_ROPE))
+    model_dir = str(write_random_awq_model("/tmp/rand_8b_31", **{**LLAMA3_8B, "max_position_embeddings": 131072},
+                                           rope_theta=500000.0, rope_scaling=LLAMA31_ROPE))
     torch.cuda.reset_peak_memory_stats()
     llm = _decode_engine(model_dir)
     tok_s = _decode_tok_s(llm, 32, 256)
