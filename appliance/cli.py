@@ -189,6 +189,9 @@ def serve(
     tool_call_parser: Optional[str] = typer.Option(
         None, "--tool-call-parser", help='tool_choice "auto": hermes, llama3_json, none, or auto (by the model\'s '
                                          "chat template; the default)"),
+    reasoning_parser: Optional[str] = typer.Option(
+        None, "--reasoning-parser", help="chat answers' <think> blocks as their reasoning: deepseek_r1, qwen3, "
+                                         "none, or auto (when the model's chat template writes <think>; the default)"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
     if config is not None and not config.is_file():
@@ -197,7 +200,8 @@ def serve(
     overrides = {"model": str(model_dir) if model_dir else None, "host": host, "port": port, "api_key": api_key,
                  "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
                  "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "swap_space": swap_space,
-                 "max_waiting": max_waiting, "tool_call_parser": tool_call_parser}
+                 "max_waiting": max_waiting, "tool_call_parser": tool_call_parser,
+                 "reasoning_parser": reasoning_parser}
     for key, value in overrides.items():
         if value is not None:
             setattr(conf, key, value)
@@ -207,10 +211,11 @@ def serve(
     if conf.max_waiting < 0:
         raise ApplianceError(f"max_waiting: must be at least 0, got {conf.max_waiting}",
                              "fix it in the config file, APPLIANCE_MAX_WAITING or --max-waiting")
-    from engine.server.tool_parsers import SETTINGS
-    if conf.tool_call_parser not in SETTINGS:
-        raise ApplianceError(f"tool_call_parser: must be {', '.join(SETTINGS)}; got {conf.tool_call_parser!r}",
-                             "fix it in the config file, APPLIANCE_TOOL_CALL_PARSER or --tool-call-parser")
+    from engine.server import reasoning, tool_parsers
+    for key, settings in (("tool_call_parser", tool_parsers.SETTINGS), ("reasoning_parser", reasoning.SETTINGS)):
+        if getattr(conf, key) not in settings:
+            raise ApplianceError(f"{key}: must be {', '.join(settings)}; got {getattr(conf, key)!r}",
+                                 f"fix it in the config file, APPLIANCE_{key.upper()} or --{key.replace('_', '-')}")
     # CUDA numbers GPUs fastest first, NVML (`appliance detect`, the tuner's plan) in PCI bus order: serve in the
     # order the plan was made in (read when CUDA starts, so before the engine touches it; the env file may override)
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -219,7 +224,7 @@ def serve(
     except ImportError as exc:
         raise ApplianceError(f"the server is not available ({exc})", "reinstall with `pip install -e .`") from None
     run_server(engine_config, host=conf.host, port=conf.port, api_key=conf.api_key, max_waiting=conf.max_waiting,
-               tool_call_parser=conf.tool_call_parser)
+               tool_call_parser=conf.tool_call_parser, reasoning_parser=conf.reasoning_parser)
 
 
 # -------------------------------------------------------------------------------------------------- lifecycle

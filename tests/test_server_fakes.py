@@ -56,7 +56,8 @@ class FakeTokenizer:
         text = "".join(f"<tool {t['function']['name']}>" for t in kwargs.get("tools") or []) + text
         if continue_final_message:  # transformers cuts the rendered text right after the last message's content
             text = text[:-len("<|im_end|>\n")]
-        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+        # "suffix": what a template writes after the assistant header (DeepSeek-R1's "<think>\n" opens a block)
+        return text + ("<|im_start|>assistant\n" + kwargs.get("suffix", "") if add_generation_prompt else "")
 
 
 def fake_reply(prompt_len: int, choice: int = 0) -> str:

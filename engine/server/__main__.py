@@ -1,5 +1,5 @@
 """``python -m engine.server --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N]
-[--tool-call-parser auto|hermes|llama3_json|none] [engine options]``.
+[--tool-call-parser auto|hermes|llama3_json|none] [--reasoning-parser auto|deepseek_r1|qwen3|none] [engine options]``.
 
 Every ``EngineConfig`` field is an option (``--max-model-len 2048``, ``--enforce-eager``, ...).
 """
@@ -11,7 +11,7 @@ import typing
 
 from engine.async_engine import DEFAULT_MAX_WAITING
 from engine.config import EngineConfig, field_docs
-from engine.server import tool_parsers
+from engine.server import reasoning, tool_parsers
 from engine.server.api_server import run_server
 
 
@@ -42,12 +42,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tool-call-parser", default="auto", choices=tool_parsers.SETTINGS,
                         help='tool_choice "auto": hermes (<tool_call> blocks), llama3_json, none, or auto (by the '
                              "model's chat template)")
+    parser.add_argument("--reasoning-parser", default="auto", choices=reasoning.SETTINGS,
+                        help="chat answers' <think> blocks as their reasoning: deepseek_r1 or qwen3 (the same "
+                             "split), none, or auto (when the model's chat template writes <think>)")
     _engine_options(parser)
     args = vars(parser.parse_args(argv))
-    host, port, api_key, log_level, max_waiting, parser_name = (args.pop(k) for k in (
-        "host", "port", "api_key", "log_level", "max_waiting", "tool_call_parser"))
+    host, port, api_key, log_level, max_waiting, parser_name, reasoning_name = (args.pop(k) for k in (
+        "host", "port", "api_key", "log_level", "max_waiting", "tool_call_parser", "reasoning_parser"))
     run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level,
-               max_waiting=max_waiting, tool_call_parser=parser_name)
+               max_waiting=max_waiting, tool_call_parser=parser_name, reasoning_parser=reasoning_name)
 
 
 if __name__ == "__main__":

@@ -134,10 +134,12 @@ class ApiKeyMiddleware:
 
 
 def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = None,
-              api_key: str | None = None, tool_call_parser: str = "auto") -> FastAPI:
+              api_key: str | None = None, tool_call_parser: str = "auto",
+              reasoning_parser: str = "auto") -> FastAPI:
     """The OpenAI-compatible app over ``async_engine``; its lifespan starts the engine (idempotent) and feeds
     a fresh per-app metrics registry from the engine's outputs. ``tool_call_parser``: for tool_choice "auto"
-    (``tool_parsers.SETTINGS``; ValueError for another)."""
+    (``tool_parsers.SETTINGS``); ``reasoning_parser``: whether chat answers' ``<think>`` blocks become their
+    ``reasoning`` (``reasoning.SETTINGS``); ValueError for another setting."""
     name = served_model_name or async_engine.model_name
     config = async_engine.config
     cache_config = {} if config is None else {"gpu_memory_utilization": config.gpu_memory_utilization,
@@ -154,7 +156,7 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
             async_engine.remove_output_listener(metrics.observe)
 
     app = FastAPI(title="edge-appliance", lifespan=lifespan)
-    app.state.ctx = ServingContext(async_engine, name, metrics, api_key, tool_call_parser)
+    app.state.ctx = ServingContext(async_engine, name, metrics, api_key, tool_call_parser, reasoning_parser)
     install_error_handlers(app)
     app.include_router(router)
     if api_key:
@@ -183,11 +185,12 @@ class QuietPolls(logging.Filter):
 
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, log_level: str = "info",
-               max_waiting: int = DEFAULT_MAX_WAITING, tool_call_parser: str = "auto") -> None:
+               max_waiting: int = DEFAULT_MAX_WAITING, tool_call_parser: str = "auto",
+               reasoning_parser: str = "auto") -> None:
     """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM.
 
     ``max_waiting``: requests queued beyond ``max_num_seqs`` before new ones get 503 (``AsyncLLMEngine``).
-    ``tool_call_parser``: see :func:`build_app`.
+    ``tool_call_parser``, ``reasoning_parser``: see :func:`build_app`.
     The engine's own log lines (loading, ready, failed steps, CPU thread counts) go to stderr at ``log_level``
     unless the caller set up logging first.
     """
@@ -196,7 +199,8 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     engine.start()
     logging.getLogger("uvicorn.access").addFilter(QuietPolls())  # uvicorn's logging set-up keeps filters
     try:
-        uvicorn.run(build_app(engine, api_key=api_key, tool_call_parser=tool_call_parser), host=host, port=port,
+        uvicorn.run(build_app(engine, api_key=api_key, tool_call_parser=tool_call_parser,
+                              reasoning_parser=reasoning_parser), host=host, port=port,
                     log_level=log_level,
                     timeout_graceful_shutdown=5)
     finally:

@@ -276,8 +276,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class ChatResponseMessage(BaseModel):
+    """``reasoning``: a thinking model's reasoning (engine/server/reasoning.py), also as ``reasoning_content``, the
+    name DeepSeek's API and vLLM before 0.11 give it; both left out where the server splits no reasoning."""
+
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
@@ -305,6 +310,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = None
+    reasoning: str | None = Field(default=None, exclude_if=lambda v: v is None)  # as in ChatResponseMessage
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 

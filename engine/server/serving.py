@@ -19,7 +19,7 @@ from engine.async_engine import AsyncLLMEngine, RequestStream
 from engine.metrics import EngineMetrics
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.server import tool_parsers
+from engine.server import reasoning, tool_parsers
 from engine.server.errors import APIError, bad_value, engine_unavailable, from_engine_exception
 from engine.server.protocol import UsageInfo
 
@@ -31,11 +31,13 @@ class ServingContext:
     """Per-app state the handlers read: the engine, the served model name, metrics and the API key."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: EngineMetrics,
-                 api_key: str | None = None, tool_call_parser: str = "auto") -> None:
+                 api_key: str | None = None, tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> None:
         self.engine, self.model_name, self.metrics, self.api_key = engine, model_name, metrics, api_key
         tool_parsers.resolve(tool_call_parser, None)  # a bad setting fails when the app is built, not per request
-        self.tool_call_parser = tool_call_parser
+        reasoning.resolve(reasoning_parser, None)
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self._tool_parser: tuple[str | None] | None = None  # resolved once, from the loaded model's template
+        self._splits_reasoning: bool | None = None  # the same
 
     def tool_parser(self, tokenizer: Any) -> str | None:
         """The tool-call parser for tool_choice "auto" (``tool_parsers.resolve`` on the model's chat template, the
@@ -44,6 +46,13 @@ class ServingContext:
             self._tool_parser = (tool_parsers.resolve(self.tool_call_parser, getattr(tokenizer, "chat_template",
                                                                                       None)),)
         return self._tool_parser[0]
+
+    def splits_reasoning(self, tokenizer: Any) -> bool:
+        """Whether chat answers are split into reasoning and content (``reasoning.resolve`` on the model's chat
+        template, the first time it is asked)."""
+        if self._splits_reasoning is None:
+            self._splits_reasoning = reasoning.resolve(self.reasoning_parser, getattr(tokenizer, "chat_template", None))
+        return self._splits_reasoning
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is the served name (None or "" means the served model)."""

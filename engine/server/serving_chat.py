@@ -18,8 +18,13 @@ from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, C
                                     TokenizeRequest, random_id)
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
                                    submit, usage)
-from engine.server import tool_parsers
+from engine.server import reasoning, tool_parsers
 from engine.server.tools import AUTO_REFUSED, is_auto, new_call, tool_calls
+
+
+#: prompt tokens decoded to see whether the answer starts inside a <think> block (reasoning.starts_open): a template
+#: opens it, or closes an empty one, in its last few
+PROMPT_TAIL = 16
 
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
@@ -79,6 +84,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                            code="invalid_value")
         req.skip_special_tokens = False  # as vLLM's hermes parser: a model's <tool_call> may be a special token
     prompt = render_chat(llm.tokenizer, req)
+    # reasoning split off free text only (reasoning.py): where the prompt leaves a <think> block open, or not
+    think = ctx.splits_reasoning(llm.tokenizer) and req.constraint() is None
+    open_ = reasoning.starts_open(llm.tokenizer.decode(prompt[-PROMPT_TAIL:])) if think else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_params(req.sampling_params, max_tokens, logprobs, llm.default_sampling,
@@ -86,13 +94,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     streams = await submit(ctx, [prompt], params, request_id, "messages")
     if req.stream:
-        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, parser))
+        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, parser, open_))
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
     choices = []
     for c in finals[0].outputs:
-        message = _message(req, c.text, parser)
+        message = _message(req, c.text, parser, open_)
         called = message.tool_calls and auto  # vLLM: "tool_calls" then
         choices.append(ChatCompletionChoice(index=c.index, message=message,
                                             logprobs=_logprobs(llm.tokenizer, req, c, 0),
@@ -104,24 +112,43 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return JSONResponse(body.model_dump())
 
 
-def _message(req: ChatCompletionRequest, text: str, parser: str | None = None) -> ChatResponseMessage:
-    """The assistant's message: the tool calls a call-making tool_choice asked for (content "", as vLLM), those
-    the model made under "auto" (``parser``'s, ``tool_parsers.parse``: the content what it leaves), else the
-    text."""
+def _message(req: ChatCompletionRequest, text: str, parser: str | None = None,
+             open_: bool | None = None) -> ChatResponseMessage:
+    """The assistant's message: with ``open_`` (not None: the server splits reasoning, ``reasoning.starts_open``
+    of the prompt) the reasoning apart and the rest as the text; then the tool calls a call-making tool_choice asked
+    for (content "", as vLLM), those the model made under "auto" (``parser``'s, ``tool_parsers.parse``: the
+    content what it leaves), else the text."""
+    thought = None
+    if open_ is not None:
+        thought, text = reasoning.split(text, open_)
+        if text is None:  # it stopped inside its reasoning
+            return ChatResponseMessage(content=None, reasoning=thought, reasoning_content=thought)
     if parser is not None:
         content, calls = tool_parsers.parse(text, parser)
-        return ChatResponseMessage(content=content, tool_calls=calls or None)
+        return ChatResponseMessage(content=content, reasoning=thought, reasoning_content=thought,
+                                   tool_calls=calls or None)
     calls = tool_calls(text, req.tool_choice) if req.tools else None
-    return ChatResponseMessage(content="", tool_calls=calls) if calls else ChatResponseMessage(content=text)
+    if calls:
+        return ChatResponseMessage(content="", tool_calls=calls)
+    return ChatResponseMessage(content=text, reasoning=thought, reasoning_content=thought)
 
 
-def _delta(req: ChatCompletionRequest, d: Any, state: tool_parsers.StreamState | None) -> DeltaMessage:
-    """A stream's delta of choice ``d``: a named function's arguments as they come (its id, type and name in the
-    first), a "required" array's calls once it is complete (nothing before), under "auto" the text until a call
-    may start and the calls once the output is complete (``state``, the choice's), else the text."""
+def _delta(req: ChatCompletionRequest, d: Any, state: tool_parsers.StreamState | None,
+           split: reasoning.StreamSplit | None = None) -> DeltaMessage:
+    """A stream's delta of choice ``d``: with ``split`` (the choice's, where the server splits reasoning) the new
+    reasoning apart and the rest as the text; then a named function's arguments as they come (its id, type and
+    name in the first), a "required" array's calls once it is complete (nothing before), under "auto" the text
+    until a call may start and the calls once the output is complete (``state``, the choice's), else the text."""
+    finished, text, thought = d.finish_reason is not None, d.choice.text, None
+    if split is not None:
+        thought, content = split.delta(text, finished)
+        if state is None:
+            return DeltaMessage(content=content, reasoning=thought, reasoning_content=thought)
+        text = split.content or ""
     if state is not None:  # the calls come all at once, in the last delta
-        content, calls = state.delta(d.choice.text, d.finish_reason is not None)
-        return DeltaMessage(content=content, tool_calls=[{"index": i, **c} for i, c in enumerate(calls)] or None)
+        content, calls = state.delta(text, finished)
+        return DeltaMessage(content=content, reasoning=thought, reasoning_content=thought,
+                            tool_calls=[{"index": i, **c} for i, c in enumerate(calls)] or None)
     if not req.tools or req.tool_choice == "none":
         return DeltaMessage(content=d.text)
     if isinstance(req.tool_choice, dict):
@@ -144,7 +171,7 @@ def _logprobs(tokenizer: Any, req: ChatCompletionRequest, choice: CompletionOutp
 
 
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionRequest, streams: list[RequestStream],
-                  request_id: str, parser: str | None = None) -> AsyncIterator[dict]:
+                  request_id: str, parser: str | None = None, open_: bool | None = None) -> AsyncIterator[dict]:
     """``chat.completion.chunk`` dicts: per choice first a delta with only the role (content ""), as vLLM sends
     before any token, then text or tool-call deltas (:func:`_delta`), the last one with its ``finish_reason``
     ("tool_calls" where "auto" made calls); with ``include_usage`` every chunk has ``usage: null`` and one final
@@ -156,6 +183,7 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
         return body.model_dump(exclude=None if req.include_usage else {"usage"})
 
     states = [tool_parsers.StreamState(parser) if parser else None for _ in range(req.n)]
+    splits = [reasoning.StreamSplit(open_) if open_ is not None else None for _ in range(req.n)]
     tokens_sent = [0] * req.n  # per choice: the tokens whose logprobs went out (a held-back delta sends none)
     for index in range(req.n):  # the role on its own: a client sees it whatever the engine's outputs coalesce to
         yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
@@ -163,9 +191,9 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
         final = out
         for d in tracker.update(i, out):
             state = states[d.index]
-            delta = _delta(req, d, state)
-            if delta.content is None and delta.tool_calls is None and not d.finish_reason:
-                continue  # a "required" array or a tool call still being written, a possible call's start held back
+            delta = _delta(req, d, state, splits[d.index])
+            if delta.content is None and delta.tool_calls is None and delta.reasoning is None and not d.finish_reason:
+                continue  # a "required" array or a tool call still being written, a possible tag's start held back
             start, tokens_sent[d.index] = tokens_sent[d.index], len(d.choice.token_ids)
             reason = "tool_calls" if d.finish_reason and state is not None and state.calls else d.finish_reason
             yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=reason,

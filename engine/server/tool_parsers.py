@@ -112,7 +112,7 @@ def parse(text: str, parser: str = "hermes") -> tuple[str | None, list[dict]]:
     return (_hermes if parser == "hermes" else _llama3_json)(text)
 
 
-def _held(text: str, marker: str) -> int:
+def held(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` could be the beginning of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -124,7 +124,7 @@ def _hold_from(text: str, parser: str) -> int:
     """Where the text that may belong to a call starts (``len(text)``: none of it may)."""
     if parser == "hermes":
         start = text.find(START)
-        return start if start >= 0 else len(text) - _held(text, START)
+        return start if start >= 0 else len(text) - held(text, START)
     body = text.lstrip()
     if body.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(body):  # "" and "<|pyth" too
         return 0
