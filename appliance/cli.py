@@ -187,8 +187,8 @@ def serve(
     max_waiting: Optional[int] = typer.Option(None, "--max-waiting",
                                               help="requests queued beyond --max-num-seqs before new ones get 503"),
     tool_call_parser: Optional[str] = typer.Option(
-        None, "--tool-call-parser", help='tool_choice "auto": hermes, llama3_json, none, or auto (by the model\'s '
-                                         "chat template; the default)"),
+        None, "--tool-call-parser", help='tool_choice "auto": hermes, mistral, llama3_json, none, or auto (by the '
+                                         "model's chat template; the default)"),
     reasoning_parser: Optional[str] = typer.Option(
         None, "--reasoning-parser", help="chat answers' <think> blocks as their reasoning: deepseek_r1, qwen3, "
                                          "none, or auto (when the model's chat template writes <think>; the default)"),

@@ -63,7 +63,7 @@ class Config:
     swap_space: float = 0.0
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued beyond max_num_seqs before new ones get 503
     tune_kernels: bool = True  # measure the W4A16 kernel plans on this GPU at the first start (engine/kernel_plans.py)
-    tool_call_parser: str = "auto"  # tool_choice "auto": hermes, llama3_json, none, or auto (by the chat template)
+    tool_call_parser: str = "auto"  # tool_choice "auto": hermes, mistral, llama3_json, none, or auto (the template)
     reasoning_parser: str = "auto"  # <think> blocks as reasoning: deepseek_r1, qwen3, none, or auto (the template)
     data_dir: str | None = None
 

@@ -465,7 +465,7 @@ def test_auto_tool_choice_reads_hermes_calls_out_of_the_text():
         assert sdk(url).chat.completions.create(**kw).choices[0].message.tool_calls[0].function.name == "weather"
     engine.shutdown()
     with pytest.raises(ValueError, match="tool_call_parser"):
-        serve(FakeEngine(), tool_call_parser="mistral")
+        serve(FakeEngine(), tool_call_parser="pythonic")
 
 
 def test_auto_tool_choice_reads_a_llama3_json_call():

@@ -123,8 +123,9 @@ def test_the_parser_follows_the_setting_and_the_template():
     assert tool_parsers.resolve("auto", LLAMA31_TEMPLATE) == "llama3_json"
     assert tool_parsers.resolve("auto", "... {{- '<|python_tag|>' + call }} ...") == "llama3_json"
     assert tool_parsers.resolve("llama3_json", None) == "llama3_json"
-    with pytest.raises(ValueError, match="auto, hermes, llama3_json, none"):
-        tool_parsers.resolve("mistral", None)
+    assert tool_parsers.resolve("auto", MISTRAL_TEMPLATE) == "mistral" == tool_parsers.resolve("mistral", None)
+    with pytest.raises(ValueError, match="auto, hermes, mistral, llama3_json, none"):
+        tool_parsers.resolve("pythonic", None)
 
 
 def test_hermes_blocks_become_calls_and_the_text_before_them_the_content():
@@ -174,12 +175,36 @@ def test_llama3_json_calls_are_the_whole_output():
         assert tool_parsers.parse(text, "llama3_json") == (text, []), text
 
 
+MISTRAL_TEMPLATE = "{{- '[AVAILABLE_TOOLS] [' }}{{ tools }}{{- '][/AVAILABLE_TOOLS]' }} ... [TOOL_CALLS] ..."
+
+
+def test_mistral_calls_follow_the_tag():
+    """mistral (vLLM's mistral_tool_parser): [TOOL_CALLS] and a JSON array of calls, or name[ARGS]{...} per call
+    (Mistral's newer tokenizers); the text before it is the content; ids of nine letters and digits (Mistral's
+    templates refuse others in the history); anything that does not parse stays content."""
+    content, calls = tool_parsers.parse(
+        'Checking. [TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Zürich"}}, {"name": "time", '
+        '"arguments": {}}]', "mistral")
+    assert content == "Checking. " and [_call(c) for c in calls] == [("weather", {"city": "Zürich"}), ("time", {})]
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls) and calls[0]["id"] != calls[1]["id"]
+    content, calls = tool_parsers.parse('[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]time[ARGS]{}',
+                                        "mistral")
+    assert content is None and [_call(c) for c in calls] == [("weather", {"city": "Oslo"}), ("time", {})]
+    one = tool_parsers.parse('[TOOL_CALLS] {"name": "time", "arguments": {}}', "mistral")[1]
+    assert [_call(c) for c in one] == [("time", {})]
+    for text in ("No calls.", "[TOOL_CALLS]", '[TOOL_CALLS] [{"name": "weather", "argu',
+                 '[TOOL_CALLS] [{"name": "time", "arguments": {}}] and words', '[TOOL_CALLS]weather[ARGS]{"ci',
+                 '[TOOL_CALLS] [{"arguments": {}}]'):
+        assert tool_parsers.parse(text, "mistral") == (text, []), text
+
+
 def test_a_stream_is_the_response_whatever_the_cut_points():
     """Streamed in any pieces, an output gives the content and calls ``parse`` gives it whole (so a bad block after
     a good one leaves both as content, as vLLM answers without streaming); text before a block goes out at once."""
     import random
     rng = random.Random(0)
-    cases = [(t, "hermes") for t in STREAMED] + [(t, "llama3_json") for t in LLAMA3_STREAMED]
+    cases = ([(t, "hermes") for t in STREAMED] + [(t, "llama3_json") for t in LLAMA3_STREAMED]
+             + [(t, "mistral") for t in MISTRAL_STREAMED])
     for text, parser in cases:
         whole = tool_parsers.parse(text, parser)
         want = (whole[0] or "", [_call(c) for c in whole[1]])
@@ -203,6 +228,10 @@ LLAMA3_STREAMED = ['{"name": "weather", "parameters": {"city": "Oslo"}}', "Sunny
                    '<|python_tag|>{"name": "time", "parameters": {}}; {"name": "weather", "parameters": {}}',
                    '{"name": "weather", "parameters": {"ci', "{not json at all}", "\n" + '{"name": "t"}',
                    "<|python_tag|> is what I would write"]
+
+
+MISTRAL_STREAMED = ['Sure. [TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Oslo"}}]', "[1, 2] is a list",
+                    '[TOOL_CALLS]time[ARGS]{}', '[TOOL_CALLS] [{"name": "weather", "arguments": {"ci', "[TOOL_ not"]
 
 
 def test_a_block_without_arguments_is_a_call_with_none():

@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                         help="requests queued beyond --max-num-seqs before new ones get 503 with Retry-After")
     parser.add_argument("--tool-call-parser", default="auto", choices=tool_parsers.SETTINGS,
-                        help='tool_choice "auto": hermes (<tool_call> blocks), llama3_json, none, or auto (by the '
-                             "model's chat template)")
+                        help='tool_choice "auto": hermes (<tool_call> blocks), mistral ([TOOL_CALLS]), llama3_json, '
+                             "none, or auto (by the model's chat template)")
     parser.add_argument("--reasoning-parser", default="auto", choices=reasoning.SETTINGS,
                         help="chat answers' <think> blocks as their reasoning: deepseek_r1 or qwen3 (the same "
                              "split), none, or auto (when the model's chat template writes <think>)")

@@ -78,8 +78,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if auto:
         if parser is None:
             why = ("the server's tool_call_parser is none" if ctx.tool_call_parser == "none" else
-                   "its chat template asks for no format this server reads; tool_call_parser hermes or "
-                   "llama3_json would force one")
+                   "its chat template asks for no format this server reads; tool_call_parser hermes, "
+                   "mistral or llama3_json would force one")
             raise APIError(400, f"tool_choice: {AUTO_REFUSED.format(why=why)}", param="tool_choice",
                            code="invalid_value")
         req.skip_special_tokens = False  # as vLLM's hermes parser: a model's <tool_call> may be a special token

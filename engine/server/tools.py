@@ -76,9 +76,9 @@ def schema(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any]
     return {**array, "$defs": defs} if defs else array
 
 
-def new_call(name: str, arguments: str) -> dict[str, Any]:
-    """One ``tool_calls`` entry with a fresh id (vLLM's ``chatcmpl-tool-`` ids)."""
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+def new_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    """One ``tool_calls`` entry with ``call_id``, or a fresh id (vLLM's ``chatcmpl-tool-`` ids)."""
+    return {"id": call_id or f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
