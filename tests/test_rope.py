@@ -59,8 +59,9 @@ def test_old_config_spelling():
 
 @pytest.mark.parametrize("cfg, match", [
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn"}}, "needs a 'factor'"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "rope_type 'yarn' needs 'factor' in rope_scaling"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}}, "needs 'high_freq_factor'"),
 ])
 def test_rope_not_served_is_refused(cfg, match):
     with pytest.raises(RopeError, match=match):
@@ -84,3 +85,16 @@ def test_max_context(cfg, limit, why):
     got, reason = max_context(cfg)
     assert got == limit and why in reason
     assert max_positions(cfg) >= got
+
+
+def test_defaults_follow_transformers():
+    """A llama3 config without its original context takes max_position_embeddings; a yarn one without a factor
+    takes max_position_embeddings over the original context; ``text_config: null`` is no text config."""
+    params = {k: v for k, v in LLAMA31.items() if k != "original_max_position_embeddings"}
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=8192, rope_parameters=params)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    got, _ = inv_freq(rope_scaling({"rope_parameters": params, "max_position_embeddings": 8192}), 128, 8192)
+    torch.testing.assert_close(got, want.float(), rtol=2e-7, atol=0)
+    yarn = rope_scaling({"max_position_embeddings": 131072, "text_config": None,
+                         "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 32768}})
+    assert yarn.factor() == 4.0

@@ -22,7 +22,8 @@ THINK_TEMPLATE = "{% if enable_thinking %}<think>{% endif %}"  # "auto" reads re
     ("<think>Let me", False, ("Let me", None)),
     ("Paris.", False, (None, "Paris.")),
     ("Paris. </think> x", False, (None, "Paris. </think> x")),  # no block opened: all content
-    ("</think>\n\n", True, ("", "")),
+    ("</think>\n\n", True, ("", None)),  # nothing after the block: content null, as vLLM
+    ("<think>Hm.</think>Paris.", True, ("Hm.", "Paris.")),  # the model opens the block the prompt opened
 ])
 def test_split(text, open_, want):
     assert split(text, open_) == want
@@ -32,6 +33,7 @@ def test_starts_open():
     assert starts_open("<|im_start|>assistant\n<think>\n")  # DeepSeek-R1's template opens the block
     assert not starts_open("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3 with enable_thinking false
     assert not starts_open("<|im_start|>assistant\n")
+    assert not starts_open("Explain <think> tags.<|im_end|>\n<|im_start|>assistant\n")  # the user's words
 
 
 @pytest.mark.parametrize("text, open_", [
@@ -74,10 +76,12 @@ def _chat(url: str, stream: bool = False, **kw) -> dict:
             if not line.startswith("data: {"):
                 continue
             choice = json.loads(line[6:])["choices"][0]
+            if "role" in choice["delta"]:  # the first delta: the role, content ""
+                continue
             for key, value in choice["delta"].items():
                 if key == "tool_calls":
                     joined["message"].setdefault(key, []).extend(value)
-                elif value and key != "role":
+                elif value is not None:  # a field that said something, "" too
                     joined["message"][key] = joined["message"].get(key, "") + value
             joined["finish_reason"] = choice["finish_reason"] or joined["finish_reason"]
     return joined

@@ -15,7 +15,7 @@ def max_context(cfg: dict) -> tuple[int, str]:
     """(the longest prompt + completion the model serves, in tokens; the reason, for messages and the tuner).
     Raises ``rope.RopeError`` for RoPE settings not served."""
     arch = (cfg.get("architectures") or [""])[0]
-    cfg = cfg.get("text_config", cfg)
+    cfg = cfg.get("text_config") or cfg
     limit, why = max_positions(cfg), "the model's max_position_embeddings"
     if limit != int(cfg.get("max_position_embeddings") or 4096):
         why = "the model's max_position_embeddings with its RoPE scaling"

@@ -43,9 +43,10 @@ def rope_scaling(cfg: dict) -> RopeScaling:
     """The :class:`RopeScaling` of a config.json dict (its ``text_config`` where it has one).
 
     Raises RopeError for a rope type outside :data:`ROPE_TYPES`, a partial rotary factor, or a scaled type
-    missing its ``factor``.
+    missing its ``factor`` (YaRN's may follow from its original context, as in transformers), or ``llama3``
+    missing ``low_freq_factor`` / ``high_freq_factor``.
     """
-    cfg = cfg.get("text_config", cfg)
+    cfg = cfg.get("text_config") or cfg
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
@@ -54,8 +55,13 @@ def rope_scaling(cfg: dict) -> RopeScaling:
         raise RopeError(f"rope_type {rope_type!r} is not supported yet (supported: {', '.join(ROPE_TYPES)})")
     if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
         raise RopeError("partial_rotary_factor below 1 (RoPE on part of each head) is not supported yet")
-    if rope_type != "default" and not params.get("factor"):
-        raise RopeError(f"rope_type {rope_type!r} needs a 'factor' in rope_scaling")
+    if rope_type == "yarn" and not params.get("factor") and params.get("original_max_position_embeddings"):
+        # transformers' reading: the post-YaRN context over the original one
+        params["factor"] = int(cfg.get("max_position_embeddings") or 4096) / params["original_max_position_embeddings"]
+    missing = [k for k in ("factor", *(("low_freq_factor", "high_freq_factor") if rope_type == "llama3" else ()))
+               if rope_type != "default" and not params.get(k)]
+    if missing:
+        raise RopeError(f"rope_type {rope_type!r} needs {', '.join(map(repr, missing))} in rope_scaling")
     return RopeScaling(rope_type, theta, params)
 
 
@@ -65,7 +71,7 @@ def max_positions(cfg: dict) -> int:
     ``yarn`` (where given; Qwen's long-context recipe keeps the original in ``max_position_embeddings``).
     Raises RopeError as :func:`rope_scaling` does."""
     scaling = rope_scaling(cfg)
-    cfg = cfg.get("text_config", cfg)
+    cfg = cfg.get("text_config") or cfg
     base = int(cfg.get("max_position_embeddings") or 4096)
     if scaling.rope_type == "linear":
         return int(base * scaling.factor())
@@ -103,12 +109,13 @@ def _yarn(inv_freq, scaling: RopeScaling, head_dim: int, max_position_embeddings
     return freq, float(attention)
 
 
-def _llama3(inv_freq, scaling: RopeScaling):
-    """Llama 3.1's frequencies (module doc)."""
+def _llama3(inv_freq, scaling: RopeScaling, max_position_embeddings: int):
+    """Llama 3.1's frequencies (module doc); the original context defaults to ``max_position_embeddings``, as in
+    transformers."""
     import torch
 
     p, factor = scaling.params, scaling.factor()
-    old_len = float(p["original_max_position_embeddings"])
+    old_len = float(p.get("original_max_position_embeddings") or max_position_embeddings)
     low_factor, high_factor = float(p["low_freq_factor"]), float(p["high_freq_factor"])
     wavelen = 2 * math.pi / inv_freq
     divided = torch.where(wavelen > old_len / low_factor, inv_freq / factor, inv_freq)
@@ -122,8 +129,7 @@ def inv_freq(scaling: RopeScaling, head_dim: int, max_position_embeddings: int):
     """(inverse frequencies float32 [head_dim / 2], attention factor that multiplies cos and sin) on the CPU.
 
     The default frequencies are theta^(-2i/head_dim), computed as Hugging Face's rotary does so that they match bit
-    for bit; each scaled type changes them as the module doc says. Raises KeyError for a ``llama3`` config missing
-    one of its four parameters.
+    for bit; each scaled type changes them as the module doc says.
     """
     import torch
 
@@ -131,7 +137,7 @@ def inv_freq(scaling: RopeScaling, head_dim: int, max_position_embeddings: int):
     if scaling.rope_type == "linear":
         return base / scaling.factor(), 1.0
     if scaling.rope_type == "llama3":
-        return _llama3(base, scaling)
+        return _llama3(base, scaling, max_position_embeddings)
     if scaling.rope_type == "yarn":
         return _yarn(base, scaling, head_dim, max_position_embeddings)
     return base, 1.0

@@ -8,7 +8,8 @@ the ``<think>`` block at the end of the prompt, so the answer starts inside it; 
 block in the prompt, so the answer is all content. The split (:func:`split`):
 
 * inside the block, every character up to ``</think>`` is reasoning; after it, the content, without the newlines
-  that follow the tag. An answer that stops inside the block (``max_tokens``) is all reasoning, content null.
+  that follow the tag (null if nothing follows). An answer that stops inside the block (``max_tokens``) is all
+  reasoning, content null. A ``<think>`` the answer starts with is skipped, also where the prompt opened one.
 * otherwise the whole answer is content, reasoning null (unlike vLLM's deepseek_r1 parser, which makes such an
   answer reasoning: here the prompt says whether a block is open).
 
@@ -43,8 +44,9 @@ def resolve(setting: str, chat_template: str | dict | None) -> bool:
 
 def starts_open(prompt_text: str) -> bool:
     """Whether an answer to this prompt (its rendered text, or its last tokens decoded) starts inside a
-    ``<think>`` block: the prompt's last ``<think>`` has no ``</think>`` after it."""
-    return prompt_text.rfind(START) > prompt_text.rfind(END)
+    ``<think>`` block: the prompt ends with ``<think>`` (and white space), as the templates that open one end (a
+    ``<think>`` in the user's own words opens nothing)."""
+    return prompt_text.rstrip().endswith(START)
 
 
 def split(text: str, open_: bool, finished: bool = True) -> tuple[str | None, str | None]:
@@ -52,18 +54,17 @@ def split(text: str, open_: bool, finished: bool = True) -> tuple[str | None, st
     ``finished``: the text so far, less a possible partial tag at its end (and at the start, a possible
     ``<think>``), which the next call decides. None: that part has not started."""
     at = 0
-    if not open_:
-        if text.startswith(START):
-            at = len(START)
-        elif not finished and START.startswith(text):  # "" or "<thi": a block may be opening
-            return None, None
-        else:
-            return None, text
+    if text.startswith(START):  # the model opens the block (again, where the prompt did: vLLM skips it too)
+        at = len(START)
+    elif not finished and START.startswith(text):  # "" or "<thi": a block may be opening
+        return None, None
+    elif not open_:
+        return None, text
     end = text.find(END, at)
     if end < 0:
         reasoning = text[at:] if finished else text[at:len(text) - held(text[at:], END)]
         return reasoning, None
-    return text[at:end], text[end + len(END):].lstrip("\n")
+    return text[at:end], text[end + len(END):].lstrip("\n") or None
 
 
 @dataclass

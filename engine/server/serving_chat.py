@@ -87,6 +87,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     # reasoning split off free text only (reasoning.py): where the prompt leaves a <think> block open, or not
     think = ctx.splits_reasoning(llm.tokenizer) and req.constraint() is None
     open_ = reasoning.starts_open(llm.tokenizer.decode(prompt[-PROMPT_TAIL:])) if think else None
+    if think and {reasoning.START, reasoning.END} & set(getattr(llm.tokenizer, "all_special_tokens", [])):
+        req.skip_special_tokens = False  # the tags are special tokens of this tokenizer: keep them to split on
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_params(req.sampling_params, max_tokens, logprobs, llm.default_sampling,
