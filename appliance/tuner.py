@@ -4,8 +4,10 @@ hardware, each value with the reason it was chosen. Flags given by the user win 
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size: for "auto" the engine's compute
 dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact reference path), 1 for fp8, and
 for int8 1 per value plus a 4-byte scale per token and KV head (head dim + 4 bytes per head).
-On a GPU the KV pool is what is left of ``gpu_memory_utilization`` x total memory after the weights and a fixed
-reserve for activations and the CUDA context; on a CPU it is a slice of free RAM.
+On a GPU the KV pool is what the engine's own memory plan (``engine.memory.gpu_kv_budget``) leaves of
+``gpu_memory_utilization`` x total memory (or of the free memory, if less) after the weights, the CUDA context, a
+step's activations and the sampler's buffers for ``max_num_seqs`` rows, so the engine starts with the plan; on a
+CPU it is a slice of free RAM.
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ from pathlib import Path
 
 from appliance.errors import ApplianceError
 from appliance.hardware import Hardware, gib
+from engine.memory import default_step_tokens, gpu_kv_budget
 from engine.models.context import max_context
 from engine.models.rope import RopeError
 
 BLOCK_SIZE = 16
 GIB = 2**30
 GPU_DEFAULT_UTILIZATION = 0.90
-GPU_RESERVE = 1 * GIB  # activations, CUDA context, sampler buffers
 GPU_FREE_MARGIN = GIB // 2  # left free when other processes already hold GPU memory
 GPU_MAX_NUM_SEQS = 256  # vLLM's default
 TOKENS_PER_SEQUENCE_SLOT = 256  # max_num_seqs is capped so every sequence could hold this many KV tokens
@@ -51,6 +53,8 @@ class ModelInfo:
     max_context_why: str
     weight_bytes: int
     quantization: str | None = None
+    hidden_size: int = 0  # the activations' width, for the memory plan
+    vocab_size: int = 0  # the sampler's buffers' width
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelInfo":
@@ -64,7 +68,7 @@ class ModelInfo:
                 context, context_why = max_context(cfg)
             except RopeError as exc:
                 raise TuneError(f"{cfg_file}: {exc}", "serve a model with a supported RoPE") from None
-            cfg = cfg.get("text_config", cfg)
+            cfg = cfg.get("text_config") or cfg
             heads = cfg["num_attention_heads"]
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
             quant = cfg.get("quantization_config")
@@ -76,9 +80,18 @@ class ModelInfo:
                 max_context=context, max_context_why=context_why,
                 weight_bytes=sum(p.stat().st_size for p in model_dir.glob("*.safetensors")),
                 quantization=(quant or {}).get("quant_method") if quant else None,
+                hidden_size=cfg["hidden_size"], vocab_size=cfg.get("vocab_size") or 0,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TuneError(f"{cfg_file} is not a usable model config ({exc})", "check the model folder") from None
+
+    def gpu_kv_bytes(self, total: int, free: int, utilization: float, max_num_seqs: int) -> int:
+        """KV-cache bytes the engine gets on a GPU of ``total`` bytes with ``free`` bytes free, at ``utilization`` and
+        ``max_num_seqs`` (``engine.memory.gpu_kv_budget`` with the engine's default step of chunked prefill, bf16
+        activations)."""
+        step = default_step_tokens(max_num_seqs, 0)
+        return int(gpu_kv_budget(total, free, self.weight_bytes, utilization, step, self.hidden_size, 2,
+                                 max_num_seqs, self.vocab_size))
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", device: str = "cuda") -> int:
         if kv_cache_dtype == "int8":  # int8 codes and one fp32 scale per token and KV head
@@ -151,13 +164,16 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
             util = GPU_DEFAULT_UTILIZATION
             reasons["gpu_memory_utilization"] = (f"the GPU is free: {util:.0%} of {gib(gpu.total_memory)}, "
                                                  "the rest spare")
-        kv_bytes = int(gpu.total_memory * util) - model.weight_bytes - GPU_RESERVE
+        seqs = max_num_seqs or GPU_MAX_NUM_SEQS
+        kv_bytes = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs)
         if kv_bytes < block_bytes:
             raise TuneError(f"the model ({gib(model.weight_bytes)}) does not fit in {util:.0%} of the "
-                            f"{gib(gpu.total_memory)} GPU with room for a KV cache",
-                            "free GPU memory, raise --gpu-memory-utilization, or use a smaller model")
+                            f"{gib(gpu.total_memory)} GPU with room for a KV cache and {seqs} sequences' buffers",
+                            "free GPU memory, raise --gpu-memory-utilization, lower --max-num-seqs, or use a "
+                            "smaller model")
         reasons["num_kv_blocks"] += (f"; {gib(kv_bytes)} = {util:.0%} of {gib(gpu.total_memory)} minus "
-                                     f"{gib(model.weight_bytes)} of weights and {gib(GPU_RESERVE)} for activations")
+                                     f"{gib(model.weight_bytes)} of weights, the CUDA context, a step's activations "
+                                     f"and the sampler's buffers for {seqs} sequences (the engine's memory plan)")
         cpu_gib = 0.0
         reasons["cpu_kv_cache_gib"] = "not used on a GPU"
         len_cap, len_cap_why = model.max_context, model.max_context_why
@@ -206,6 +222,10 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
         max_num_seqs = min(seq_default, slots)
         reasons["max_num_seqs"] = seq_why if max_num_seqs == seq_default else (
             f"the KV cache holds {TOKENS_PER_SEQUENCE_SLOT} tokens for only {slots} sequences")
+        if hw.kind == "cuda" and hw.gpu is not None and max_num_seqs != seqs:  # fewer sampler rows: what the
+            # engine will get (a little more KV; max_model_len and max_num_seqs stay as chosen)
+            num_blocks = model.gpu_kv_bytes(hw.gpu.total_memory, hw.gpu.free_memory, util, max_num_seqs) // block_bytes
+            kv_tokens = num_blocks * BLOCK_SIZE
 
     per_request = min(max_model_len, TYPICAL_REQUEST_TOKENS)
     expected = max(1, min(max_num_seqs, kv_tokens // per_request))

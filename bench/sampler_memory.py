@@ -1,5 +1,5 @@
 """Peak memory of one sampling step, in [S, V] float32 buffers beyond the logits (the figure behind
-``engine.model_runner.SAMPLER_BUFFERS``, which counts the logits too). The CPU path runs the same torch ops as the
+``engine.memory.SAMPLER_BUFFERS``, which counts the logits too). The CPU path runs the same torch ops as the
 GPU's (the penalties there: the torch reference, two [S, V] buffers, where the GPU's kernel takes one int32
 scratch); the peak is the process's maximum resident size (``ru_maxrss``) after the step less before, each
 configuration in a fresh process, large allocations from mmap so that freed ones leave the heap.

@@ -5,6 +5,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from engine.memory import default_step_tokens
+
 
 def field_docs(cls) -> dict[str, str]:
     """{field: its description} from a dataclass docstring's "``field``: text" entries, whitespace collapsed
@@ -33,7 +35,8 @@ class EngineConfig:
     bfloat16 on CUDA), "float32", "bfloat16" or "float16".
     ``gpu_memory_utilization``: the fraction of the GPU's total memory the engine may use (weights, activations,
     the sampler's buffers for ``max_num_seqs`` rows, and the KV cache, which gets the rest:
-    ``model_runner.gpu_kv_budget``), in (0, 1].
+    ``engine.memory.gpu_kv_budget``), in (0, 1]; as in vLLM V1, other processes' memory is not counted in it, but
+    the engine takes no more than is free when it starts.
     ``cpu_kv_cache_gib``: GiB of KV cache on CPU.
     ``max_num_seqs``: sequences running at once (one step's batch at most).
     ``block_size``: tokens per KV cache block.
@@ -42,9 +45,11 @@ class EngineConfig:
     window); None = that context capped at 8192.
     ``num_kv_blocks``: force the KV pool size (tests); None = size it from ``gpu_memory_utilization`` on CUDA or
     ``cpu_kv_cache_gib`` on CPU.
-    ``max_num_batched_tokens``: token budget of one step (decode tokens + prefill tokens); None =
-    max(max_model_len, 2048, max_num_seqs). At least ``max_num_seqs`` (every running sequence can decode in one
-    step), and without chunked prefill at least ``max_model_len`` (every prompt fits one step).
+    ``max_num_batched_tokens``: token budget of one step (decode tokens + prefill tokens); None = 2048 with chunked
+    prefill (vLLM V1's for a server on a consumer GPU; a longer prompt is prefilled in chunks), else
+    max(max_model_len, 2048); at least ``max_num_seqs`` (every running sequence can decode in one step). Given,
+    at least ``max_num_seqs``, and without chunked prefill at least ``max_model_len`` (every prompt fits one
+    step). The KV budget keeps a step's activations free (``engine.memory``).
     ``enforce_eager``: no CUDA graphs: every decode step launches its kernels one by one.
     ``enable_chunked_prefill``: decodes first, then prefills split into chunks that fit the rest of the budget,
     in one mixed step (vLLM V1); False: prefill-only or decode-only steps, whole prompts (scheduler.py).
@@ -116,7 +121,7 @@ class EngineConfig:
         """
         budget = self.max_num_batched_tokens
         if budget is None:
-            return max(max_model_len, 2048, self.max_num_seqs)
+            return default_step_tokens(self.max_num_seqs, max_model_len, self.enable_chunked_prefill)
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens: must be at least 1, got {budget}")
         if budget < self.max_num_seqs:

@@ -19,9 +19,10 @@ import torch
 from engine import kernel_plans
 from engine.attention import AttentionMetadata
 from engine.config import MIN_CAPABILITY, EngineConfig
+from engine.memory import gpu_kv_budget
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
-from engine.prompt_logprobs import ROWS_PER_PASS, PromptChunk, launch as launch_prompt_logprobs, rows_to_launch
+from engine.prompt_logprobs import PromptChunk, launch as launch_prompt_logprobs, rows_to_launch
 from engine.sampler import StepLogprobs, penalised_pending, sample_tokens, step_logprobs, to_device
 from engine.scheduler import ScheduledBatch
 from engine.structured_output import apply_masks
@@ -99,27 +100,6 @@ class LaunchedStep:
         return tokens, self.logprobs.entries(tokens) if self.logprobs else [None] * len(tokens)
 
 
-#: [rows, V] float32 buffers alive at the sampler's peak, the logits included: 8.9 measured on the CPU path with
-#: temperature, top-k, top-p, min-p, penalties and logprobs on 64 rows of a 152k vocabulary, 5.9 with temperature
-#: alone (``bench/sampler_memory.py``); the same torch ops run on the GPU (the penalties there in one int32
-#: scratch), where the sort's temporary storage is not counted: one buffer more for it
-SAMPLER_BUFFERS = 10
-#: the same for a prompt-logprobs pass (logits, log-softmax, top-k) of ``prompt_logprobs.ROWS_PER_PASS`` rows
-PROMPT_LOGPROBS_BUFFERS = 3
-
-
-def gpu_kv_budget(total: int, used: int, utilization: float, max_model_len: int, hidden: int, itemsize: int,
-                  max_num_seqs: int, vocab: int) -> float:
-    """Bytes the KV cache may take on a GPU: ``utilization`` x ``total`` memory, less what is ``used`` (weights,
-    the CUDA context), a prefill's activations (16 [max_model_len, hidden] buffers of ``itemsize`` bytes, x 4
-    spare), and the sampler's [rows, V] float32 buffers at their peak (:data:`SAMPLER_BUFFERS` for
-    ``max_num_seqs`` rows, or a prompt-logprobs pass, whichever is larger: 1.6 GB at 256 rows of a 152k
-    vocabulary, 0.3 GB at 32k)."""
-    activations = 4 * max_model_len * hidden * 16 * itemsize
-    sampler = 4 * vocab * max(SAMPLER_BUFFERS * max_num_seqs, PROMPT_LOGPROBS_BUFFERS * ROWS_PER_PASS)
-    return utilization * total - used - activations - sampler
-
-
 class ModelRunner:
     """Runs the model over the paged KV cache.
 
@@ -138,6 +118,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
+        #: free GPU memory before the weights load (the CUDA context made first): the KV budget's starting point
+        self._free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         self.model = load_model(config.model, self.dtype, self.device, max_model_len)
         self.kernel_plans = kernel_plans.prepare(self.model, config, self.device, self.dtype)  # before any capture
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)  # unseeded sampling
@@ -188,12 +170,14 @@ class ModelRunner:
         return 2 * self._layer_block_bytes() * len(self.model.layers)
 
     def _blocks_that_fit(self, max_model_len: int) -> int:
-        """KV blocks from the memory budget: ``cpu_kv_cache_gib`` on CPU; on CUDA :func:`gpu_kv_budget`."""
+        """KV blocks from the memory budget: ``cpu_kv_cache_gib`` on CPU; on CUDA ``memory.gpu_kv_budget``, the
+        weights being what the free memory fell by while they loaded."""
         if self.device.type == "cpu":
             budget = self.config.cpu_kv_cache_gib * 2**30
         else:
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = gpu_kv_budget(total, total - free, self.config.gpu_memory_utilization, max_model_len,
+            budget = gpu_kv_budget(total, self._free_at_start, self._free_at_start - free,
+                                   self.config.gpu_memory_utilization, self.config.token_budget(max_model_len),
                                    self.model.config["hidden_size"], self.dtype.itemsize, self.config.max_num_seqs,
                                    self.model.config["vocab_size"])
         return max(int(budget // self._bytes_per_block()), 0)

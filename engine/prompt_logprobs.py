@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.memory import PROMPT_LOGPROBS_ROWS
 from engine.sampler import StepLogprobs, logprobs_of, to_device
 from engine.sequence import Sequence
 
-#: LM-head rows per pass
-ROWS_PER_PASS = 256
+#: LM-head rows per pass (the memory plan counts its buffers: engine/memory.py)
+ROWS_PER_PASS = PROMPT_LOGPROBS_ROWS
 
 
 @dataclass

@@ -156,7 +156,8 @@ def test_config_budget():
     assert EngineConfig(model="unused", max_num_batched_tokens=8, max_num_seqs=8).token_budget(4096) == 8
     assert EngineConfig(model="unused", max_num_batched_tokens=512, max_model_len=1024).token_budget(1024) == 512
     assert EngineConfig(model="unused").token_budget(1024) == 2048
-    assert EngineConfig(model="unused").token_budget(8192) == 8192
+    assert EngineConfig(model="unused").token_budget(8192) == 2048  # chunked prefill: 2048 whatever the context
+    assert EngineConfig(model="unused", enable_chunked_prefill=False).token_budget(8192) == 8192  # whole prompts
     assert EngineConfig(model="unused", max_num_seqs=4096).token_budget(1024) == 4096
     assert EngineConfig(model="unused").enable_chunked_prefill is True
     no_chunks = EngineConfig(model="unused", max_num_batched_tokens=2048, enable_chunked_prefill=False)
