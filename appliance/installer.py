@@ -179,8 +179,6 @@ def resolve_model(spec: str | None, console: Console) -> tuple[Path, str]:
         if not (path / "config.json").is_file():
             raise ApplianceError(f"{path} has no config.json", "give a Hugging Face model folder (config.json, "
                                  "*.safetensors, tokenizer files)")
-        if not any(path.glob("*.safetensors")):
-            raise ApplianceError(f"{path} has no *.safetensors weights", "convert the model to safetensors first")
         return path.resolve(), path.resolve().name
     snapshot = hf_cache_snapshot(spec)
     if snapshot is not None:
@@ -190,8 +188,9 @@ def resolve_model(spec: str | None, console: Console) -> tuple[Path, str]:
 
 
 def check_servable(model_dir: Path, name: str) -> None:
-    """Raise ApplianceError unless the engine serves the model's architecture (before anything is quantized;
-    ``appliance quantize`` alone needs no engine and does not ask)."""
+    """Raise ApplianceError unless the engine serves the model's architecture and the folder has safetensors
+    weights, in that order (before anything is quantized; ``appliance quantize`` alone needs no engine and does not
+    ask)."""
     from engine.models.llama import check_architecture
     from engine.models.loader import CheckpointError
     try:
@@ -199,6 +198,8 @@ def check_servable(model_dir: Path, name: str) -> None:
     except (CheckpointError, ValueError) as exc:
         raise ApplianceError(f"{name}: {exc}", "pick another model (`appliance quantize` still quantizes this one)") \
             from None
+    if not any(model_dir.glob("*.safetensors")):
+        raise ApplianceError(f"{model_dir} has no *.safetensors weights", "convert the model to safetensors first")
 
 
 def existing_quantization(model_dir: Path) -> str | None:
@@ -480,6 +481,10 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
         _confirm(opts, f"No model given: install the bundled demo model {DEMO_NAME}?")
     source, name = resolve_model(opts.model, console)
     check_servable(source, name)
+    hw = hardware.detect()  # the flags are checked now, not after minutes of quantizing
+    tuner.check_flags(tuner.ModelInfo.from_dir(source), hw, gpu_memory_utilization=opts.gpu_memory_utilization,
+                      max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
+                      kv_cache_dtype=opts.kv_cache_dtype)
     console.print(f"Model: [bold]{name}[/bold] ({source})")
 
     # 2. quantize (or take the checkpoint as it is)
@@ -517,8 +522,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
         ppl_table.add_row(label, f"{value:.3f}")
     console.print(ppl_table)
 
-    # 4. detect, 5. tune
-    hw = hardware.detect()
+    # 4. detect (above), 5. tune
     console.print(f"Accelerator: {detect_line(hw)}")
     info = tuner.ModelInfo.from_dir(served_dir)
     plan = tuner.plan(info, hw, gpu_memory_utilization=opts.gpu_memory_utilization, max_num_seqs=opts.max_num_seqs,

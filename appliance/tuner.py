@@ -123,28 +123,42 @@ class Plan:
         return self.num_kv_blocks * self.block_size
 
 
-def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None = None,
-         max_num_seqs: int | None = None, max_model_len: int | None = None,
-         kv_cache_dtype: str | None = None) -> Plan:
-    """Choose the serving settings for ``model`` on ``hw``; keyword arguments that are not None are kept as given."""
-    reasons: dict[str, str] = {}
-    if kv_cache_dtype is None:
-        kv_cache_dtype = "auto"
-        reasons["kv_cache_dtype"] = ("the engine's compute dtype (bfloat16 on a GPU, float32 on the CPU) keeps the "
-                                     "KV cache exact")
-    elif kv_cache_dtype not in ("auto", "fp8", "int8"):
+def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None = None,
+                max_num_seqs: int | None = None, max_model_len: int | None = None,
+                kv_cache_dtype: str | None = None) -> None:
+    """Raise TuneError for a flag no plan can take, whatever the memory: the installer asks before it quantizes
+    (the model's config is the same before and after). :func:`plan` asks again."""
+    if kv_cache_dtype is not None and kv_cache_dtype not in ("auto", "fp8", "int8"):
         raise TuneError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}", "pick one of those")
-    elif kv_cache_dtype == "fp8" and hw.kind == "cuda" and hw.gpu is not None and \
-            hw.gpu.capability < (8, 9):
+    if kv_cache_dtype == "fp8" and hw.kind == "cuda" and hw.gpu is not None and hw.gpu.capability < (8, 9):
         raise TuneError(f"--kv-cache-dtype fp8 needs compute capability 8.9+ (Ada or Hopper); {hw.gpu.name} has "
                         f"{hw.gpu.compute_capability}", "use --kv-cache-dtype int8 (any GPU) or auto")
-    else:
-        reasons["kv_cache_dtype"] = "set by --kv-cache-dtype"
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise TuneError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}",
                         "use a fraction such as 0.9")
     if max_num_seqs is not None and max_num_seqs < 1:
         raise TuneError(f"--max-num-seqs must be at least 1, got {max_num_seqs}", "use a positive number")
+    if max_model_len is not None and max_model_len < 1:
+        raise TuneError(f"--max-model-len must be positive, got {max_model_len}", "use a positive number")
+    if max_model_len is not None and max_model_len > model.max_context:
+        raise TuneError(f"--max-model-len {max_model_len} is over the model's limit of {model.max_context} "
+                        f"tokens ({model.max_context_why})", f"use at most {model.max_context}")
+
+
+def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None = None,
+         max_num_seqs: int | None = None, max_model_len: int | None = None,
+         kv_cache_dtype: str | None = None) -> Plan:
+    """Choose the serving settings for ``model`` on ``hw``; keyword arguments that are not None are kept as given.
+    Raises TuneError for a flag :func:`check_flags` refuses, or settings the memory cannot take."""
+    check_flags(model, hw, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
+    reasons: dict[str, str] = {}
+    if kv_cache_dtype is None:
+        kv_cache_dtype = "auto"
+        reasons["kv_cache_dtype"] = ("the engine's compute dtype (bfloat16 on a GPU, float32 on the CPU) keeps the "
+                                     "KV cache exact")
+    else:
+        reasons["kv_cache_dtype"] = "set by --kv-cache-dtype"
     bpt = model.kv_bytes_per_token(kv_cache_dtype, hw.kind)
     block_bytes = bpt * BLOCK_SIZE
     dims = f"({model.head_dim} dims + a 4-byte scale)" if kv_cache_dtype == "int8" else f"{model.head_dim} dims"
@@ -199,14 +213,9 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
     kv_tokens = num_blocks * BLOCK_SIZE
 
     if max_model_len is not None:
-        if max_model_len > model.max_context:
-            raise TuneError(f"--max-model-len {max_model_len} is over the model's limit of {model.max_context} "
-                            f"tokens ({model.max_context_why})", f"use at most {model.max_context}")
         if max_model_len > kv_tokens:
             raise TuneError(f"--max-model-len {max_model_len} does not fit in the KV cache ({kv_tokens} tokens)",
                             f"use at most {kv_tokens}, or give the cache more memory")
-        if max_model_len < 1:
-            raise TuneError(f"--max-model-len must be positive, got {max_model_len}", "use a positive number")
         reasons["max_model_len"] = "set by --max-model-len"
     elif kv_tokens < len_cap:
         max_model_len = kv_tokens

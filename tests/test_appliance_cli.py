@@ -128,6 +128,31 @@ def test_install_refuses_an_architecture_the_engine_does_not_serve_before_quanti
     assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("*-awq-*"))  # nothing quantized
 
 
+def test_install_checks_the_architecture_before_the_weights(tmp_path):
+    """An unsupported model without safetensors weights: the refusal names the architecture (converting the
+    weights would not help), and a supported one without weights is told to convert them."""
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["GPT2LMHeadModel"]}))
+    one_line_error(runner.invoke(app, ["install", str(folder), "--yes", "--no-service"]), "GPT2LMHeadModel",
+                   "not supported")
+    (folder / "config.json").write_text(json.dumps(LLAMA))
+    one_line_error(runner.invoke(app, ["install", str(folder), "--yes", "--no-service"]), "no *.safetensors",
+                   "convert the model to safetensors")
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--kv-cache-dtype", "fp16", "--kv-cache-dtype must be auto, fp8 or int8"),
+    ("--gpu-memory-utilization", "1.5", "--gpu-memory-utilization must be in (0, 1]"),
+    ("--max-num-seqs", "0", "--max-num-seqs must be at least 1"),
+    ("--max-model-len", "4096", "--max-model-len 4096 is over the model's limit of 1024 tokens"),
+])
+def test_install_refuses_a_bad_flag_before_quantizing(tmp_path, monkeypatch, flag, value, needle):
+    monkeypatch.setattr(installer, "quantize_model", lambda *a, **k: pytest.fail("quantized before the flags"))
+    folder = make_model(tmp_path / "Tiny")
+    one_line_error(runner.invoke(app, ["install", str(folder), "--yes", "--no-service", flag, value]), needle)
+
+
 def test_checkpoint_dir_is_keyed_by_source_method_and_group(tmp_path):
     a, b = make_model(tmp_path / "a"), make_model(tmp_path / "b")
     key = installer.checkpoint_dir(tmp_path, a, "a", "awq", 4, 128)
