@@ -253,6 +253,28 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
 
 @app.command()
 @friendly
+def start(config: Optional[Path] = typer.Option(None, "--config")):
+    """Start the installed server again after `appliance stop` (the systemd unit, or the background process)."""
+    path = config or cfgmod.config_path()
+    if not path.is_file():
+        raise ApplianceError(f"no config at {path}", "run `appliance install` first")
+    mgr = _manager(_config(config))
+    st = mgr.status()
+    if st.running:
+        console.print(f"already running ({st.mode}): {st.detail}", highlight=False)
+        return
+    if not st.installed:
+        raise ApplianceError(f"the service is not installed ({st.detail})", "run `appliance install` to set it up")
+    if isinstance(mgr, service.Systemd):
+        mgr.start()
+    else:
+        mgr.start([sys.executable, "-m", "appliance", "serve", "--config", str(path)])
+    console.print(f"started ({mgr.mode}); `appliance status` says when it answers (the model loads first), "
+                  f"`appliance logs` shows its log", highlight=False)
+
+
+@app.command()
+@friendly
 def stop(config: Optional[Path] = typer.Option(None, "--config")):
     """Stop the server."""
     mgr = _manager(_config(config))
@@ -262,7 +284,7 @@ def stop(config: Optional[Path] = typer.Option(None, "--config")):
 @app.command()
 @friendly
 def logs(
-    lines: int = typer.Option(50, "--lines", "-n", help="how many of the last lines"),
+    lines: int = typer.Option(50, "--lines", "-n", min=0, help="how many of the last lines"),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
     config: Optional[Path] = typer.Option(None, "--config"),
 ):
@@ -293,10 +315,13 @@ def uninstall(
         if not typer.confirm(f"Remove {what}?", default=False):
             raise typer.Exit(1)
     mgr = service.manager(data)
+    was_installed = mgr.status().installed
     done = mgr.uninstall()  # a unit: whether there was one; the background process: whether it was running
     service.Background(service.state_dir(data)).uninstall()
     if isinstance(mgr, service.Systemd):
         console.print(f"removed the {mgr.mode} unit {mgr.unit_path}" if done else "no unit was installed")
+    elif not was_installed:
+        console.print("the background service was already removed")
     else:
         console.print("stopped the server and removed the background service" if done else
                       "removed the background service (the server was not running)")

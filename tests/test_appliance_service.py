@@ -191,3 +191,26 @@ def test_uninstall_then_status_says_not_installed_until_started_again(bg, tmp_pa
     assert result.exit_code == 0 and not (tmp_path / "config.toml").exists() and not (tmp_path / "data").exists()
     result = runner.invoke(app, ["status"])
     assert result.exit_code == 4 and "not installed: no config at" in _flat(result)
+
+
+def test_start_after_stop_runs_serve_with_the_config(bg, tmp_path, monkeypatch):
+    """`appliance start` brings a stopped background service back with `appliance serve --config` (the command the
+    installer starts); it says so when it already runs, and refuses with a fix when nothing is installed."""
+    runner = CliRunner()
+    result = runner.invoke(app, ["start"])
+    assert result.exit_code == 1 and "no config at" in _flat(result) and "appliance install" in _flat(result)
+    (tmp_path / "config.toml").write_text('port = 8000\n')
+    started = []
+    real_start = service.Background.start
+    monkeypatch.setattr(service.Background, "start",
+                        lambda self, command: started.append(command) or real_start(self, FAKE_SERVER))
+    result = runner.invoke(app, ["start"])
+    assert result.exit_code == 0 and "started (background)" in _flat(result), result.output
+    assert started == [[sys.executable, "-m", "appliance", "serve", "--config", str(tmp_path / "config.toml")]]
+    assert wait_for(lambda: bg.status().running)
+    result = runner.invoke(app, ["start"])
+    assert result.exit_code == 0 and "already running (background)" in _flat(result) and len(started) == 1
+    assert runner.invoke(app, ["uninstall", "--yes"]).exit_code == 0
+    result = runner.invoke(app, ["start"])
+    assert result.exit_code == 1 and "not installed (removed by `appliance uninstall`)" in _flat(result)
+    assert "the background service was already removed" in _flat(runner.invoke(app, ["uninstall", "--yes"]))
