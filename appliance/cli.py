@@ -380,7 +380,7 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
                        "see `appliance logs`; `systemctl restart appliance`"))
     else:
         checks.append((st.running, f"background server: {st.detail}",
-                       "run `appliance install` or see `appliance logs`"))
+                       "run `appliance start` (`appliance install` if it was uninstalled), or see `appliance logs`"))
     if st.running:
         import httpx
 
@@ -463,7 +463,8 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
             hint = "pass --api-key (or APPLIANCE_API_KEY)" if exc.response.status_code == 401 else "check --url"
             raise ApplianceError(f"{url}/v1/kv answered {exc.response.status_code}", hint) from None
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise ApplianceError(f"no server answers at {url} ({exc})", "start it with `appliance install` or pass --url")
+        raise ApplianceError(f"no server answers at {url} ({exc})",
+                             "start it with `appliance start` (or `appliance install`) or pass --url")
     dashboard.run()
 
 
@@ -493,7 +494,8 @@ def bench(url: Optional[str] = UrlOpt,
     try:
         model = loadgen.served_model(url, api_key)
     except httpx.HTTPError as exc:
-        raise ApplianceError(f"no server answers at {url} ({exc})", "start it with `appliance install` or pass --url")
+        raise ApplianceError(f"no server answers at {url} ({exc})",
+                             "start it with `appliance start` (or `appliance install`) or pass --url")
     results = []
     for level in levels:
         n = requests or max(4, 2 * level)
