@@ -269,12 +269,19 @@ def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, num_splits, stride_ob, str
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < DIM)
 
 
+#: the most splits of one sequence's context: a graph's tables are max_model_len wide, and at a short context the
+#: splits past it are programs that start and exit. H200, bs1 decode of a Llama-3.1-8B shape at ~160 tokens:
+#: 311 tok/s with 131,072-token tables (512 splits) against 442 capped at 64, 462 with 1,024-token tables
+#: (bench/RESULTS.md, twenty-first session); 64 is the sweeps' choice at 16k tokens
+MAX_SPLITS = 64
+
+
 def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> int:
     """Tokens per split of the decode kernel for a context as long as the block table (a multiple of 64), or
     ``max_tokens`` rounded up (no split) when ``batch * kv_heads`` programs already fill the GPU. ``max_tokens`` is
-    the block table's width in tokens; ``cdiv(max_tokens, chunk)`` is the number of splits. A shorter context is
-    spread over the same splits (``_split_tokens``, in the kernel), so a CUDA graph's tables can be
-    ``max_model_len`` wide. Depends only on shapes, so a graph keeps it."""
+    the block table's width in tokens; ``cdiv(max_tokens, chunk)`` is the number of splits, at most
+    :data:`MAX_SPLITS`. A shorter context is spread over the same splits (``_split_tokens``, in the kernel), so a
+    CUDA graph's tables can be ``max_model_len`` wide. Depends only on shapes, so a graph keeps it."""
     programs = batch * kv_heads
     whole = cdiv(max(max_tokens, 1), 64) * 64
     if programs >= 2 * sms:
@@ -284,7 +291,7 @@ def decode_split_chunk(batch: int, kv_heads: int, max_tokens: int, sms: int) -> 
         chunk = 64 if max_tokens <= 4096 else 128 if max_tokens <= 8192 else 256
     else:  # about four splits, 256 to 2048 tokens each
         chunk = min(2048, max(256, next_pow2(cdiv(max_tokens, 4))))
-    return min(chunk, whole)
+    return min(max(chunk, next_pow2(cdiv(max(max_tokens, 1), MAX_SPLITS))), whole)
 
 
 def _cache_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,

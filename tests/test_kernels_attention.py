@@ -161,6 +161,10 @@ def test_decode_split_chunks_are_shape_only():
     assert pa.decode_split_chunk(16, 8, 4096, 132) == 1024
     assert pa.decode_split_chunk(16, 8, 1024, 132) == 256
     assert pa.decode_split_chunk(1, 8, 48, 132) == 64
+    # a long table (Llama 3.1's 131,072-token context) gets at most MAX_SPLITS splits, whatever the branch
+    assert pa.MAX_SPLITS == 64 and pa.decode_split_chunk(1, 8, 131072, 132) == 2048
+    assert pa.decode_split_chunk(1, 8, 32768, 132) == 512 and pa.decode_split_chunk(1, 8, 110000, 132) == 2048
+    assert pa.decode_split_chunk(8, 8, 262144, 132) == 4096  # the many-programs branch too (2048 would be 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
