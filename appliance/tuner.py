@@ -6,8 +6,8 @@ dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact re
 for int8 1 per value plus a 4-byte scale per token and KV head (head dim + 4 bytes per head).
 On a GPU the KV pool is what the engine's own memory plan (``engine.memory.gpu_kv_budget``) leaves of
 ``gpu_memory_utilization`` x total memory (or of the free memory, if less) after the weights, the CUDA context, a
-step's activations and the sampler's buffers for ``max_num_seqs`` rows, so the engine starts with the plan; on a
-CPU it is a slice of free RAM.
+step's activations and the sampler's buffers for ``max_num_seqs`` rows, less a margin, so that the engine gets at
+least the planned cache; on a CPU it is a slice of free RAM.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from appliance.errors import ApplianceError
 from appliance.hardware import Hardware, gib
-from engine.memory import default_step_tokens, gpu_kv_budget
+from engine.memory import CUDA_CONTEXT_BYTES, PLAN_MARGIN_BYTES, default_step_tokens, gpu_kv_budget
 from engine.models.context import max_context
 from engine.models.rope import RopeError
 
@@ -55,6 +55,7 @@ class ModelInfo:
     quantization: str | None = None
     hidden_size: int = 0  # the activations' width, for the memory plan
     vocab_size: int = 0  # the sampler's buffers' width
+    gpu_extra_bytes: int = 0  # on a GPU beyond the files: the RoPE table, linears the engine dequantizes
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelInfo":
@@ -81,23 +82,40 @@ class ModelInfo:
                 weight_bytes=sum(p.stat().st_size for p in model_dir.glob("*.safetensors")),
                 quantization=(quant or {}).get("quant_method") if quant else None,
                 hidden_size=cfg["hidden_size"], vocab_size=cfg.get("vocab_size") or 0,
+                gpu_extra_bytes=_gpu_extra_bytes(cfg, quant, head_dim, context),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TuneError(f"{cfg_file} is not a usable model config ({exc})", "check the model folder") from None
 
     def gpu_kv_bytes(self, total: int, free: int, utilization: float, max_num_seqs: int) -> int:
-        """KV-cache bytes the engine gets on a GPU of ``total`` bytes with ``free`` bytes free, at ``utilization`` and
-        ``max_num_seqs`` (``engine.memory.gpu_kv_budget`` with the engine's default step of chunked prefill, bf16
-        activations)."""
+        """KV-cache bytes the engine gets at least on a GPU of ``total`` bytes with ``free`` bytes free (NVML's, before
+        the engine's CUDA context), at ``utilization`` and ``max_num_seqs``: ``engine.memory.gpu_kv_budget`` with
+        the engine's default step of chunked prefill and bf16 activations, the weights the files and
+        ``gpu_extra_bytes``, less ``PLAN_MARGIN_BYTES``."""
         step = default_step_tokens(max_num_seqs, 0)
-        return int(gpu_kv_budget(total, free, self.weight_bytes, utilization, step, self.hidden_size, 2,
-                                 max_num_seqs, self.vocab_size))
+        return int(gpu_kv_budget(total, free - CUDA_CONTEXT_BYTES, self.weight_bytes + self.gpu_extra_bytes,
+                                 utilization, step, self.hidden_size, 2, max_num_seqs, self.vocab_size)
+                   - PLAN_MARGIN_BYTES)
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", device: str = "cuda") -> int:
         if kv_cache_dtype == "int8":  # int8 codes and one fp32 scale per token and KV head
             return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)
         element = 1 if kv_cache_dtype == "fp8" else 2 if device == "cuda" else 4
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def _gpu_extra_bytes(cfg: dict, quant: dict | None, head_dim: int, context: int) -> int:
+    """Bytes the engine holds on a GPU beyond the checkpoint's files: the float32 RoPE table (at most ``context``
+    rows of ``head_dim``), and for a GPTQ checkpoint with act-order the q/k/v and gate/up linears, which the engine
+    dequantizes to bf16 (each has its own permutation, so they cannot share one packed weight:
+    ``kernels.quant_formats.concat_out_features``): 2 bytes per weight instead of about half a byte."""
+    extra = 4 * context * head_dim
+    if quant and quant.get("quant_method") == "gptq" and quant.get("desc_act"):
+        h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        kv = cfg.get("num_key_value_heads") or heads
+        stacked = h * head_dim * (heads + 2 * kv) + 2 * h * cfg.get("intermediate_size", 4 * h)
+        extra += cfg["num_hidden_layers"] * stacked * 3 // 2
+    return extra
 
 
 @dataclass

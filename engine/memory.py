@@ -20,6 +20,11 @@ PROMPT_LOGPROBS_BUFFERS = 3
 PROMPT_LOGPROBS_ROWS = 256
 #: memory outside torch's allocator: the CUDA context, cuBLAS workspaces, compiled kernels, CUDA graphs
 NON_TORCH_BYTES = GIB // 2
+#: the tuner's estimates of what the engine measures and it cannot: the CUDA context the engine makes before it
+#: reads the free memory, and a margin for allocator rounding and other processes' memory moving meanwhile, kept
+#: back from the plan so that the engine gets at least the planned KV cache
+CUDA_CONTEXT_BYTES = GIB // 2
+PLAN_MARGIN_BYTES = GIB // 4
 #: tokens one step computes by default with chunked prefill (vLLM V1's default for an API server on a GPU below
 #: 70 GiB; vLLM takes 8,192 on larger ones): a long prompt is prefilled in chunks of this many tokens
 DEFAULT_STEP_TOKENS = 2048

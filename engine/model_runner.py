@@ -175,6 +175,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             budget = self.config.cpu_kv_cache_gib * 2**30
         else:
+            torch.cuda.empty_cache()  # blocks freed while loading (fp16 checkpoints read, then cast) count as free
             free, total = torch.cuda.mem_get_info(self.device)
             budget = gpu_kv_budget(total, self._free_at_start, self._free_at_start - free,
                                    self.config.gpu_memory_utilization, self.config.token_budget(max_model_len),

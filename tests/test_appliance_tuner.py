@@ -69,10 +69,11 @@ def test_gpu_plan_on_a_free_gpu(tmp_path):
     plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB)), gpu(80 * GIB, 80 * GIB))
     assert plan.device == "cuda"
     assert plan.gpu_memory_utilization == 0.9
-    # engine.memory's plan: (72 GiB - 4 of weights - 0.5 CUDA context - 1 of activations (64 [2048, 4096] bf16
-    # buffers) - 4 x 128256 x 2560 B of sampler buffers) // (16 x 128 KiB)
-    assert plan.num_kv_blocks == 33421
-    assert plan.max_model_len == 131072  # the model's own limit; the cache holds 534,736 tokens
+    # engine.memory's plan: (72 GiB - 4 of weights - 64 MiB of RoPE table (131072 x 128 fp32) - 0.5 CUDA context
+    # etc. - 1 of activations (64 [2048, 4096] bf16 buffers) - 4 x 128256 x 2560 B of sampler buffers - 0.25 of
+    # margin) // (16 x 128 KiB)
+    assert plan.num_kv_blocks == 33261
+    assert plan.max_model_len == 131072  # the model's own limit; the cache holds 532,176 tokens
     assert plan.max_num_seqs == 256
     assert plan.expected_concurrency == 256
     assert plan.cpu_kv_cache_gib == 0.0
@@ -81,11 +82,11 @@ def test_gpu_plan_on_a_free_gpu(tmp_path):
 def test_gpu_plan_when_other_processes_hold_memory(tmp_path):
     plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB)), gpu(24 * GIB, 12 * GIB))
     assert plan.gpu_memory_utilization == 0.47  # (12 - 0.5) / 24, rounded down
-    # (11.28 - 4 - 0.5 - 1) GiB - 4 x 128256 x 2560 B at 256 sequences: 2333 blocks, 37328 tokens
-    assert plan.max_model_len == 37328  # what the KV cache holds
-    assert plan.max_num_seqs == 145  # 37328 tokens / 256 per sequence
-    assert plan.num_kv_blocks == 2604  # the sampler's buffers for 145 rows only: what the engine gets
-    assert plan.expected_concurrency == 40  # 41664 / 1024
+    # (11.28 - 4 - 1/16 - 0.5 - 1 - 0.25) GiB - 4 x 128256 x 2560 B at 256 sequences: 2173 blocks, 34768 tokens
+    assert plan.max_model_len == 34768  # what the KV cache holds
+    assert plan.max_num_seqs == 135  # 34768 tokens / 256 per sequence
+    assert plan.num_kv_blocks == 2469  # the sampler's buffers for 135 rows only
+    assert plan.expected_concurrency == 38  # 39504 / 1024
     assert "12.0 GiB of 24.0 GiB is free" in plan.reasons["gpu_memory_utilization"]
 
 
@@ -95,7 +96,7 @@ def test_explicit_values_win(tmp_path):
                       max_model_len=2048, kv_cache_dtype="fp8")
     assert (plan.gpu_memory_utilization, plan.max_num_seqs, plan.max_model_len, plan.kv_cache_dtype) == \
         (0.5, 4, 2048, "fp8")
-    assert plan.num_kv_blocks == 34952  # (40 - 4 - 0.5 - 1 GiB - 4 x 128256 x 768 B) // (16 x 64 KiB)
+    assert plan.num_kv_blocks == 34632  # (40 - 4 - 1/16 - 0.5 - 1 - 0.25 GiB - 4 x 128256 x 768 B) // (16 x 64 KiB)
     assert plan.expected_concurrency == 4
     for key in ("gpu_memory_utilization", "max_num_seqs", "max_model_len", "kv_cache_dtype"):
         assert plan.reasons[key].startswith("set by --")

@@ -149,3 +149,11 @@ def test_max_model_len_over_the_model_context_is_refused(qwen2):
     with pytest.raises(ValueError, match="max_model_len: 513 is over the model's max_position_embeddings, 512 tokens"):
         LLM(str(folder), device="cpu", max_model_len=513)
     assert LLM(str(folder), device="cpu", max_model_len=512).engine.runner.model.rotary.cos_sin.shape == (512, 16)
+
+
+def test_a_tied_lm_head_shares_the_embeddings_memory(qwen2):
+    """tie_word_embeddings: the LM head is the embedding matrix itself, not a copy (a 152k x 3584 bf16 copy would be
+    1 GiB of a consumer GPU's memory)."""
+    folder, _, _ = qwen2
+    model = LLM(str(folder), device="cpu").engine.runner.model
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.data_ptr()

@@ -8,8 +8,8 @@ from appliance import tuner
 from appliance.hardware import GPU, Hardware
 from appliance.tuner import ModelInfo
 from engine.config import EngineConfig
-from engine.memory import (NON_TORCH_BYTES, PROMPT_LOGPROBS_BUFFERS, PROMPT_LOGPROBS_ROWS, SAMPLER_BUFFERS,
-                           default_step_tokens, gpu_kv_budget)
+from engine.memory import (CUDA_CONTEXT_BYTES, NON_TORCH_BYTES, PLAN_MARGIN_BYTES, PROMPT_LOGPROBS_BUFFERS,
+                           PROMPT_LOGPROBS_ROWS, SAMPLER_BUFFERS, default_step_tokens, gpu_kv_budget)
 from engine.prompt_logprobs import ROWS_PER_PASS
 
 GIB = 2**30
@@ -47,22 +47,32 @@ def test_a_long_context_does_not_grow_the_step():
     assert EngineConfig(model="unused", enable_chunked_prefill=False).token_budget(8192) == 8192
 
 
-def test_the_tuners_plan_is_what_the_engine_gets(tmp_path):
-    """Qwen2.5-7B-AWQ-shaped on a 24 GiB GPU with 2 GiB held by a desktop: the plan's KV blocks are the engine's
-    budget for the plan's settings, and its max_model_len fits in them."""
+def test_the_engine_gets_at_least_the_tuners_plan(tmp_path):
+    """Qwen2.5-7B-AWQ-shaped on a 24 GiB GPU with 2 GiB held by a desktop: the engine, which reads the free memory
+    after making its CUDA context and counts the RoPE table among its weights, gets the plan's KV blocks and the
+    margin; the plan's max_model_len fits in them. A GPTQ checkpoint with act-order counts its q/k/v and gate/up
+    linears dequantized (the engine cannot keep them packed)."""
     cfg = {"num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
-           "max_position_embeddings": 32768, "vocab_size": 152064}
+           "intermediate_size": 18944, "max_position_embeddings": 32768, "vocab_size": 152064}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with open(tmp_path / "model.safetensors", "wb") as f:
         f.truncate(5 * GIB)
     gpu = GPU(0, "RTX 4090", 24 * GIB, 22 * GIB, "8.9")
+    hw = Hardware(kind="cuda", gpus=[gpu], driver="1", cpu_cores=16, total_memory=64 * GIB, available_memory=60 * GIB)
     info = ModelInfo.from_dir(tmp_path)
-    plan = tuner.plan(info, Hardware(kind="cuda", gpus=[gpu], driver="1", cpu_cores=16, total_memory=64 * GIB,
-                                     available_memory=60 * GIB))
+    plan = tuner.plan(info, hw)
     engine = EngineConfig(model="unused", gpu_memory_utilization=plan.gpu_memory_utilization,
                           max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len)
-    budget = gpu_kv_budget(gpu.total_memory, gpu.free_memory, 5 * GIB, engine.gpu_memory_utilization,
-                           engine.token_budget(plan.max_model_len), 3584, 2, engine.max_num_seqs, 152064)
-    assert plan.num_kv_blocks == int(budget // (16 * info.kv_bytes_per_token()))
+    rope = 4 * plan.max_model_len * 128
+    assert info.gpu_extra_bytes == 4 * 32768 * 128 and rope <= info.gpu_extra_bytes
+    budget = gpu_kv_budget(gpu.total_memory, gpu.free_memory - CUDA_CONTEXT_BYTES, 5 * GIB + rope,
+                           engine.gpu_memory_utilization, engine.token_budget(plan.max_model_len), 3584, 2,
+                           engine.max_num_seqs, 152064)
+    block = 16 * info.kv_bytes_per_token()
+    assert plan.num_kv_blocks == int((budget - PLAN_MARGIN_BYTES) // block) and plan.num_kv_blocks < budget // block
     assert plan.max_model_len == 32768 <= plan.kv_tokens and plan.max_num_seqs == 256
     assert plan.gpu_memory_utilization == 0.89  # (22 - 0.5) / 24, rounded down
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    stacked = 28 * (3584 * 128 * (28 + 2 * 4) + 2 * 3584 * 18944)  # q/k/v and gate/up weights
+    assert ModelInfo.from_dir(tmp_path).gpu_extra_bytes == 4 * 32768 * 128 + stacked * 3 // 2

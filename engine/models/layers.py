@@ -31,7 +31,9 @@ class Linear(nn.Module):
             self.qweight = packed.to(device) if packed is not None else None
         if self.qweight is None:
             dense = [dequantize(w) if isinstance(w, QuantizedWeight) else w for w in weights]
-            self.weight = nn.Parameter(torch.cat(dense).to(device=device, dtype=dtype), requires_grad=False)
+            one = dense[0] if len(dense) == 1 else torch.cat(dense)  # one part: no copy (a tied LM head shares
+            # the embeddings' memory)
+            self.weight = nn.Parameter(one.to(device=device, dtype=dtype), requires_grad=False)
         if any(b is not None for b in biases):
             parts = [b if b is not None else torch.zeros(_out_features(w)) for b, w in zip(biases, weights)]
             self.bias = nn.Parameter(torch.cat(parts).to(device=device, dtype=dtype), requires_grad=False)
