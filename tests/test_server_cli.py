@@ -38,7 +38,8 @@ def test_every_option_has_the_config_docstrings_help():
     helps = {a.dest: a.help for a in parser._actions}
     assert helps["tune_kernels"].startswith("on CUDA, time the W4A16 kernel plans of the model's 4-bit products")
     assert "``" not in helps["model"] and "quantization_config" in helps["model"]
-    assert helps["gpu_memory_utilization"].endswith("in (0, 1].")
+    assert "in (0, 1]; as in vLLM V1" in helps["gpu_memory_utilization"]  # the whole entry, past its first line
+    assert helps["gpu_memory_utilization"].endswith("no more than is free when it starts.")
     parser.format_help()  # no stray % in the texts
     args = parse("--no-tune-kernels", "--kernel-plans-dir", "/tmp/p")
     assert args["tune_kernels"] is False and args["kernel_plans_dir"] == "/tmp/p"
