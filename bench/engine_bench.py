@@ -609,22 +609,27 @@ def qwen_rows(ctx: dict, make_row) -> list:
                         ("Qwen3 q/k norm", dict(qk_norm=True, num_attention_heads=16, num_key_value_heads=8,
                                                 head_dim=128))):  # Qwen3-0.6B's heads: q is 2048 wide, hidden 1024
         small = str(write_random_awq_model(f"/tmp/rand_{what.split()[0].lower()}", **shape, **extra))
-        lp = dict(logprobs=2)
-        graphs = _small_model_tokens(small, lp, outputs=True)
-        eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
-        with _torch_references():
-            ref = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
-        n = len(ref)
-        distinct = len({t for tokens, _ in ref for t in tokens})
-        rows += [make_row(f"engine greedy, {what}: CUDA graphs = eager (counts, not µs)",
-                          f"random 4-layer AWQ, {what}, 6 prompts", n, "sequences identical",
-                          sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0,
-                          f"top-2 logprobs at most {_logprob_gap(graphs, eager):.3f} apart"),
-                 make_row(f"engine greedy, {what}: Triton = torch reference (counts, not µs)", "same", n,
-                          "sequences identical", sum(a[0] == b[0] for a, b in zip(eager, ref)), 1.0,
-                          f"bf16 both; a near-tie may differ; {distinct} distinct tokens; top-2 logprobs at most "
-                          f"{_logprob_gap(eager, ref):.3f} apart")]
+        rows += _equality_rows(small, what, make_row)
     return rows
+
+
+def _equality_rows(small: str, what: str, make_row) -> list:
+    """Two rows for the small model ``small``: CUDA graphs = eager, and eager Triton = the torch references
+    (greedy, six prompts), each with the largest gap between the two paths' top-2 logprobs."""
+    lp = dict(logprobs=2)
+    graphs = _small_model_tokens(small, lp, outputs=True)
+    eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
+    with _torch_references():
+        ref = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
+    n, distinct = len(ref), len({t for tokens, _ in ref for t in tokens})
+    return [make_row(f"engine greedy, {what}: CUDA graphs = eager (counts, not µs)",
+                     f"random 4-layer AWQ, {what}, 6 prompts", n, "sequences identical",
+                     sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0,
+                     f"top-2 logprobs at most {_logprob_gap(graphs, eager):.3f} apart"),
+            make_row(f"engine greedy, {what}: Triton = torch reference (counts, not µs)", "same", n,
+                     "sequences identical", sum(a[0] == b[0] for a, b in zip(eager, ref)), 1.0,
+                     f"bf16 both; a near-tie may differ; {distinct} distinct tokens; top-2 logprobs at most "
+                     f"{_logprob_gap(eager, ref):.3f} apart")]
 
 
 def cuda_path_rows(ctx: dict, make_row) -> list:
@@ -738,20 +743,7 @@ def scaled_rope_rows(ctx: dict, make_row) -> list:
                         ("YaRN RoPE", dict(qkv_bias=True, rope_theta=1e6, max_position_embeddings=32768,
                                            rope_scaling={**YARN_ROPE, "original_max_position_embeddings": 256}))):
         small = str(write_random_awq_model(f"/tmp/rand_{what.split()[0].lower()}", **shape, **extra))
-        lp = dict(logprobs=2)
-        graphs = _small_model_tokens(small, lp, outputs=True)
-        eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
-        with _torch_references():
-            ref = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
-        n, distinct = len(ref), len({t for tokens, _ in ref for t in tokens})
-        rows += [make_row(f"engine greedy, {what}: CUDA graphs = eager (counts, not µs)",
-                          f"random 4-layer AWQ, {what}, 6 prompts", n, "sequences identical",
-                          sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0,
-                          f"top-2 logprobs at most {_logprob_gap(graphs, eager):.3f} apart"),
-                 make_row(f"engine greedy, {what}: Triton = torch reference (counts, not µs)", "same", n,
-                          "sequences identical", sum(a[0] == b[0] for a, b in zip(eager, ref)), 1.0,
-                          f"bf16 both; a near-tie may differ; {distinct} distinct tokens; top-2 logprobs at most "
-                          f"{_logprob_gap(eager, ref):.3f} apart")]
+        rows += _equality_rows(small, what, make_row)
     model_dir = str(write_random_awq_model("/tmp/rand_8b_31", **{**LLAMA3_8B, "max_position_embeddings": 131072},
                                            rope_theta=500000.0, rope_scaling=LLAMA31_ROPE))
     torch.cuda.reset_peak_memory_stats()
