@@ -268,7 +268,7 @@ def start(config: Optional[Path] = typer.Option(None, "--config")):
     if isinstance(mgr, service.Systemd):
         mgr.start()
     else:
-        mgr.start([sys.executable, "-m", "appliance", "serve", "--config", str(path.resolve())])  # it runs elsewhere
+        mgr.start(service.serve_command(path))
     console.print(f"started ({mgr.mode}); `appliance status` says when it answers (the model loads first), "
                   f"`appliance logs` shows its log", highlight=False)
 

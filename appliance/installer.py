@@ -455,7 +455,7 @@ def start_service(opts: InstallOptions, console: Console, use_systemd: bool, sys
                 raise ApplianceError(f"cannot remove {unit.unit_path}: {exc.strerror}",
                                      "remove it by hand, or install without --no-service") from None
     mgr = service.Background(service.state_dir(data_dir))
-    pid = mgr.start([sys.executable, "-m", "appliance", "serve", "--config", str(config_file)])
+    pid = mgr.start(service.serve_command(config_file))
     why = "--no-service" if opts.no_service else "systemd is not running"
     console.print(f"Started the server in the background (pid {pid}; {why}); log: {mgr.log_file}")
     return mgr

@@ -315,6 +315,12 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def serve_command(config_path: Path | str) -> list[str]:
+    """The background server's command: ``appliance serve`` with the config's absolute path (it runs in
+    ``state_dir``)."""
+    return [sys.executable, "-m", "appliance", "serve", "--config", str(Path(config_path).resolve())]
+
+
 def state_dir(data_dir: Path | str) -> Path:
     return Path(data_dir) / "run"
 

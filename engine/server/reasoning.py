@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.server.tool_parsers import held
+from engine.server.tool_parsers import held, template_text
 
 START, END = "<think>", "</think>"
 SETTINGS = ("auto", "deepseek_r1", "qwen3", "none")
@@ -38,8 +38,7 @@ def resolve(setting: str, chat_template: str | dict | None) -> bool:
         raise ValueError(f"reasoning_parser: must be one of {', '.join(SETTINGS)}, got {setting!r}")
     if setting != "auto":
         return setting != "none"
-    text = " ".join(chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""])
-    return START in text
+    return START in template_text(chat_template)
 
 
 def starts_open(prompt_text: str) -> bool:

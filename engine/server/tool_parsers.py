@@ -52,14 +52,19 @@ _ALNUM = string.ascii_letters + string.digits
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
 
 
+def template_text(chat_template: str | dict | None) -> str:
+    """A tokenizer's chat template as one text to search: a string, or a dict of named templates joined."""
+    return " ".join(chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""])
+
+
 def resolve(setting: str, chat_template: str | dict | None) -> str | None:
-    """The parser to use ("hermes", "mistral", "llama3_json" or None) for ``setting`` (:data:`SETTINGS`) and the tokenizer's
-    chat template (a string, or a dict of named templates). Raises ValueError for another setting."""
+    """The parser to use ("hermes", "mistral", "llama3_json" or None) for ``setting`` (:data:`SETTINGS`) and the
+    tokenizer's chat template (a string, or a dict of named templates). Raises ValueError for another setting."""
     if setting not in SETTINGS:
         raise ValueError(f"tool_call_parser: must be one of {', '.join(SETTINGS)}, got {setting!r}")
     if setting != "auto":
         return None if setting == "none" else setting
-    text = " ".join(chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""])
+    text = template_text(chat_template)
     if START in text:
         return "hermes"
     if TOOL_CALLS in text or "[AVAILABLE_TOOLS]" in text:
