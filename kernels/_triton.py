@@ -17,8 +17,10 @@ with ``launch_pdl``, so it may start while the kernel before it on the stream is
 CUDA graph). Such a kernel must, in every program, call :func:`pdl_wait` (PTX ``griddepcontrol.wait``: the
 previous kernel has finished and its writes are visible) before it reads anything a previous kernel wrote or writes
 anything one reads. Before that it may only read what the kernel just before it cannot be writing: weights, the
-rotary table, and the rotary kernel's positions (a step input written before the forward pass's first kernel,
-which is torch's and launched without PDL, so all work before it is complete). Every such kernel also calls
+rotary table, the rotary kernel's positions and the decode attention's context lengths (step inputs written before
+the forward pass's first kernel, which is torch's and launched without PDL, so all work before it is complete); a
+program that then finds nothing to do (a decode-attention split past its sequence's context) may leave without
+waiting, as it reads and writes nothing else. Every such kernel also calls
 :func:`pdl_trigger` (a ``TRIG`` constexpr, :func:`early_trigger`) once, at top level, right after its main loop or
 its last loads (PTX ``griddepcontrol.launch_dependents``; a program counts as triggered when its first thread gets
 there): once every program has, the next kernel launches and runs its prologue (the GEMV's first weight tile) while

@@ -104,22 +104,56 @@ def _is_wait(stmt) -> bool:
             and [getattr(a, "id", None) for a in stmt.value.args] == ["PDL"])
 
 
+def _is_exit(stmt) -> bool:
+    """``if <condition>: return``, nothing else: the program leaves, having written nothing."""
+    return (isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 1
+            and isinstance(stmt.body[0], ast.Return) and stmt.body[0].value is None)
+
+
 def _called(node) -> set[str]:
     return {getattr(n.func, "attr", getattr(n.func, "id", None)) for n in ast.walk(node) if isinstance(n, ast.Call)}
+
+
+def _wait_problem(fn: ast.FunctionDef) -> str | None:
+    """Why ``fn``'s pdl_wait is misplaced, or None: one statement of the body, with no write, branch, loop or read
+    of x (a previous kernel's output) before it; but a program with nothing to do may leave before it
+    (``if <condition>: return``, the condition reading only step inputs)."""
+    if "PDL" not in [a.arg for a in fn.args.args]:
+        return "no PDL constexpr"
+    waits = [i for i, stmt in enumerate(fn.body) if _is_wait(stmt)]
+    if len(waits) != 1:
+        return "pdl_wait(PDL) must be one statement of the kernel's body"
+    for stmt in fn.body[:waits[0]]:
+        if _is_exit(stmt):
+            stmt = stmt.test
+        if any(isinstance(n, (ast.For, ast.While, ast.If, ast.Return)) for n in ast.walk(stmt)):
+            return f"a branch or loop before the wait (line {stmt.lineno})"
+        if _called(stmt) & WRITES:
+            return f"a write before the wait (line {stmt.lineno})"
+        if _called(stmt) & ACTIVATION_READS:
+            return f"x (a previous kernel's output) read before the wait (line {stmt.lineno})"
+    return None
 
 
 @pytest.mark.parametrize("module,name,kernel", _kernels(), ids=[f"{m}.{n}" for m, n, _ in _kernels()])
 def test_each_kernel_waits_at_top_level_before_any_write_branch_or_loop(module, name, kernel):
     fn = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0]
-    assert "PDL" in [a.arg for a in fn.args.args], f"{module}.{name} has no PDL constexpr"
-    waits = [i for i, stmt in enumerate(fn.body) if _is_wait(stmt)]
-    assert len(waits) == 1, f"{module}.{name}: pdl_wait(PDL) must be one statement of the kernel's body"
-    for stmt in fn.body[:waits[0]]:
-        assert not any(isinstance(n, (ast.For, ast.While, ast.If, ast.Return)) for n in ast.walk(stmt)), \
-            f"{module}.{name}: a branch or loop before the wait (line {stmt.lineno})"
-        assert not _called(stmt) & WRITES, f"{module}.{name}: a write before the wait (line {stmt.lineno})"
-        assert not _called(stmt) & ACTIVATION_READS, \
-            f"{module}.{name}: x (a previous kernel's output) read before the wait (line {stmt.lineno})"
+    assert _wait_problem(fn) is None, f"{module}.{name}: {_wait_problem(fn)}"
+
+
+@pytest.mark.parametrize("body,problem", [
+    ("n = tl.load(n_ptr)\nif n == 0:\n    return\npdl_wait(PDL)\ntl.store(y_ptr, n)", None),  # an early exit
+    ("n = tl.load(n_ptr)\nif n == 0:\n    tl.store(y_ptr, n)\npdl_wait(PDL)", "a branch or loop before the wait (line 3)"),
+    ("n = tl.load(n_ptr)\nif n == 0:\n    return\nelse:\n    n = 1\npdl_wait(PDL)",
+     "a branch or loop before the wait (line 3)"),
+    ("if tl.atomic_add(n_ptr, 1) == 0:\n    return\npdl_wait(PDL)", "a write before the wait (line 2)"),
+    ("if _load_x(x_ptr) == 0:\n    return\npdl_wait(PDL)", "x (a previous kernel's output) read before the wait (line 2)"),
+    ("tl.store(y_ptr, 1)\npdl_wait(PDL)", "a write before the wait (line 2)"),
+    ("n = tl.load(n_ptr)\nif n == 0:\n    pdl_wait(PDL)", "pdl_wait(PDL) must be one statement of the kernel's body"),
+])
+def test_the_wait_rule_allows_only_early_exits_before_the_wait(body, problem):
+    fn = ast.parse("def k(x_ptr, n_ptr, y_ptr, PDL):\n" + textwrap.indent(body, "    ")).body[0]
+    assert _wait_problem(fn) == problem
 
 
 LOADS = {"load", "_load_tile", "_fetch_w", "_kv_tile"} | ACTIVATION_READS  # a kernel's reads of memory
