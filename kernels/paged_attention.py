@@ -113,7 +113,8 @@ INT8_V_BOOST = tl.constexpr(1024.0) if tl is not None else 1024.0
 
 @device_fn
 def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8: tl.constexpr):
-    """One KV tile of FlashAttention-2's online softmax: q [M, D], k/v [N, D], mask [M, N] (False = not seen);
+    """One KV tile of FlashAttention-2's online softmax: q [M, D], k/v [N, D], mask [M, N] (False = not seen; None:
+    every key seen);
     running row max m_i and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32. Returns the new three.
     KV_INT8: k and v hold int8 codes (converted exactly), ``ks`` / ``vs`` [N] fp32 their tokens' scales: the scores
     are q.k times ks, the weights of V times vs (one multiply per token, not per value) and times
@@ -123,7 +124,10 @@ def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, scale_log2, ks, vs, KV_IN
     s = tl.dot(q, tl.trans(k))
     if KV_INT8:
         s = s * ks[None, :]
-    s = tl.where(mask, s * scale_log2, float("-inf"))
+    if mask is None:
+        s = s * scale_log2
+    else:
+        s = tl.where(mask, s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (padding rows)
     alpha = tl.exp2(m_i - m_safe)
@@ -167,6 +171,27 @@ def _kv_tile(ptrs, mask, dtype, BYTES: tl.constexpr, INT8: tl.constexpr):
     else:
         x = tl.load(ptrs, mask=mask, other=0.0).to(dtype)
     return x
+
+
+@device_fn
+def _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb, stride_kt, stride_kh, stride_vb,
+              stride_vt, stride_vh, stride_sb, stride_sh, dtype, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KV_BYTES: tl.constexpr, KV_INT8: tl.constexpr):
+    """The KV tile of tokens t0 .. t0 + BLOCK_N of one sequence (block table row ``bt_row``), KV head ``kvh``:
+    (tok [BLOCK_N], tmask = tok < kv_end, k and v [BLOCK_N, BLOCK_D] in ``dtype`` (0 past kv_end), an int8 cache's
+    scales ks and vs [BLOCK_N]: :func:`_kv_scales`)."""
+    tok = t0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    tmask = tok < kv_end
+    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    row = (tok % BLOCK_SIZE)[:, None]
+    kvmask = tmask[:, None] & (d < DIM)[None, :]
+    k = _kv_tile(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :], kvmask, dtype,
+                 KV_BYTES, KV_INT8)
+    v = _kv_tile(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :], kvmask, dtype,
+                 KV_BYTES, KV_INT8)
+    ks, vs = _kv_scales(ks_ptr, vs_ptr, page, tok % BLOCK_SIZE, kvh, stride_sb, stride_sh, tmask, KV_INT8)
+    return tok, tmask, k, v, ks, vs
 
 
 @device_fn
@@ -225,18 +250,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    n = tl.arange(0, BLOCK_N)
     for t0 in range(start, end, BLOCK_N):
-        tok = t0 + n
-        tmask = tok < end
-        page = tl.load(bt_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        row = (tok % BLOCK_SIZE)[:, None]
-        kvmask = tmask[:, None] & (d < DIM)[None, :]
-        k = _kv_tile(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :],
-                     kvmask, q.dtype, KV_BYTES, KV_INT8)
-        v = _kv_tile(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :],
-                     kvmask, q.dtype, KV_BYTES, KV_INT8)
-        ks, vs = _kv_scales(ks_ptr, vs_ptr, page, tok % BLOCK_SIZE, kvh, stride_sb, stride_sh, tmask, KV_INT8)
+        _, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, ks_ptr, vs_ptr, t0, end, kvh,
+                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                           stride_sb, stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                                           KV_BYTES, KV_INT8)
         m_i, l_i, acc = _online_softmax_step(q, k, v, tmask[None, :], m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
     pdl_trigger(TRIG)
     if KV_INT8:
@@ -414,8 +432,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
 
     Sequence s owns tiles from ``cu[s] // BLOCK_M + s`` on (an upper bound of the tiles before it), found by binary
     search; tiles past a sequence's new tokens do nothing. Query i of a sequence with context c and n new tokens
-    sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal). KV_FP8 / KV_BYTES /
-    KV_INT8: see :func:`_cache_args`.
+    sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal). The KV tiles that every
+    row of the query tile sees whole run without a causal mask, the rest with it: the same values, and on an H200
+    (bench/RESULTS.md, twenty-second session) 162 against 187 µs for 2,048 new tokens, 810 against 1,000 after a
+    6,144-token prefix (32 heads, D 128). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`.
     """
     pdl_wait(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
@@ -446,20 +466,20 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kv_end = tl.where(row0 < q_len, tl.minimum(ctx, ctx - q_len + row0 + BLOCK_M), 0)
-    n = tl.arange(0, BLOCK_N)
-    for t0 in range(0, kv_end, BLOCK_N):
-        tok = t0 + n
-        tmask = tok < kv_end
-        page = tl.load(bt_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        row = (tok % BLOCK_SIZE)[:, None]
-        kvmask = tmask[:, None] & dmask
-        k = _kv_tile(kc_ptr + page[:, None] * stride_kb + row * stride_kt + kvh * stride_kh + d[None, :],
-                     kvmask, q.dtype, KV_BYTES, KV_INT8)
-        v = _kv_tile(vc_ptr + page[:, None] * stride_vb + row * stride_vt + kvh * stride_vh + d[None, :],
-                     kvmask, q.dtype, KV_BYTES, KV_INT8)
+    live = row0 < q_len
+    kv_end = tl.where(live, tl.minimum(ctx, ctx - q_len + row0 + BLOCK_M), 0)  # the tile's last row sees these
+    kv_all = tl.where(live, (ctx - q_len + row0 + 1) // BLOCK_N * BLOCK_N, 0)  # whole KV tiles every row sees
+    bt_row = bt_ptr + seq * stride_bt
+    for t0 in range(0, kv_all, BLOCK_N):  # below the diagonal: every row sees the whole tile, no mask
+        _, _, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb, stride_kt,
+                                       stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_sh, q.dtype, DIM,
+                                       BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES, KV_INT8)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
+    for t0 in range(kv_all, kv_end, BLOCK_N):  # across it: each row sees the keys up to its position
+        tok, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb,
+                                             stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb,
+                                             stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES, KV_INT8)
         causal = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
-        ks, vs = _kv_scales(ks_ptr, vs_ptr, page, tok % BLOCK_SIZE, kvh, stride_sb, stride_sh, tmask, KV_INT8)
         m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
     pdl_trigger(TRIG)
     if KV_INT8:
@@ -482,19 +502,34 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Triton :func:`paged_attention_prefill_ref` (same arguments and result): all sequences in one launch, no host
     sync. q: [T, Hq, D] (last dim contiguous); cu_seqlens_q int32 [S + 1]; context_lens int32 [S] (cached prefix +
     new tokens); block_tables int32 [S, max_blocks]; caches and scales as :func:`paged_attention_decode`."""
+    config = {} if dot_f32(q) else PREFILL_CONFIG
+    return prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales=k_scales,
+                        v_scales=v_scales, **config)
+
+
+#: Tile and launch settings of the prefill kernel on a GPU (interpreted: 16 x 16 tiles). An H200 sweep
+#: (bench/RESULTS.md, twenty-second session) found 128 x 128 tiles on 8 warps, 3 stages, 10-13% faster with a long
+#: prefix, but they need more shared memory than an RTX card has (99 KB), and the 7B engine's time to first token
+#: did not move with them (2,048 and 8,000 tokens); 3-4 stages of these tiles gain 5-7% there, within the spread.
+PREFILL_CONFIG = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float, block_m: int = 16,
+                 block_n: int = 16, num_warps: int = 4, num_stages: int = 2, k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`paged_attention_prefill` with explicit settings (the benchmark sweeps them): query tiles of
+    ``block_m`` new tokens, KV tiles of ``block_n``."""
     tokens, q_heads, dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty_like(q)
     if tokens == 0 or num_seqs == 0:
         return out
-    interp = dot_f32(q)
-    block_m = 16 if interp else 64
     kc, vc, scale_meta, kv_meta = _cache_args(q, k_cache, v_cache, k_scales, v_scales)
     _prefill_kernel[(cdiv(tokens, block_m) + num_seqs, q_heads)](
         q, kc, vc, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), *scale_meta, GROUP=q_heads // k_cache.shape[2], DIM=dim,
-        BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if interp else 64,
-        SEARCH_STEPS=max(PREFILL_SEARCH_STEPS, num_seqs.bit_length()), DOT_F32=interp, PDL=pdl(q),
-        TRIG=early_trigger(q), num_warps=4, num_stages=2, **kv_meta)
+        BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        SEARCH_STEPS=max(PREFILL_SEARCH_STEPS, num_seqs.bit_length()), DOT_F32=dot_f32(q), PDL=pdl(q),
+        TRIG=early_trigger(q), num_warps=num_warps, num_stages=num_stages, **kv_meta)
     return out

@@ -185,6 +185,22 @@ def test_prefill(dtype, prefixes, new, q_heads, kv_heads, block_size):
     check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, scale)
 
 
+@pytest.mark.parametrize("block_m,block_n", [(16, 32), (32, 16), (32, 32)])
+def test_prefill_tiles_below_and_across_the_diagonal(block_m, block_n):
+    """The kernel takes the KV tiles every row of a query tile sees without a mask, then the tiles across the
+    diagonal with one: query tiles taller and shorter than the KV tiles, prefixes that end inside a KV tile, on a
+    tile boundary and at 0, and query tiles whose first row sits one and two keys before a KV tile boundary (30:
+    a tile taken whole one key too early would show that row its next key)."""
+    prefixes, new = [0, 37, 64, 31, 30], [70, 45, 33, 2, 20]
+    lengths = [p + n for p, n in zip(prefixes, new)]
+    k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
+    q = torch.randn(sum(new), 4, 32, dtype=torch.bfloat16)
+    cu = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    out = pa.prefill_with(q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5, block_m=block_m, block_n=block_n)
+    check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5)
+
+
 def test_prefill_fp8_cache():
     prefixes, new = [0, 5, 40], [17, 3, 21]
     lengths = [p + n for p, n in zip(prefixes, new)]

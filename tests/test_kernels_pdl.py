@@ -156,7 +156,7 @@ def test_the_wait_rule_allows_only_early_exits_before_the_wait(body, problem):
     assert _wait_problem(fn) == problem
 
 
-LOADS = {"load", "_load_tile", "_fetch_w", "_kv_tile"} | ACTIVATION_READS  # a kernel's reads of memory
+LOADS = {"load", "_load_tile", "_fetch_w", "_kv_tile", "_kv_tiles"} | ACTIVATION_READS  # a kernel's reads of memory
 
 
 def _trigger_problem(fn: ast.FunctionDef) -> str | None:
