@@ -251,10 +251,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for t0 in range(start, end, BLOCK_N):
-        _, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, ks_ptr, vs_ptr, t0, end, kvh,
-                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                           stride_sb, stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                                           KV_BYTES, KV_INT8)
+        tok, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, ks_ptr, vs_ptr, t0, end, kvh,
+                                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                             stride_sb, stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                                             KV_BYTES, KV_INT8)
         m_i, l_i, acc = _online_softmax_step(q, k, v, tmask[None, :], m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
     pdl_trigger(TRIG)
     if KV_INT8:
@@ -471,9 +471,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
     kv_all = tl.where(live, (ctx - q_len + row0 + 1) // BLOCK_N * BLOCK_N, 0)  # whole KV tiles every row sees
     bt_row = bt_ptr + seq * stride_bt
     for t0 in range(0, kv_all, BLOCK_N):  # below the diagonal: every row sees the whole tile, no mask
-        _, _, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb, stride_kt,
-                                       stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_sh, q.dtype, DIM,
-                                       BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES, KV_INT8)
+        tok, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb,
+                                             stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb,
+                                             stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES, KV_INT8)
         m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
     for t0 in range(kv_all, kv_end, BLOCK_N):  # across it: each row sees the keys up to its position
         tok, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb,
@@ -507,11 +507,13 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         v_scales=v_scales, **config)
 
 
-#: Tile and launch settings of the prefill kernel on a GPU (interpreted: 16 x 16 tiles). An H200 sweep
-#: (bench/RESULTS.md, twenty-second session) found 128 x 128 tiles on 8 warps, 3 stages, 10-13% faster with a long
-#: prefix, but they need more shared memory than an RTX card has (99 KB), and the 7B engine's time to first token
-#: did not move with them (2,048 and 8,000 tokens); 3-4 stages of these tiles gain 5-7% there, within the spread.
-PREFILL_CONFIG = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
+#: Tile and launch settings of the prefill kernel on a GPU (interpreted: 16 x 16 tiles). H200 sweep
+#: (bench/RESULTS.md, twenty-second session), 32 q heads, D 128: 4 stages against 2, 154 against 162 µs for 2,048
+#: new tokens, 756 against 809 after a 6,144-token prefix, 51 against 66 for 8 x 256 (no slower anywhere; 57.6 KB
+#: of shared memory on sm_80-sm_89 either way). 128 x 128 tiles on 8 warps, 3 stages, were 7% faster still with a
+#: long prefix but need more shared memory than an RTX card has (99 KB); the 7B engine's time to first token did
+#: not move with either (2,048 and 8,000 tokens, within its spread).
+PREFILL_CONFIG = dict(block_m=64, block_n=64, num_warps=4, num_stages=4)
 
 
 def prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float, block_m: int = 16,
