@@ -475,7 +475,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                                              stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb,
                                              stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES, KV_INT8)
         m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
-    for t0 in range(kv_all, kv_end, BLOCK_N):  # across it: each row sees the keys up to its position
+    # across it, each row seeing the keys up to its position: one or two tiles, not pipelined (pipelined too, the
+    # two loops' buffers took more registers than sm_86 / sm_89 have: 255 and 88-132 bytes of spills)
+    for t0 in tl.range(kv_all, kv_end, BLOCK_N, num_stages=1):
         tok, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb,
                                              stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb,
                                              stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES, KV_INT8)
