@@ -9,7 +9,9 @@ benchmark table, each a ratio to a baseline timed in the same run.
 2. Measured device-to-device copy bandwidth (bytes read + written).
 3. W4A16 at M = 1/16/64/256 on the four Llama shapes vs torch bf16 ``F.linear`` and (M=1)
    ``torch.ops.aten._weight_int4pack_mm`` fed the same 4-bit weights.
-4. Paged decode attention (32 q / 8 kv heads, D 128, block 16) vs SDPA on the same K/V in a contiguous cache.
+4. Paged decode attention (32 q / 8 kv heads, D 128, block 16) vs SDPA on the same K/V in a contiguous cache;
+   paged prefill attention (the same heads; one 2,048-token prompt, a 2,048-token chunk after 6,144 cached tokens,
+   four 512-token chunks after 512) vs causal SDPA per sequence.
 5. ``--sweep``: every candidate tile configuration for those shapes (the data behind ``w4a16.choose_plan`` and
    ``paged_attention.DECODE_CONFIG``), written to ``$OUT/sweep.json`` when $OUT is set.
 6. Engine-level rows: functions registered with :func:`engine_rows` (7B-shaped decode, graphs vs eager,
@@ -517,6 +519,75 @@ def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
     return rows
 
 
+#: Prefill cases (each sequence: cached prefix, new tokens): one prompt, the last chunk of an 8k-token prompt
+#: (chunked prefill's 2,048-token steps), four 512-token chunks after 512 cached tokens
+PREFILL_CASES = {"1 x 2048 new": [(0, 2048)], "2048 new after 6144": [(6144, 2048)],
+                 "4 x 512 new after 512": [(512, 512)] * 4}
+
+
+def prefill_setup(seqs: list[tuple[int, int]]):
+    """(q [T, Hq, D], paged K/V pools, block tables, cu_seqlens, context lens, per-sequence SDPA inputs
+    (q [1, Hq, n, D], k / v [1, Hkv, prefix + n, D], the same K/V contiguous))."""
+    blocks = [cdiv(p + n, BLOCK) for p, n in seqs]
+    pool_k = torch.empty(sum(blocks), BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    pool_v = torch.empty_like(pool_k)
+    perm = torch.randperm(sum(blocks)).to(torch.int32)
+    tables = torch.zeros(len(seqs), max(blocks), dtype=torch.int32)
+    qs, sdpa, at = [], [], 0
+    for i, ((p, n), nb) in enumerate(zip(seqs, blocks)):
+        k = torch.randn(nb * BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables[i, :nb] = perm[at:at + nb]
+        at += nb
+        pool_k[tables[i, :nb].long()] = k.view(nb, BLOCK, KV_HEADS, HEAD_DIM)
+        pool_v[tables[i, :nb].long()] = v.view(nb, BLOCK, KV_HEADS, HEAD_DIM)
+        q = torch.randn(n, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        qs.append(q)
+        sdpa.append((q.transpose(0, 1)[None].contiguous(), k[:p + n].transpose(0, 1)[None].contiguous(),
+                     v[:p + n].transpose(0, 1)[None].contiguous()))
+    cu = torch.tensor([0] + [sum(n for _, n in seqs[:i + 1]) for i in range(len(seqs))], dtype=torch.int32)
+    lens = torch.tensor([p + n for p, n in seqs], dtype=torch.int32)
+    return torch.cat(qs), pool_k, pool_v, tables, cu, lens, sdpa
+
+
+def sdpa_prefill(q4, k4, v4):
+    """Causal SDPA of the last q_len positions of a context (lower-right aligned, as a prefill after a prefix)."""
+    from torch.nn.attention.bias import causal_lower_right
+    mask = causal_lower_right(q4.shape[2], k4.shape[2])
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=HEAD_DIM ** -0.5, enable_gqa=True)
+
+
+def prefill_rows(log: dict) -> list[Row]:
+    """The prefill kernel (shipped settings) against SDPA on the same K/V, contiguous, one call per sequence;
+    outputs checked against it. No target (issue 3 sets none): the rows show where prefill stands."""
+    rows = []
+    for name, seqs in PREFILL_CASES.items():
+        q, pool_k, pool_v, tables, cu, lens, sdpa = prefill_setup(seqs)
+        scale = HEAD_DIM ** -0.5
+        out = pa.paged_attention_prefill(q, pool_k, pool_v, tables, cu, lens, scale)
+        with sdpa_backend("flash"):
+            try:
+                ref = torch.cat([sdpa_prefill(*s)[0].transpose(0, 1) for s in sdpa])
+                backend = "flash"
+            except RuntimeError:
+                backend = "default"
+        if backend == "default":
+            ref = torch.cat([sdpa_prefill(*s)[0].transpose(0, 1) for s in sdpa])
+        err = (out.float() - ref.float()).abs().max().item()
+        check(f"prefill {name} vs SDPA max err {err:.1e}", err < 2e-2)
+        us = time_calls([lambda: pa.paged_attention_prefill(q, pool_k, pool_v, tables, cu, lens, scale)])
+        with sdpa_backend(backend):
+            base = time_calls([lambda: [sdpa_prefill(*s) for s in sdpa]])
+        flops = sum(4 * n * (p + (n + 1) / 2) * HEAD_DIM * Q_HEADS for p, n in seqs)  # causal QK^T and PV
+        rows.append(Row("paged prefill vs SDPA", f"{name}, {Q_HEADS}/{KV_HEADS} heads", us,
+                        f"SDPA ({backend}), contiguous, per sequence", base, None,
+                        f"{flops / (us * 1e-6) / 1e12:.0f} TFLOPS; settings {pa.PREFILL_CONFIG}"))
+        log.setdefault("prefill", []).append(dict(case=name, ours_us=us, sdpa_us=base))
+        del q, pool_k, pool_v, sdpa
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------------------------
 
 FAILURES: list[str] = []
@@ -581,7 +652,9 @@ def main() -> int:
         SWEEP_MS = tuple(int(m) for m in args.sweep_m.split(","))
     if args.dry_run:
         global DEV, W4_SHAPES, DECODE_CASES, DECODE_SWEEP_CASES, Q_HEADS, KV_HEADS, HEAD_DIM, ROTATE_BYTES, MIN_CALLS
+        global PREFILL_CASES
         ROTATE_BYTES, MIN_CALLS = 1, 1
+        PREFILL_CASES = {"1 x 40 new": [(0, 40)], "2 x 20 new after 30": [(30, 20)] * 2}
         DEV, W4_SHAPES, DECODE_CASES, DECODE_SWEEP_CASES = "cpu", [(256, 64)], [(1, 64), (4, 32)], {(1, 64)}
         Q_HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
         SWEEP_SLICE.update({m: 0.5 for m in SWEEP_SLICE})
@@ -604,7 +677,7 @@ def main() -> int:
             tuned.update(sweep_w4a16(log))
         return w4a16_rows(log, tuned)
 
-    sections = [("w4a16", w4_section), ("decode", lambda: decode_rows(log, copy_bw, args.sweep))]
+    sections = [("w4a16", w4_section), ("decode", lambda: decode_rows(log, copy_bw, args.sweep) + prefill_rows(log))]
     ctx = {"copy_bw": copy_bw, "args": args, "log": log}
     from bench import engine_bench
     for fn in engine_bench.SUITE_ROWS:
