@@ -20,8 +20,8 @@ anything one reads. Before that it may only read what the kernel just before it 
 rotary table, the rotary kernel's positions and the decode attention's context lengths (step inputs written before
 the forward pass's first kernel, which is torch's and launched without PDL, so all work before it is complete); a
 program that then finds nothing to do (a decode-attention split past its sequence's context) may leave without
-waiting, as it reads and writes nothing else. Every such kernel also calls
-:func:`pdl_trigger` (a ``TRIG`` constexpr, :func:`early_trigger`) once, at top level, right after its main loop or
+waiting, as it reads and writes nothing else, as long as some programs of every grid wait. Every such kernel also
+calls :func:`pdl_trigger` (a ``TRIG`` constexpr, :func:`early_trigger`) once, at top level, right after its main loop or
 its last loads (PTX ``griddepcontrol.launch_dependents``; a program counts as triggered when its first thread gets
 there): once every program has, the next kernel launches and runs its prologue (the GEMV's first weight tile) while
 this one stores and, for a split-K GEMV, adds its partial sums. Correctness does not depend on where the trigger
@@ -58,7 +58,8 @@ HAS_TRITON = triton is not None
 class Kernel:
     """A Triton kernel launched as ``kernel[grid](*args, **meta)``: compiled for CUDA tensors, interpreted for CPU
     (the device of the first tensor argument decides: looking at every argument cost about 8 µs a launch under a
-    profiler on the H200's host, some 3 ms of a 7B prefill step's 353 launches)."""
+    profiler on the H200's host, some 3 ms of a 7B prefill step's 353 launches). A launch whose tensors are on
+    different devices is an error either way: compiled, Triton refuses a CPU tensor."""
 
     def __init__(self, fn, do_not_specialize: tuple[str, ...] = ()):
         self.fn = fn

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import check_int8_scales, dequantize_int8_ref, scale_args
-from ._triton import cdiv, device_fn, dot_f32, early_trigger, jit, next_pow2, num_sms, pdl, pdl_trigger, pdl_wait, tl
+from ._triton import cdiv, device_fn, dot_f32, early_trigger, hopper, jit, next_pow2, num_sms, pdl, pdl_trigger, pdl_wait, tl
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
@@ -225,8 +225,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [split*chunk, +chunk) of one
     sequence, chunk = :func:`_split_tokens` of its context; every KV tile is loaded once for the whole group.
     Without SPLIT the result goes to ``out``; with it, the normalised partial output to ``po`` [B, Hq, splits, D]
-    fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]. A split past the context exits before the PDL wait,
-    writing nothing (the merge skips it): a graph's tables are ``max_model_len`` wide, so at a short context most
+    fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]. A split past the context (but split 0) exits before the
+    PDL wait, writing nothing (the merge skips it): a graph's tables are ``max_model_len`` wide, so at a short context most
     of the grid is such splits (H200, bs1 at ~160 tokens in 32k-token tables, 64 splits: 2,248 against 2,265 µs per
     step of a Llama-3.1-8B shape with them waiting, 2,242 in 1k-token tables; bench/RESULTS.md, twenty-second
     session). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`."""
@@ -234,8 +234,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     ctx = tl.load(ctx_ptr + b)  # a step input, not the previous kernel's output: readable before the wait
     chunk = _split_tokens(ctx, num_splits, BLOCK_N)
     start = split * chunk
-    if start >= ctx:  # a split past the context reads and writes nothing: it exits without waiting
-        return
+    if split > 0 and start >= ctx:  # a split past the context reads and writes nothing: it exits without waiting
+        return  # (split 0 always waits: every grid has programs that wait, so none can overtake the kernel before)
     pdl_wait(PDL)
     end = tl.minimum(ctx, start + chunk)
     g = tl.arange(0, BLOCK_G)
@@ -261,10 +261,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
         acc = acc * (1.0 / INT8_V_BOOST)
     acc = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SPLIT:
-        live = g < GROUP
         row_off = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
-        tl.store(po_ptr + row_off[:, None] * DIM + d[None, :], acc, mask=live[:, None] & (d < DIM)[None, :])
-        tl.store(plse_ptr + row_off, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=live)
+        tl.store(po_ptr + row_off[:, None] * DIM + d[None, :], acc, mask=gmask)
+        tl.store(plse_ptr + row_off, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g < GROUP)
     else:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=gmask)
@@ -427,15 +426,17 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                     DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, KV_INT8: tl.constexpr,
-                    PDL: tl.constexpr, TRIG: tl.constexpr):
+                    MASK_FREE: tl.constexpr, DIAG_STAGES: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M) + S, Hq): one tile of BLOCK_M new tokens of one sequence, one query head.
 
     Sequence s owns tiles from ``cu[s] // BLOCK_M + s`` on (an upper bound of the tiles before it), found by binary
     search; tiles past a sequence's new tokens do nothing. Query i of a sequence with context c and n new tokens
-    sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal). The KV tiles that every
-    row of the query tile sees whole run without a causal mask, the rest with it: the same values, and on an H200
+    sits at position c - n + i and sees keys 0..c - n + i (a cached prefix, then causal). MASK_FREE: the KV tiles
+    that every row of the query tile sees whole run without the causal mask, the rest (up to cdiv(BLOCK_M - 1,
+    BLOCK_N) + 1 tiles) with it and DIAG_STAGES pipeline stages: the same values, and on an H200
     (bench/RESULTS.md, twenty-second session) 162 against 187 µs for 2,048 new tokens, 810 against 1,000 after a
-    6,144-token prefix (32 heads, D 128). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`.
+    6,144-token prefix (32 heads, D 128). Else every tile takes the mask (the two loops spill registers on sm_80 -
+    sm_89, where nothing measured them). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`.
     """
     pdl_wait(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
@@ -468,16 +469,18 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     live = row0 < q_len
     kv_end = tl.where(live, tl.minimum(ctx, ctx - q_len + row0 + BLOCK_M), 0)  # the tile's last row sees these
-    kv_all = tl.where(live, (ctx - q_len + row0 + 1) // BLOCK_N * BLOCK_N, 0)  # whole KV tiles every row sees
     bt_row = bt_ptr + seq * stride_bt
-    for t0 in range(0, kv_all, BLOCK_N):  # below the diagonal: every row sees the whole tile, no mask
-        tok, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb,
-                                             stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb,
-                                             stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES, KV_INT8)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
-    # across it, each row seeing the keys up to its position: one or two tiles, not pipelined (pipelined too, the
-    # two loops' buffers took more registers than sm_86 / sm_89 have: 255 and 88-132 bytes of spills)
-    for t0 in tl.range(kv_all, kv_end, BLOCK_N, num_stages=1):
+    if MASK_FREE:
+        kv_all = tl.where(live, (ctx - q_len + row0 + 1) // BLOCK_N * BLOCK_N, 0)  # whole KV tiles every row sees
+        for t0 in range(0, kv_all, BLOCK_N):  # below the diagonal: no mask
+            tok, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb,
+                                                 stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb,
+                                                 stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES,
+                                                 KV_INT8)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
+    else:
+        kv_all = 0
+    for t0 in tl.range(kv_all, kv_end, BLOCK_N, num_stages=DIAG_STAGES):  # each row sees keys up to its position
         tok, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb,
                                              stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb,
                                              stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES, KV_INT8)
@@ -504,25 +507,41 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Triton :func:`paged_attention_prefill_ref` (same arguments and result): all sequences in one launch, no host
     sync. q: [T, Hq, D] (last dim contiguous); cu_seqlens_q int32 [S + 1]; context_lens int32 [S] (cached prefix +
     new tokens); block_tables int32 [S, max_blocks]; caches and scales as :func:`paged_attention_decode`."""
-    config = {} if dot_f32(q) else PREFILL_CONFIG
     return prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales=k_scales,
-                        v_scales=v_scales, **config)
+                        v_scales=v_scales)
 
 
-#: Tile and launch settings of the prefill kernel on a GPU (interpreted: 16 x 16 tiles). H200 sweep
-#: (bench/RESULTS.md, twenty-second session), 32 q heads, D 128: 4 stages against 2, 154 against 162 µs for 2,048
-#: new tokens, 756 against 809 after a 6,144-token prefix, 51 against 66 for 8 x 256 (no slower anywhere; 57.6 KB
-#: of shared memory on sm_80-sm_89 either way). 128 x 128 tiles on 8 warps, 3 stages, were 7% faster still with a
-#: long prefix but need more shared memory than an RTX card has (99 KB); the 7B engine's time to first token did
-#: not move with either (2,048 and 8,000 tokens, within its spread).
-PREFILL_CONFIG = dict(block_m=64, block_n=64, num_warps=4, num_stages=4)
+#: Tile and launch settings of the prefill kernel on Hopper, its KV tiles below the diagonal without the mask. H200
+#: sweep (bench/RESULTS.md, twenty-second session), 32 q heads, D 128: 4 stages against 2, 154 against 162 µs for
+#: 2,048 new tokens, 756 against 809 after a 6,144-token prefix, 51 against 66 for 8 x 256 (no slower anywhere).
+#: 128 x 128 tiles on 8 warps, 3 stages, were 7% faster still with a long prefix but need more shared memory than
+#: an RTX card has (99 KB); the 7B engine's time to first token did not move with either (2,048 and 8,000 tokens).
+PREFILL_CONFIG = dict(block_m=64, block_n=64, num_warps=4, num_stages=4, mask_free=True)
+#: Before Hopper: every KV tile masked, 2 stages (the settings before the sweep; the mask-free loops spill
+#: registers on sm_86 / sm_89, and no such GPU measured them).
+PREFILL_CONFIG_PRE_HOPPER = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, mask_free=False)
+#: Interpreted (CPU): small tiles, the Hopper loops (the tests run both through :func:`prefill_with`).
+PREFILL_CONFIG_INTERPRETED = dict(block_m=16, block_n=16, num_warps=4, num_stages=2, mask_free=True)
 
 
-def prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float, block_m: int = 16,
-                 block_n: int = 16, num_warps: int = 4, num_stages: int = 2, k_scales: torch.Tensor | None = None,
-                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`paged_attention_prefill` with explicit settings (the benchmark sweeps them): query tiles of
-    ``block_m`` new tokens, KV tiles of ``block_n``."""
+def prefill_config(q: torch.Tensor) -> dict:
+    """The prefill settings for ``q``'s device: interpreted, Hopper, or an older GPU."""
+    if dot_f32(q):
+        return PREFILL_CONFIG_INTERPRETED
+    return PREFILL_CONFIG if hopper(q) else PREFILL_CONFIG_PRE_HOPPER
+
+
+def prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, **settings) -> torch.Tensor:
+    """:func:`paged_attention_prefill` with some settings of :func:`prefill_config` replaced (probes and tests
+    sweep them): ``block_m`` new tokens per query tile, ``block_n`` per KV tile, ``num_warps``, ``num_stages``,
+    ``mask_free`` (the tiles below the diagonal without the causal mask). ValueError for an unknown setting."""
+    config = {**prefill_config(q)}
+    unknown = set(settings) - set(config)
+    if unknown:
+        raise ValueError(f"prefill_with: unknown settings {sorted(unknown)}; choose from {sorted(config)}")
+    config.update(settings)
+    block_m, block_n, mask_free = config["block_m"], config["block_n"], config["mask_free"]
     tokens, q_heads, dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty_like(q)
@@ -534,6 +553,7 @@ def prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, 
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), *scale_meta, GROUP=q_heads // k_cache.shape[2], DIM=dim,
         BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        SEARCH_STEPS=max(PREFILL_SEARCH_STEPS, num_seqs.bit_length()), DOT_F32=dot_f32(q), PDL=pdl(q),
-        TRIG=early_trigger(q), num_warps=num_warps, num_stages=num_stages, **kv_meta)
+        SEARCH_STEPS=max(PREFILL_SEARCH_STEPS, num_seqs.bit_length()), DOT_F32=dot_f32(q), MASK_FREE=mask_free,
+        DIAG_STAGES=1 if mask_free else None, PDL=pdl(q), TRIG=early_trigger(q), num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **kv_meta)
     return out

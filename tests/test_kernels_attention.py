@@ -122,9 +122,9 @@ def test_decode_short_contexts_spread_over_a_wide_table(lengths, monkeypatch):
     splits. Each context is spread over the splits in whole 16-token tiles, cdiv(cdiv(ctx, 4), 16) tiles per split
     (130 tokens: 48 + 48 + 34 and an empty fourth; 17: 16 + 1; 300: 80 + 80 + 80 + 60): each live split's partial
     output is attention over exactly its tokens, and the merge of the live splits gives the reference, the same
-    bits each call."""
+    bits each call. A split past the context writes nothing (it leaves before the PDL wait on a GPU)."""
     partials = {}
-    merge = pa._merge_kernel
+    merge, decode = pa._merge_kernel, pa._decode_kernel
 
     class Spy:  # keeps the partial outputs the merge kernel is given
         def __getitem__(self, grid):
@@ -133,7 +133,16 @@ def test_decode_short_contexts_spread_over_a_wide_table(lengths, monkeypatch):
                 return merge[grid](po, *args, **meta)
             return launch
 
+    class NanFill:  # the decode kernel's partial outputs start as NaN: what it leaves alone stays NaN
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                args[6].fill_(float("nan"))
+                args[7].fill_(float("nan"))
+                return decode[grid](*args, **meta)
+            return launch
+
     monkeypatch.setattr(pa, "_merge_kernel", Spy())
+    monkeypatch.setattr(pa, "_decode_kernel", NanFill())
     k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
     wide = torch.full((len(lengths), 64), -1, dtype=torch.int32)
     wide[:, :tables.shape[1]] = tables
@@ -146,6 +155,7 @@ def test_decode_short_contexts_spread_over_a_wide_table(lengths, monkeypatch):
         chunk = cdiv(cdiv(n, 4), 16) * 16
         k = pa.gather_kv(k_cache, tables[b], n).float().repeat_interleave(2, dim=1).transpose(0, 1)
         v = pa.gather_kv(v_cache, tables[b], n).float().repeat_interleave(2, dim=1).transpose(0, 1)
+        assert partials["po"][b, :, cdiv(n, chunk):].isnan().all()
         for split in range(cdiv(n, chunk)):
             lo, hi = split * chunk, min(n, (split + 1) * chunk)
             want = torch.nn.functional.scaled_dot_product_attention(
@@ -185,20 +195,36 @@ def test_prefill(dtype, prefixes, new, q_heads, kv_heads, block_size):
     check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, scale)
 
 
+@pytest.mark.parametrize("mask_free", [True, False])
 @pytest.mark.parametrize("block_m,block_n", [(16, 32), (32, 16), (32, 32)])
-def test_prefill_tiles_below_and_across_the_diagonal(block_m, block_n):
+def test_prefill_tiles_below_and_across_the_diagonal(block_m, block_n, mask_free):
     """The kernel takes the KV tiles every row of a query tile sees without a mask, then the tiles across the
     diagonal with one: query tiles taller and shorter than the KV tiles, prefixes that end inside a KV tile, on a
     tile boundary and at 0, and query tiles whose first row sits one and two keys before a KV tile boundary (30:
-    a tile taken whole one key too early would show that row its next key)."""
+    a tile taken whole one key too early would show that row its next key). Without ``mask_free`` (GPUs before
+    Hopper) every tile takes the mask."""
     prefixes, new = [0, 37, 64, 31, 30], [70, 45, 33, 2, 20]
     lengths = [p + n for p, n in zip(prefixes, new)]
     k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
     q = torch.randn(sum(new), 4, 32, dtype=torch.bfloat16)
     cu = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
     ctx = torch.tensor(lengths, dtype=torch.int32)
-    out = pa.prefill_with(q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5, block_m=block_m, block_n=block_n)
+    out = pa.prefill_with(q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5, block_m=block_m, block_n=block_n,
+                          mask_free=mask_free)
     check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5)
+
+
+def test_prefill_settings_per_device_and_unknown_ones_refused(monkeypatch):
+    q = torch.zeros(1, 2, 32)
+    assert pa.prefill_config(q) is pa.PREFILL_CONFIG_INTERPRETED
+    on_gpu = torch.zeros(1, device="meta")
+    monkeypatch.setattr(pa, "dot_f32", lambda t: False)
+    monkeypatch.setattr(pa, "hopper", lambda t: True)
+    assert pa.prefill_config(on_gpu) is pa.PREFILL_CONFIG and pa.PREFILL_CONFIG["mask_free"]
+    monkeypatch.setattr(pa, "hopper", lambda t: False)
+    assert pa.prefill_config(on_gpu) is pa.PREFILL_CONFIG_PRE_HOPPER and not pa.PREFILL_CONFIG_PRE_HOPPER["mask_free"]
+    with pytest.raises(ValueError, match="unknown settings \\['chunk'\\]"):
+        pa.prefill_with(q, None, None, None, None, None, 1.0, chunk=64)
 
 
 def test_prefill_fp8_cache():

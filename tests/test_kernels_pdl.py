@@ -116,8 +116,9 @@ def _called(node) -> set[str]:
 
 def _wait_problem(fn: ast.FunctionDef) -> str | None:
     """Why ``fn``'s pdl_wait is misplaced, or None: one statement of the body, with no write, branch, loop or read
-    of x (a previous kernel's output) before it; but a program with nothing to do may leave before it
-    (``if <condition>: return``, the condition reading only step inputs)."""
+    of x (a previous kernel's output, through the helpers in ACTIVATION_READS) before it; but a program with nothing
+    to do may leave before it (``if <condition>: return``). That a plain ``tl.load`` before the wait reads only
+    step inputs is the kernel's own claim (kernels/_triton.py), not checked here."""
     if "PDL" not in [a.arg for a in fn.args.args]:
         return "no PDL constexpr"
     waits = [i for i, stmt in enumerate(fn.body) if _is_wait(stmt)]
