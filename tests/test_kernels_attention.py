@@ -215,7 +215,7 @@ def test_prefill_tiles_below_and_across_the_diagonal(block_m, block_n, mask_free
 
 
 def test_prefill_settings_per_device_and_unknown_ones_refused(monkeypatch):
-    q = torch.zeros(1, 2, 32)
+    q = torch.zeros(1, 2, 32, device="cpu")  # interpreted, also when the kernel tests run on a GPU
     assert pa.prefill_config(q) is pa.PREFILL_CONFIG_INTERPRETED
     on_gpu = torch.zeros(1, device="meta")
     monkeypatch.setattr(pa, "dot_f32", lambda t: False)
