@@ -513,7 +513,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 #: Tile and launch settings of the prefill kernel on Hopper, its KV tiles below the diagonal without the mask. H200
 #: sweep (bench/RESULTS.md, twenty-second session), 32 q heads, D 128: 4 stages against 2, 154 against 162 µs for
-#: 2,048 new tokens, 756 against 809 after a 6,144-token prefix, 51 against 66 for 8 x 256 (no slower anywhere).
+#: 2,048 new tokens, 756 against 809 after a 6,144-token prefix, 51 against 66 for 8 x 256 (3% slower at most).
 #: 128 x 128 tiles on 8 warps, 3 stages, were 7% faster still with a long prefix but need more shared memory than
 #: an RTX card has (99 KB); the 7B engine's time to first token did not move with either (2,048 and 8,000 tokens).
 PREFILL_CONFIG = dict(block_m=64, block_n=64, num_warps=4, num_stages=4, mask_free=True)
