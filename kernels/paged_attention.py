@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import check_int8_scales, dequantize_int8_ref, scale_args
-from ._triton import cdiv, device_fn, dot_f32, early_trigger, hopper, jit, next_pow2, num_sms, pdl, pdl_trigger, pdl_wait, tl
+from ._triton import (cdiv, device_fn, dot_f32, early_trigger, hopper, jit, next_pow2, num_sms, pdl, pdl_trigger,
+                      pdl_wait, tl)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
@@ -114,8 +115,8 @@ INT8_V_BOOST = tl.constexpr(1024.0) if tl is not None else 1024.0
 @device_fn
 def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8: tl.constexpr):
     """One KV tile of FlashAttention-2's online softmax: q [M, D], k/v [N, D], mask [M, N] (False = not seen; None:
-    every key seen);
-    running row max m_i and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32. Returns the new three.
+    every key seen); running row max m_i and sum l_i [M] (log2 domain), unnormalised output acc [M, D] fp32.
+    Returns the new three.
     KV_INT8: k and v hold int8 codes (converted exactly), ``ks`` / ``vs`` [N] fp32 their tokens' scales: the scores
     are q.k times ks, the weights of V times vs (one multiply per token, not per value) and times
     :data:`INT8_V_BOOST` (the kernels take it off at the end): P.V's fp16 operand p vs alone would sink into fp16's
@@ -226,10 +227,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     sequence, chunk = :func:`_split_tokens` of its context; every KV tile is loaded once for the whole group.
     Without SPLIT the result goes to ``out``; with it, the normalised partial output to ``po`` [B, Hq, splits, D]
     fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]. A split past the context (but split 0) exits before the
-    PDL wait, writing nothing (the merge skips it): a graph's tables are ``max_model_len`` wide, so at a short context most
-    of the grid is such splits (H200, bs1 at ~160 tokens in 32k-token tables, 64 splits: 2,248 against 2,265 µs per
-    step of a Llama-3.1-8B shape with them waiting, 2,242 in 1k-token tables; bench/RESULTS.md, twenty-second
-    session). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`."""
+    PDL wait, writing nothing (the merge skips it): a graph's tables are ``max_model_len`` wide, so at a short
+    context most of the grid is such splits (H200, bs1 at ~160 tokens in 32k-token tables, 64 splits: 2,248
+    against 2,265 µs per step of a Llama-3.1-8B shape with them waiting, 2,242 in 1k-token tables;
+    bench/RESULTS.md, twenty-second session). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)  # a step input, not the previous kernel's output: readable before the wait
     chunk = _split_tokens(ctx, num_splits, BLOCK_N)
@@ -435,8 +436,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
     that every row of the query tile sees whole run without the causal mask, the rest (up to cdiv(BLOCK_M - 1,
     BLOCK_N) + 1 tiles) with it and DIAG_STAGES pipeline stages: the same values, and on an H200
     (bench/RESULTS.md, twenty-second session) 162 against 187 µs for 2,048 new tokens, 810 against 1,000 after a
-    6,144-token prefix (32 heads, D 128). Else every tile takes the mask (the two loops spill registers on sm_80 -
-    sm_89, where nothing measured them). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`.
+    6,144-token prefix (32 heads, D 128). Else every tile takes the mask (the two loops spill registers on sm_86
+    and sm_89, where nothing measured them). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`.
     """
     pdl_wait(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
@@ -532,7 +533,8 @@ def prefill_config(q: torch.Tensor) -> dict:
 
 
 def prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float,
-                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, **settings) -> torch.Tensor:
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                 **settings) -> torch.Tensor:
     """:func:`paged_attention_prefill` with some settings of :func:`prefill_config` replaced (probes and tests
     sweep them): ``block_m`` new tokens per query tile, ``block_n`` per KV tile, ``num_warps``, ``num_stages``,
     ``mask_free`` (the tiles below the diagonal without the causal mask). ValueError for an unknown setting."""

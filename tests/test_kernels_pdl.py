@@ -144,11 +144,13 @@ def test_each_kernel_waits_at_top_level_before_any_write_branch_or_loop(module, 
 
 @pytest.mark.parametrize("body,problem", [
     ("n = tl.load(n_ptr)\nif n == 0:\n    return\npdl_wait(PDL)\ntl.store(y_ptr, n)", None),  # an early exit
-    ("n = tl.load(n_ptr)\nif n == 0:\n    tl.store(y_ptr, n)\npdl_wait(PDL)", "a branch or loop before the wait (line 3)"),
+    ("n = tl.load(n_ptr)\nif n == 0:\n    tl.store(y_ptr, n)\npdl_wait(PDL)",
+     "a branch or loop before the wait (line 3)"),
     ("n = tl.load(n_ptr)\nif n == 0:\n    return\nelse:\n    n = 1\npdl_wait(PDL)",
      "a branch or loop before the wait (line 3)"),
     ("if tl.atomic_add(n_ptr, 1) == 0:\n    return\npdl_wait(PDL)", "a write before the wait (line 2)"),
-    ("if _load_x(x_ptr) == 0:\n    return\npdl_wait(PDL)", "x (a previous kernel's output) read before the wait (line 2)"),
+    ("if _load_x(x_ptr) == 0:\n    return\npdl_wait(PDL)",
+     "x (a previous kernel's output) read before the wait (line 2)"),
     ("tl.store(y_ptr, 1)\npdl_wait(PDL)", "a write before the wait (line 2)"),
     ("n = tl.load(n_ptr)\nif n == 0:\n    pdl_wait(PDL)", "pdl_wait(PDL) must be one statement of the kernel's body"),
 ])
