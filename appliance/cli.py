@@ -476,7 +476,8 @@ def bench(url: Optional[str] = UrlOpt,
           max_tokens: int = typer.Option(512, "--max-tokens", help="tokens generated per request"),
           requests: int = typer.Option(0, "--requests", help="requests per level (0 = 2 x concurrency, min 4)"),
           api_key: Optional[str] = ApiKeyOpt,
-          as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+          as_json: bool = typer.Option(False, "--json", help="machine-readable output: vLLM benchmark_serving's "
+                                       "result keys, latencies in ms")):
     """Load sweep against a running server: req/s, output tok/s, TTFT / ITL / E2E p50 and p99 per concurrency."""
     import asyncio
 
@@ -503,8 +504,7 @@ def bench(url: Optional[str] = UrlOpt,
             console.print(f"concurrency {level}: {n} requests of {prompt_len} + {max_tokens} tokens ...")
         results.append(asyncio.run(loadgen.run_level(url, model, level, n, prompt_len, max_tokens, api_key)))
     if as_json:
-        from dataclasses import asdict
-        print(json.dumps([asdict(r) for r in results], indent=2))
+        print(json.dumps([r.to_json() for r in results], indent=2))
         return
     table = Table(title=f"{model} at {url}")
     for col in ("conc.", "req", "err", "req/s", "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p99 s"):

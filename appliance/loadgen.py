@@ -44,6 +44,16 @@ class LevelResult:
     e2e_p50: float
     e2e_p99: float
 
+    def to_json(self) -> dict:
+        """This level under the key names of vLLM's ``benchmark_serving.py --save-result`` (latencies in
+        milliseconds, ``duration`` in seconds), so that scripts written for its results read ours."""
+        ms = {f"{stat}_{name}_ms": 1e3 * getattr(self, f"{field}_{p}")
+              for name, field in (("ttft", "ttft"), ("itl", "itl"), ("e2el", "e2e"))
+              for stat, p in (("median", "p50"), ("p99", "p99"))}
+        return {"max_concurrency": self.concurrency, "completed": self.requests, "failed": self.errors,
+                "total_output_tokens": self.output_tokens, "duration": self.duration,
+                "request_throughput": self.req_per_s, "output_throughput": self.output_tok_per_s, **ms}
+
 
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100) by linear interpolation; 0.0 for no values."""

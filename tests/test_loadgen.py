@@ -32,6 +32,18 @@ def test_level_counts_every_request_and_token(concurrency):
     assert 0 < result.ttft_p50 <= result.ttft_p99 and result.e2e_p50 >= result.ttft_p50
 
 
+def test_json_keys_are_vllm_benchmark_serving_ones_in_ms():
+    from appliance.loadgen import LevelResult
+
+    r = LevelResult(concurrency=4, requests=8, errors=1, output_tokens=80, duration=2.0, req_per_s=4.0,
+                    output_tok_per_s=40.0, ttft_p50=0.010, ttft_p99=0.030, itl_p50=0.002, itl_p99=0.005,
+                    e2e_p50=0.5, e2e_p99=0.9)
+    assert r.to_json() == pytest.approx({
+        "max_concurrency": 4, "completed": 8, "failed": 1, "total_output_tokens": 80, "duration": 2.0,
+        "request_throughput": 4.0, "output_throughput": 40.0, "median_ttft_ms": 10.0, "p99_ttft_ms": 30.0,
+        "median_itl_ms": 2.0, "p99_itl_ms": 5.0, "median_e2el_ms": 500.0, "p99_e2el_ms": 900.0})
+
+
 def test_level_counts_errors_for_an_unknown_model():
     engine = AsyncLLMEngine(lambda: FakeEngine(), "fake-model")
     with ServerThread(build_app(engine)) as url:
@@ -57,8 +69,11 @@ def test_cli_bench_prints_a_row_per_level_and_rejects_bad_input():
     assert ok.exit_code == 0, ok.output
     import json
     rows = json.loads(ok.output)
-    assert [(r["concurrency"], r["requests"], r["errors"], r["output_tokens"]) for r in rows] == [(1, 2, 0, 6),
-                                                                                                   (2, 2, 0, 6)]
+    assert [(r["max_concurrency"], r["completed"], r["failed"], r["total_output_tokens"]) for r in rows] == [
+        (1, 2, 0, 6), (2, 2, 0, 6)]
+    assert set(rows[0]) == {"max_concurrency", "completed", "failed", "total_output_tokens", "duration",
+                            "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                            "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms"}
     assert bad.exit_code == 1 and "not a list of numbers" in bad.output
     down = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--concurrency", "1"])
     assert down.exit_code == 1 and "no server answers" in down.output
