@@ -106,16 +106,29 @@ class ModelInfo:
 
 def _gpu_extra_bytes(cfg: dict, quant: dict | None, head_dim: int, context: int) -> int:
     """Bytes the engine holds on a GPU beyond the checkpoint's files: the float32 RoPE table (at most ``context``
-    rows of ``head_dim``), and for a GPTQ checkpoint with act-order the q/k/v and gate/up linears, which the engine
-    dequantizes to bf16 (each has its own permutation, so they cannot share one packed weight:
+    rows of ``head_dim``), and for a checkpoint with act-order group indices the q/k/v and gate/up linears, which
+    the engine dequantizes to bf16 (each has its own permutation, so they cannot share one packed weight:
     ``kernels.quant_formats.concat_out_features``): 2 bytes per weight instead of about half a byte."""
     extra = 4 * context * head_dim
-    if quant and quant.get("quant_method") == "gptq" and quant.get("desc_act"):
+    if _has_group_indices(quant):
         h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         kv = cfg.get("num_key_value_heads") or heads
         stacked = h * head_dim * (heads + 2 * kv) + 2 * h * cfg.get("intermediate_size", 4 * h)
         extra += cfg["num_hidden_layers"] * stacked * 3 // 2
     return extra
+
+
+def _has_group_indices(quant: dict | None) -> bool:
+    """Whether a ``quantization_config`` stores act-order group indices (a permutation per linear): GPTQ with
+    ``desc_act``, or compressed-tensors with ``actorder: "group"`` ("weight" act-order keeps the groups in order
+    and stores none, as vLLM reads it)."""
+    if not quant:
+        return False
+    if quant.get("quant_method") == "gptq":
+        return bool(quant.get("desc_act"))
+    if quant.get("quant_method") == "compressed-tensors":
+        return any(g.get("weights", {}).get("actorder") == "group" for g in quant.get("config_groups", {}).values())
+    return False
 
 
 @dataclass

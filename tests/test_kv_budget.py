@@ -76,3 +76,10 @@ def test_the_engine_gets_at_least_the_tuners_plan(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     stacked = 28 * (3584 * 128 * (28 + 2 * 4) + 2 * 3584 * 18944)  # q/k/v and gate/up weights
     assert ModelInfo.from_dir(tmp_path).gpu_extra_bytes == 4 * 32768 * 128 + stacked * 3 // 2
+    for actorder, dequantized in (("group", True), ("weight", False), (None, False)):
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
+                   "actorder": actorder}
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        assert ModelInfo.from_dir(tmp_path).gpu_extra_bytes == 4 * 32768 * 128 + dequantized * (stacked * 3 // 2)
