@@ -255,16 +255,22 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
 @friendly
 def start(config: Optional[Path] = typer.Option(None, "--config")):
     """Start the installed server again after `appliance stop` (the systemd unit, or the background process)."""
+    from appliance.installer import port_free
+
     path = config or cfgmod.config_path()
     if not path.is_file():
         raise ApplianceError(f"no config at {path}", "run `appliance install` first")
-    mgr = _manager(_config(config))
+    conf = _config(config)
+    mgr = _manager(conf)
     st = mgr.status()
     if st.running:
         console.print(f"already running ({st.mode}): {st.detail}", highlight=False)
         return
     if not st.installed:
         raise ApplianceError(f"the service is not installed ({st.detail})", "run `appliance install` to set it up")
+    if not port_free(conf.host, conf.port):  # the server would exit at once, after `started` was printed
+        raise ApplianceError(f"port {conf.port} on {conf.host} is already in use",
+                             f"stop what listens there, or set another `port` in {path}")
     if isinstance(mgr, service.Systemd):
         mgr.start()
     else:

@@ -214,3 +214,19 @@ def test_start_after_stop_runs_serve_with_the_config(bg, tmp_path, monkeypatch):
     result = runner.invoke(app, ["start"])
     assert result.exit_code == 1 and "not installed (removed by `appliance uninstall`)" in _flat(result)
     assert "the background service was already removed" in _flat(runner.invoke(app, ["uninstall", "--yes"]))
+
+
+def test_start_refuses_a_port_another_program_holds(bg, tmp_path):
+    """`appliance start` checks the config's port first, as install does: a server started on a taken port would
+    exit at once, after `started` was printed."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        (tmp_path / "config.toml").write_text(f'host = "127.0.0.1"\nport = {port}\n')
+        result = CliRunner().invoke(app, ["start"])
+    assert result.exit_code == 1, result.output
+    assert f"port {port} on 127.0.0.1 is already in use" in _flat(result) and "set another `port`" in _flat(result)
+    assert not bg.status().running
