@@ -49,7 +49,7 @@ class ModelInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    max_context: int  # tokens: max_position_embeddings with its RoPE scaling, or a Mistral sliding window
+    max_context: int  # tokens: max_position_embeddings with its RoPE scaling
     max_context_why: str
     weight_bytes: int
     quantization: str | None = None

@@ -36,11 +36,14 @@ class PagedAttention(nn.Module):
 
     ``k_cache``/``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim] are assigned by the model runner, and
     for an int8 cache ``k_scales``/``v_scales`` [num_blocks, num_kv_heads, block_size] fp32 (else None).
+    ``window`` > 0: sliding-window attention, each query over the last ``window`` positions up to its own (the
+    cache keeps every token; only the attention looks back no further).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.window = window
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scales = self.v_scales = None
 
@@ -53,6 +56,6 @@ class PagedAttention(nn.Module):
         q = ops.rotary_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping, *scales)
         if meta.is_prefill:
             return ops.paged_attention_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                               meta.context_lens, self.scale, *scales)
+                                               meta.context_lens, self.scale, *scales, self.window)
         return ops.paged_attention_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                          self.scale, *scales)
+                                          self.scale, *scales, self.window)

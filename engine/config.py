@@ -41,8 +41,8 @@ class EngineConfig:
     ``max_num_seqs``: sequences running at once (one step's batch at most).
     ``block_size``: tokens per KV cache block.
     ``max_model_len``: prompt + completion tokens per sequence, at most the model's context
-    (``engine.models.context.max_context``: ``max_position_embeddings`` with its RoPE scaling, a Mistral sliding
-    window); None = that context capped at 8192.
+    (``engine.models.context.max_context``: ``max_position_embeddings`` with its RoPE scaling); None = that context
+    capped at 8192.
     ``num_kv_blocks``: force the KV pool size (tests); None = size it from ``gpu_memory_utilization`` on CUDA or
     ``cpu_kv_cache_gib`` on CPU.
     ``max_num_batched_tokens``: token budget of one step (decode tokens + prefill tokens); None = 2048 with chunked

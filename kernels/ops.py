@@ -1,14 +1,15 @@
 """The kernels the engine calls: Triton on CUDA tensors, the torch reference on CPU (same signatures, same results
 up to rounding). Set ``APPLIANCE_KERNELS=torch`` to force the references on CUDA too (debugging). ``k_scales`` /
-``v_scales``: an int8 KV cache's per-token, per-head scales (``kv_cache.py``), None for a float cache.
+``v_scales``: an int8 KV cache's per-token, per-head scales (``kv_cache.py``), None for a float cache; ``window``:
+a sliding attention window in tokens (0 = none).
 
 | op | Triton | reference |
 |---|---|---|
 | ``linear(x, weight, bias)`` | (cuBLAS, ``F.linear``) | ``linear.linear_ref`` |
 | ``w4a16_linear(x, qw, bias, silu_gated, defer_sum)`` | ``w4a16.w4a16_linear`` | ``reference_linear`` (of ``silu_and_mul_ref(x)`` when gated) |
 | ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)`` | ``kv_cache.write_kv_cache`` | ``write_kv_cache_ref`` |
-| ``paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales)`` | ``paged_attention`` | ``_ref`` |
-| ``paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales, v_scales)`` | idem | idem |
+| ``paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales, window)`` | ``paged_attention`` | ``_ref`` |
+| ``paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales, v_scales, window)`` | idem | idem |
 | ``rms_norm(x, weight, eps, residual=None)`` | ``norm.rms_norm`` | ``norm.rms_norm_ref`` |
 | ``rotary(positions, q, k, cos_sin)`` | ``rotary.rotary`` | ``rotary.rotary_ref`` |
 | ``rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales, v_scales)`` | ``rotary.rotary_write_kv`` | ``rotary_write_kv_ref`` |
@@ -58,15 +59,15 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, k_scales=None,
-                           v_scales=None) -> torch.Tensor:
+                           v_scales=None, window: int = 0) -> torch.Tensor:
     fn = paged_attention.paged_attention_decode if use_triton(q) else paged_attention.paged_attention_decode_ref
-    return fn(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales)
+    return fn(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales, window)
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float,
-                            k_scales=None, v_scales=None) -> torch.Tensor:
+                            k_scales=None, v_scales=None, window: int = 0) -> torch.Tensor:
     fn = paged_attention.paged_attention_prefill if use_triton(q) else paged_attention.paged_attention_prefill_ref
-    return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales, v_scales)
+    return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales, v_scales, window)
 
 
 def rms_norm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.Tensor]:

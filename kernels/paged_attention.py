@@ -5,7 +5,9 @@ Flash-Decoding, Dao et al. 2023).
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (see ``kv_cache.py``; an int8 cache
 comes with fp32 scales [num_blocks, num_kv_heads, block_size], applied to the scores and to the softmax weights
 in the kernels, so that K and V tiles convert from int8 exactly). Grouped-query
-attention: query head h reads KV head ``h // (num_q_heads // num_kv_heads)``. Sequences are computed one at a
+attention: query head h reads KV head ``h // (num_q_heads // num_kv_heads)``. Sliding-window attention (Mistral
+7B v0.1; Jiang et al., 2023): with ``window`` W > 0 a query at position p sees keys p - W + 1 .. p only
+(transformers' mask, ``kv_idx > q_idx - sliding_window``). Sequences are computed one at a
 time with exact lengths (no padding), so a sequence's result does not depend on the rest of the batch; the
 references also compute every query row on its own, so a row's result does not depend on how many rows of its
 sequence are computed together (prefill = decode, bit for bit, on CPU).
@@ -37,11 +39,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return cache[blocks].flatten(0, 1)[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """Causal attention of the last ``q_len`` positions of a ``kv_len`` context, one query row at a time.
 
     q: [q_len, Hq, D]; k, v: [kv_len, Hkv, D]. Query i sits at position p = kv_len - q_len + i and attends to keys
-    0..p. Returns [q_len, Hq, D].
+    0..p (``window`` W > 0: max(0, p - W + 1)..p). Returns [q_len, Hq, D].
 
     Row-invariant on purpose: every row is one unmasked SDPA call over exactly its own prefix ``k[:p + 1]``, which is
     what a decode step computes for that position. A multi-row masked SDPA call rounds a row differently depending on
@@ -57,15 +59,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     out = torch.empty_like(q)
     for i in range(q_len):
         p = kv_len - q_len + i
-        out[i] = F.scaled_dot_product_attention(qt[:, i:i + 1], k[:, :p + 1], v[:, :p + 1], scale=scale)[:, 0]
+        lo = max(0, p + 1 - window) if window else 0
+        out[i] = F.scaled_dot_product_attention(qt[:, i:i + 1], k[:, lo:p + 1], v[:, lo:p + 1], scale=scale)[:, 0]
     return out
 
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               k_scales: torch.Tensor | None = None,
-                               v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """One new query token per sequence attends to its whole context (its own K/V already written).
+                               k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                               window: int = 0) -> torch.Tensor:
+    """One new query token per sequence attends to its whole context (its own K/V already written), or to its last
+    ``window`` tokens (> 0: sliding-window attention).
 
     q: [B, Hq, D]; block_tables: int32 [B, max_blocks]; context_lens: int32 [B] (tokens in cache, >= 1); an int8
     cache's scales [num_blocks, Hkv, block_size] fp32 (its values are dequantized, then cast to q's dtype).
@@ -76,15 +80,16 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         n = int(context_lens[b])
         k = gather_kv(k_cache, block_tables[b], n, k_scales).to(q.dtype)
         v = gather_kv(v_cache, block_tables[b], n, v_scales).to(q.dtype)
-        out[b] = _attend(q[b:b + 1], k, v, scale)[0]
+        out[b] = _attend(q[b:b + 1], k, v, scale, window)[0]
     return out
 
 
 def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                                 scale: float, k_scales: torch.Tensor | None = None,
-                                v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached prefix plus themselves (K/V already written).
+                                v_scales: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix plus themselves (K/V already written);
+    ``window`` > 0: each over its last ``window`` positions.
 
     q: [T, Hq, D], the new tokens of S sequences packed back to back; cu_seqlens_q: int32 [S + 1] offsets into q;
     context_lens: int32 [S] = cached prefix + new tokens; block_tables: int32 [S, max_blocks]; scales as
@@ -99,7 +104,7 @@ def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         n = int(context_lens[s])
         k = gather_kv(k_cache, block_tables[s], n, k_scales).to(q.dtype)
         v = gather_kv(v_cache, block_tables[s], n, v_scales).to(q.dtype)
-        out[lo:hi] = _attend(q[lo:hi], k, v, scale)
+        out[lo:hi] = _attend(q[lo:hi], k, v, scale, window)
     return out
 
 
@@ -221,10 +226,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
                    stride_bt, stride_ob, stride_oh, num_splits, ks_ptr, vs_ptr, stride_sb, stride_sh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-                   KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, KV_INT8: tl.constexpr, PDL: tl.constexpr,
-                   TRIG: tl.constexpr):
-    """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [split*chunk, +chunk) of one
-    sequence, chunk = :func:`_split_tokens` of its context; every KV tile is loaded once for the whole group.
+                   KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
+                   PDL: tl.constexpr, TRIG: tl.constexpr):
+    """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [lo + split*chunk, +chunk) of
+    one sequence, chunk = :func:`_split_tokens` of its span: its context (lo = 0) or, with a sliding WINDOW > 0,
+    its last WINDOW tokens (lo = ctx - WINDOW, at least 0); every KV tile is loaded once for the whole group.
     Without SPLIT the result goes to ``out``; with it, the normalised partial output to ``po`` [B, Hq, splits, D]
     fp32 and its log2-sum-exp to ``plse`` [B, Hq, splits]. A split past the context (but split 0) exits before the
     PDL wait, writing nothing (the merge skips it): a graph's tables are ``max_model_len`` wide, so at a short
@@ -233,8 +239,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     bench/RESULTS.md, twenty-second session). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)  # a step input, not the previous kernel's output: readable before the wait
-    chunk = _split_tokens(ctx, num_splits, BLOCK_N)
-    start = split * chunk
+    lo = tl.maximum(ctx - WINDOW, 0) if WINDOW else 0
+    chunk = _split_tokens(ctx - lo, num_splits, BLOCK_N)
+    start = lo + split * chunk
     if split > 0 and start >= ctx:  # a split past the context reads and writes nothing: it exits without waiting
         return  # (split 0 always waits: every grid has programs that wait, so none can overtake the kernel before)
     pdl_wait(PDL)
@@ -273,16 +280,17 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
 @jit
 def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, num_splits, stride_ob, stride_oh,
                   DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr,
-                  PDL: tl.constexpr, TRIG: tl.constexpr):
-    """Grid (B, Hq): combine the valid splits (those that start inside the context; TILE is the decode kernel's
-    BLOCK_N) by their log2-sum-exp."""
+                  WINDOW: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
+    """Grid (B, Hq): combine the valid splits (those that start inside the span: TILE and WINDOW are the decode
+    kernel's BLOCK_N and WINDOW) by their log2-sum-exp."""
     pdl_wait(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
-    chunk = _split_tokens(ctx, num_splits, TILE)
+    span = tl.minimum(ctx, WINDOW) if WINDOW else ctx
+    chunk = _split_tokens(span, num_splits, TILE)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = sp < (ctx + chunk - 1) // chunk  # the live splits, at most num_splits (see _split_tokens)
+    smask = sp < (span + chunk - 1) // chunk  # the live splits, at most num_splits (see _split_tokens)
     row = (b * tl.num_programs(1) + h) * num_splits + sp
     lse = tl.load(plse_ptr + row, mask=smask, other=float("-inf"))
     o = tl.load(po_ptr + row[:, None] * DIM + d[None, :], mask=smask[:, None] & (d < DIM)[None, :], other=0.0)
@@ -337,7 +345,8 @@ def _cache_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                           window: int = 0) -> torch.Tensor:
     """Triton :func:`paged_attention_decode_ref` (same arguments and result), without host syncs (graph-safe).
 
     q: [B, Hq, D] (last dim contiguous); caches [num_blocks, block_size, Hkv, D], any float dtype (converted to
@@ -353,7 +362,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     elif k_cache.dtype == torch.int8:
         config = DECODE_CONFIG_INT8
     return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales=k_scales, v_scales=v_scales,
-                       **config)
+                       window=window, **config)
 
 
 #: Tile and launch settings of the decode kernel (measured on an H200: bench/gpu_suite.py --sweep).
@@ -381,11 +390,11 @@ def decode_tile(block_n: int, chunk: int) -> int:
 
 def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, chunk: int | None = None,
                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3, k_scales: torch.Tensor | None = None,
-                v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                v_scales: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """:func:`paged_attention_decode` with explicit settings (the benchmark sweeps them): ``chunk`` tokens per
-    split at a full block table, which sets ``cdiv(table width, chunk)`` splits (None = :func:`decode_split_chunk`;
-    a shorter context is spread over them in whole tiles), KV tile ``block_n`` tokens (narrowed to a power of two
-    <= the chunk)."""
+    split at a full block table (or a full sliding ``window``, when narrower), which sets ``cdiv(width, chunk)``
+    splits (None = :func:`decode_split_chunk`; a shorter context is spread over them in whole tiles), KV tile
+    ``block_n`` tokens (narrowed to a power of two <= the chunk)."""
     batch, q_heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
@@ -393,6 +402,8 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
     if batch == 0:
         return out
     max_tokens = block_tables.shape[1] * block_size
+    if window:
+        max_tokens = min(max_tokens, window)  # no sequence attends over more
     if chunk is None:
         chunk = decode_split_chunk(batch, kv_heads, max_tokens, num_sms(q.device))
     splits = cdiv(max_tokens, chunk)
@@ -412,11 +423,12 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), splits, *scale_meta, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
-        DOT_F32=dot_f32(q), PDL=pdl(q), TRIG=early_trigger(q), num_warps=num_warps, num_stages=num_stages, **kv_meta)
+        DOT_F32=dot_f32(q), WINDOW=window, PDL=pdl(q), TRIG=early_trigger(q), num_warps=num_warps,
+        num_stages=num_stages, **kv_meta)
     if splits > 1:
         _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, splits, out.stride(0), out.stride(1),
                                         DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), TILE=block_n,
-                                        PDL=pdl(q), TRIG=early_trigger(q), num_warps=4)
+                                        WINDOW=window, PDL=pdl(q), TRIG=early_trigger(q), num_warps=4)
     return out
 
 
@@ -427,7 +439,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                     DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, KV_INT8: tl.constexpr,
-                    MASK_FREE: tl.constexpr, DIAG_STAGES: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
+                    MASK_FREE: tl.constexpr, DIAG_STAGES: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
+                    TRIG: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M) + S, Hq): one tile of BLOCK_M new tokens of one sequence, one query head.
 
     Sequence s owns tiles from ``cu[s] // BLOCK_M + s`` on (an upper bound of the tiles before it), found by binary
@@ -437,7 +450,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
     BLOCK_N) + 1 tiles) with it and DIAG_STAGES pipeline stages: the same values, and on an H200
     (bench/RESULTS.md, twenty-second session) 162 against 187 µs for 2,048 new tokens, 810 against 1,000 after a
     6,144-token prefix (32 heads, D 128). Else every tile takes the mask (the two loops spill registers on sm_86
-    and sm_89, where nothing measured them). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`.
+    and sm_89, where nothing measured them). A sliding WINDOW > 0 (MASK_FREE false): the tiles from the one the
+    tile's first row sees first, each key also masked below its row's window. KV_FP8 / KV_BYTES / KV_INT8: see
+    :func:`_cache_args`.
     """
     pdl_wait(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)
@@ -479,13 +494,17 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, sca
                                                  stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES,
                                                  KV_INT8)
             m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
-    else:
-        kv_all = 0
+    else:  # from the first tile the first row sees (with a sliding window, its window's first key)
+        kv_all = tl.maximum(ctx - q_len + row0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N if WINDOW else 0
     for t0 in tl.range(kv_all, kv_end, BLOCK_N, num_stages=DIAG_STAGES):  # each row sees keys up to its position
         tok, tmask, k, v, ks, vs = _kv_tiles(kc_ptr, vc_ptr, bt_row, ks_ptr, vs_ptr, t0, kv_end, kvh, stride_kb,
                                              stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb,
                                              stride_sh, q.dtype, DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_BYTES, KV_INT8)
-        causal = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
+        if WINDOW:  # 0 <= q_pos - tok < WINDOW in one unsigned compare (tok <= q_pos implies tok < kv_end for the
+            # tile's real rows): two compares spilled registers on sm_86 / sm_89
+            causal = (q_pos[:, None] - tok[None, :]).to(tl.uint32) < WINDOW
+        else:
+            causal = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
         m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2, ks, vs, KV_INT8)
     pdl_trigger(TRIG)
     if KV_INT8:
@@ -504,12 +523,12 @@ PREFILL_SEARCH_STEPS = 9
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, k_scales: torch.Tensor | None = None,
-                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scales: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Triton :func:`paged_attention_prefill_ref` (same arguments and result): all sequences in one launch, no host
     sync. q: [T, Hq, D] (last dim contiguous); cu_seqlens_q int32 [S + 1]; context_lens int32 [S] (cached prefix +
     new tokens); block_tables int32 [S, max_blocks]; caches and scales as :func:`paged_attention_decode`."""
     return prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scales=k_scales,
-                        v_scales=v_scales)
+                        v_scales=v_scales, window=window)
 
 
 #: Tile and launch settings of the prefill kernel on Hopper, its KV tiles below the diagonal without the mask. H200
@@ -533,17 +552,18 @@ def prefill_config(q: torch.Tensor) -> dict:
 
 
 def prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float,
-                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, window: int = 0,
                  **settings) -> torch.Tensor:
     """:func:`paged_attention_prefill` with some settings of :func:`prefill_config` replaced (probes and tests
     sweep them): ``block_m`` new tokens per query tile, ``block_n`` per KV tile, ``num_warps``, ``num_stages``,
-    ``mask_free`` (the tiles below the diagonal without the causal mask). ValueError for an unknown setting."""
+    ``mask_free`` (the tiles below the diagonal without the causal mask; never with a sliding ``window``).
+    ValueError for an unknown setting."""
     config = {**prefill_config(q)}
     unknown = set(settings) - set(config)
     if unknown:
         raise ValueError(f"prefill_with: unknown settings {sorted(unknown)}; choose from {sorted(config)}")
     config.update(settings)
-    block_m, block_n, mask_free = config["block_m"], config["block_n"], config["mask_free"]
+    block_m, block_n, mask_free = config["block_m"], config["block_n"], config["mask_free"] and not window
     tokens, q_heads, dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty_like(q)
@@ -556,6 +576,6 @@ def prefill_with(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, 
         out.stride(0), out.stride(1), *scale_meta, GROUP=q_heads // k_cache.shape[2], DIM=dim,
         BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         SEARCH_STEPS=max(PREFILL_SEARCH_STEPS, num_seqs.bit_length()), DOT_F32=dot_f32(q), MASK_FREE=mask_free,
-        DIAG_STAGES=1 if mask_free else None, PDL=pdl(q), TRIG=early_trigger(q), num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **kv_meta)
+        DIAG_STAGES=1 if mask_free else None, WINDOW=window, PDL=pdl(q), TRIG=early_trigger(q),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **kv_meta)
     return out

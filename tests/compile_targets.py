@@ -127,7 +127,8 @@ def compile_only(capability: int, sms: int, stats: bool = False):
 
 @dataclass(frozen=True)
 class Shape:
-    """The sizes of a decoder that pick kernels: hidden, intermediate, q / kv heads, head dim; qkv bias (Qwen)."""
+    """The sizes of a decoder that pick kernels: hidden, intermediate, q / kv heads, head dim; qkv bias (Qwen); a
+    sliding attention window (Mistral v0.1; 0 = none)."""
 
     hidden: int
     intermediate: int
@@ -135,11 +136,13 @@ class Shape:
     kv_heads: int
     head_dim: int
     qkv_bias: bool = False
+    window: int = 0
 
 
 MODELS = {
     "Llama-2-7B": Shape(4096, 11008, 32, 32, 128),
     "Llama-3-8B": Shape(4096, 14336, 32, 8, 128),
+    "Mistral-7B-v0.1": Shape(4096, 14336, 32, 8, 128, window=4096),
     "Qwen2.5-7B": Shape(3584, 18944, 28, 4, 128, qkv_bias=True),
     "Qwen2.5-1.5B": Shape(1536, 8960, 12, 2, 128, qkv_bias=True),
     "Phi-3-mini": Shape(3072, 8192, 32, 32, 96),
@@ -210,10 +213,10 @@ def model_launches(shape: Shape, dtype: torch.dtype = torch.bfloat16, group: int
     for batch in batches:
         paged_attention.paged_attention_decode(
             meta(batch, shape.heads, d, dtype=dtype), *caches, meta(batch, table_width, dtype=torch.int32),
-            meta(batch, dtype=torch.int32), d ** -0.5, *scales)
+            meta(batch, dtype=torch.int32), d ** -0.5, *scales, shape.window)
     paged_attention.paged_attention_prefill(
         meta(512, shape.heads, d, dtype=dtype), *caches, meta(4, table_width, dtype=torch.int32),
-        meta(5, dtype=torch.int32), meta(4, dtype=torch.int32), d ** -0.5, *scales)
+        meta(5, dtype=torch.int32), meta(4, dtype=torch.int32), d ** -0.5, *scales, shape.window)
     for pending in (None, meta(4, dtype=torch.int64)):  # 4 penalised rows of a 32k vocabulary
         penalties.apply_penalties(meta(4, 32000, dtype=torch.float32), meta(4, dtype=torch.int32),
                                   meta(9, dtype=torch.int32), meta(100, dtype=torch.int32),

@@ -121,14 +121,15 @@ MISTRAL_V01 = {"architectures": ["MistralForCausalLM"], "num_hidden_layers": 32,
                "sliding_window": 4096}
 
 
-def test_a_sliding_window_caps_the_plan(tmp_path):
-    """Mistral v0.1's 4096-token window (engine.models.context): the plan stays within it, and so must a flag."""
+def test_a_sliding_window_does_not_cap_the_plan(tmp_path):
+    """Mistral v0.1's 4096-token window is served (engine.models.llama.sliding_window): the plan may go to the
+    model's 32,768 positions, and a flag over them is refused."""
     info = ModelInfo.from_dir(model_dir(tmp_path, MISTRAL_V01, 4 * GIB))
-    assert info.max_context == 4096 and "sliding window" in info.max_context_why
-    plan = tuner.plan(info, gpu(24 * GIB, 24 * GIB))
-    assert plan.max_model_len == 4096 and "sliding window (4096 tokens" in plan.reasons["max_model_len"]
-    with pytest.raises(TuneError, match="over the model's limit of 4096 tokens .the model's sliding window"):
-        tuner.plan(info, gpu(24 * GIB, 24 * GIB), max_model_len=8192)
+    assert info.max_context == 32768 and info.max_context_why == "the model's max_position_embeddings"
+    plan = tuner.plan(info, gpu(24 * GIB, 24 * GIB), max_model_len=16384)
+    assert plan.max_model_len == 16384
+    with pytest.raises(TuneError, match="over the model's limit of 32768 tokens .the model's max_position_embeddings"):
+        tuner.plan(info, gpu(24 * GIB, 24 * GIB), max_model_len=32769)
 
 
 def test_scaled_rope_lengthens_and_unknown_rope_is_an_error(tmp_path):

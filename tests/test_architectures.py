@@ -130,18 +130,24 @@ def test_scaled_rope_greedy_tokens_and_prompt_logprobs_equal_transformers(case, 
     assert hf_greedy_choices(plain, tokenizer, TEXTS, got) != got  # the scaling matters to the answer
 
 
-def test_mistral_sliding_window_caps_the_context(qwen2, tmp_path):
-    """Mistral v0.1 attends over its last ``sliding_window`` tokens, which the engine does not implement: it serves
-    up to the window (where full attention is the same) and refuses a longer max_model_len."""
-    folder, _, _ = qwen2
-    for f in folder.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    mistral = {**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 48}
-    (tmp_path / "config.json").write_text(json.dumps(mistral))
-    assert LLM(str(tmp_path), device="cpu").engine.max_model_len == 48
-    with pytest.raises(ValueError, match=r"max_model_len: 64 is over the model's sliding window \(48 tokens.*at most 48"):
-        LLM(str(tmp_path), device="cpu", max_model_len=64)
+def test_mistral_sliding_window_equals_transformers(demo_model, tmp_path):
+    """Mistral v0.1 attends over its last ``sliding_window`` tokens: a 2-layer random Mistral with a window of 6,
+    whose prompts and answers run past it, gives transformers' greedy tokens and prompt logprobs; without the window
+    transformers answers otherwise, so the window is what is checked; max_model_len may go past the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(2)
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    cfg = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        sliding_window=6, rms_norm_eps=1e-6, attn_implementation="eager")
+    folder, model, tokenizer = _random_model(MistralForCausalLM(cfg).eval(), tokenizer, tmp_path / "mistral")
+    assert json.loads((folder / "config.json").read_text())["sliding_window"] == 6
+    got = _same_as_transformers(folder, model, tokenizer)
+    full = copy.deepcopy(model)
+    full.config.sliding_window = None
+    assert hf_greedy_choices(full, tokenizer, TEXTS, got) != got  # the window matters to the answer
+    assert LLM(str(folder), device="cpu").engine.max_model_len == 512
 
 
 def test_max_model_len_over_the_model_context_is_refused(qwen2):

@@ -195,6 +195,17 @@ def test_prefill(dtype, prefixes, new, q_heads, kv_heads, block_size):
     check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, scale)
 
 
+def _prefill_batch():
+    """Five sequences' new tokens after cached prefixes that end inside a KV tile, on a tile boundary, at 0, and
+    one and two keys before a boundary: (q, k_cache, v_cache, tables, cu_seqlens, context lens)."""
+    prefixes, new = [0, 37, 64, 31, 30], [70, 45, 33, 2, 20]
+    lengths = [p + n for p, n in zip(prefixes, new)]
+    k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
+    q = torch.randn(sum(new), 4, 32, dtype=torch.bfloat16)
+    cu = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
+    return q, k_cache, v_cache, tables, cu, torch.tensor(lengths, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("mask_free", [True, False])
 @pytest.mark.parametrize("block_m,block_n", [(16, 32), (32, 16), (32, 32)])
 def test_prefill_tiles_below_and_across_the_diagonal(block_m, block_n, mask_free):
@@ -203,12 +214,7 @@ def test_prefill_tiles_below_and_across_the_diagonal(block_m, block_n, mask_free
     tile boundary and at 0, and query tiles whose first row sits one and two keys before a KV tile boundary (30:
     a tile taken whole one key too early would show that row its next key). Without ``mask_free`` (GPUs before
     Hopper) every tile takes the mask."""
-    prefixes, new = [0, 37, 64, 31, 30], [70, 45, 33, 2, 20]
-    lengths = [p + n for p, n in zip(prefixes, new)]
-    k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
-    q = torch.randn(sum(new), 4, 32, dtype=torch.bfloat16)
-    cu = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
-    ctx = torch.tensor(lengths, dtype=torch.int32)
+    q, k_cache, v_cache, tables, cu, ctx = _prefill_batch()
     out = pa.prefill_with(q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5, block_m=block_m, block_n=block_n,
                           mask_free=mask_free)
     check(out, pa.paged_attention_prefill_ref, q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5)
@@ -225,6 +231,42 @@ def test_prefill_settings_per_device_and_unknown_ones_refused(monkeypatch):
     assert pa.prefill_config(on_gpu) is pa.PREFILL_CONFIG_PRE_HOPPER and not pa.PREFILL_CONFIG_PRE_HOPPER["mask_free"]
     with pytest.raises(ValueError, match="unknown settings \\['chunk'\\]"):
         pa.prefill_with(q, None, None, None, None, None, 1.0, chunk=64)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_decode_sliding_window(window):
+    """With a sliding window each sequence attends over its last ``window`` tokens only (a context shorter than the
+    window over all of it), spread over the splits of a wide table as a whole context is."""
+    lengths = [1, 17, 130, 64, 300]
+    k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
+    wide = torch.full((len(lengths), 64), -1, dtype=torch.int32)
+    wide[:, :tables.shape[1]] = tables
+    q = torch.randn(len(lengths), 4, 32, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    out = pa.decode_with(q, k_cache, v_cache, wide, ctx, 32 ** -0.5, chunk=16, block_n=16, window=window)
+    check(out, lambda *a: pa.paged_attention_decode_ref(*a, window=window), q, k_cache, v_cache, tables, ctx,
+          32 ** -0.5)
+    k_last = pa.gather_kv(k_cache, tables[4], 300)[300 - window:].float()
+    v_last = pa.gather_kv(v_cache, tables[4], 300)[300 - window:].float()
+    want = torch.nn.functional.scaled_dot_product_attention(  # the 300-token sequence's last `window` keys alone
+        q[4].float()[:, None], k_last.repeat_interleave(2, dim=1).transpose(0, 1),
+        v_last.repeat_interleave(2, dim=1).transpose(0, 1), scale=32 ** -0.5)[:, 0]
+    torch.testing.assert_close(out[4].float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+def test_prefill_sliding_window(window, block_m, block_n):
+    """Each new token attends over the last ``window`` positions up to its own, across a cached prefix; every tile
+    takes the mask (``mask_free`` is ignored with a window); the references agree row for row with decode."""
+    q, k_cache, v_cache, tables, cu, ctx = _prefill_batch()
+    out = pa.prefill_with(q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5, block_m=block_m, block_n=block_n,
+                          mask_free=True, window=window)
+    check(out, lambda *a: pa.paged_attention_prefill_ref(*a, window=window), q, k_cache, v_cache, tables, cu, ctx,
+          32 ** -0.5)
+    last = pa.paged_attention_decode_ref(q[cu[1:] - 1], k_cache, v_cache, tables, ctx, 32 ** -0.5, window=window)
+    assert torch.equal(pa.paged_attention_prefill_ref(q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5,
+                                                      window=window)[cu[1:] - 1], last)
 
 
 def test_prefill_fp8_cache():

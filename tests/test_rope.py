@@ -74,8 +74,8 @@ def test_rope_not_served_is_refused(cfg, match):
     ({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}, 8192, "RoPE scaling"),
     ({"max_position_embeddings": 2048, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, 2048, "embeddings"),
     ({}, 4096, "max_position_embeddings"),
-    ({"architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768, "sliding_window": 4096}, 4096,
-     "sliding window (4096 tokens"),
+    ({"architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768, "sliding_window": 4096}, 32768,
+     "embeddings"),  # the window is attention's business (llama.sliding_window), not the context's
     ({"architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768, "sliding_window": None}, 32768,
      "embeddings"),
     ({"architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 32768, "sliding_window": 4096,

@@ -38,7 +38,8 @@ class LlamaDecoderLayer(nn.Module):
         if ckpt.has(f"{attn}.q_norm.weight"):
             self.q_norm = RMSNorm(ckpt.tensor(f"{attn}.q_norm.weight"), eps, dtype, device)
             self.k_norm = RMSNorm(ckpt.tensor(f"{attn}.k_norm.weight"), eps, dtype, device)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                   sliding_window(cfg))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,11 +113,21 @@ MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCa
           "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM}
 
 
+def sliding_window(cfg: dict) -> int:
+    """The attention window of a config.json dict, in tokens (0: full attention): Mistral v0.1's
+    ``sliding_window`` (later Mistral releases set it to null). Qwen2 and Qwen3 carry one that applies only with
+    ``use_sliding_window`` (and then to some layers), which :func:`check_architecture` refuses."""
+    window = cfg.get("sliding_window")
+    if (cfg.get("architectures") or [""])[0] == "MistralForCausalLM" and isinstance(window, int) and window > 0:
+        return window
+    return 0
+
+
 def check_architecture(cfg: dict) -> str:
     """The :data:`MODELS` key for a config.json dict (no ``architectures``: Llama). Raises CheckpointError for an
-    architecture not served, sliding-window attention switched on (``use_sliding_window``, which Qwen2 and Qwen3
-    releases ship off; Mistral's window instead caps the context: ``context.max_context``), or RoPE settings not
-    served (``rope.rope_scaling``)."""
+    architecture not served, sliding-window attention switched on in Qwen2 / Qwen3 (``use_sliding_window``, which
+    their releases ship off; Mistral's window is served: :func:`sliding_window`), or RoPE settings not served
+    (``rope.rope_scaling``)."""
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in MODELS:
         raise CheckpointError(f"architecture {arch!r} is not supported yet (supported: {', '.join(MODELS)})")
