@@ -136,10 +136,15 @@ def _wait_problem(fn: ast.FunctionDef) -> str | None:
     return None
 
 
+def _kernel_def(kernel) -> ast.FunctionDef:
+    """The parsed ``def`` of a kernel's Python source."""
+    return ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0]
+
+
 @pytest.mark.parametrize("module,name,kernel", _kernels(), ids=[f"{m}.{n}" for m, n, _ in _kernels()])
 def test_each_kernel_waits_at_top_level_before_any_write_branch_or_loop(module, name, kernel):
-    fn = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0]
-    assert _wait_problem(fn) is None, f"{module}.{name}: {_wait_problem(fn)}"
+    problem = _wait_problem(_kernel_def(kernel))
+    assert problem is None, f"{module}.{name}: {problem}"
 
 
 @pytest.mark.parametrize("body,problem", [
@@ -186,8 +191,8 @@ def _trigger_problem(fn: ast.FunctionDef) -> str | None:
 
 @pytest.mark.parametrize("module,name,kernel", _kernels(), ids=[f"{m}.{n}" for m, n, _ in _kernels()])
 def test_each_kernel_triggers_its_dependents_once_after_its_wait_and_loop(module, name, kernel):
-    fn = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0]
-    assert _trigger_problem(fn) is None, f"{module}.{name}: {_trigger_problem(fn)}"
+    problem = _trigger_problem(_kernel_def(kernel))
+    assert problem is None, f"{module}.{name}: {problem}"
 
 
 @pytest.mark.parametrize("body,problem", [
