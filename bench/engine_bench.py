@@ -613,6 +613,16 @@ def qwen_rows(ctx: dict, make_row) -> list:
     return rows
 
 
+def sliding_window_rows(ctx: dict, make_row) -> list:
+    """A small random Mistral v0.1-style AWQ model whose 24-token window is shorter than most of the six prompts
+    (1-100 tokens, 24 generated): the window in prefill (a cached prefix before the new tokens included: prompts
+    share their first tokens) and in decode, CUDA graphs = eager Triton = the torch references, greedy. Counts."""
+    small = str(write_random_awq_model("/tmp/rand_mistral", hidden_size=1024, intermediate_size=2816,
+                                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                       vocab_size=4096, max_position_embeddings=2048, sliding_window=24))
+    return _equality_rows(small, "Mistral 24-token window", make_row)
+
+
 def _equality_rows(small: str, what: str, make_row) -> list:
     """Two rows for the small model ``small``: CUDA graphs = eager, and eager Triton = the torch references
     (greedy, six prompts), each with the largest gap between the two paths' top-2 logprobs."""
@@ -761,7 +771,7 @@ def scaled_rope_rows(ctx: dict, make_row) -> list:
 
 
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some.
-SUITE_ROWS = [cuda_path_rows, qwen_rows, scaled_rope_rows, smollm2_rows, decode_rows, measured_plan_rows,
-              throughput_rows]
+SUITE_ROWS = [cuda_path_rows, qwen_rows, sliding_window_rows, scaled_rope_rows, smollm2_rows, decode_rows,
+              measured_plan_rows, throughput_rows]
 if os.environ.get("ENGINE_ROWS"):
     SUITE_ROWS = [fn for fn in SUITE_ROWS if fn.__name__ in os.environ["ENGINE_ROWS"].split(",")]

@@ -1,7 +1,7 @@
 """Write a random-weight, Llama-shaped 4-bit AWQ checkpoint (weights cannot travel to the GPU machine).
 
 The folder is a complete model for ``engine.LLM``: config.json with an AWQ-gemm ``quantization_config``,
-model.safetensors (random codes, zeros and small fp16 scales; fp16 embeddings, norms and LM head) and a
+model.safetensors (random codes, zero points of 7 or 8 and small fp16 scales; fp16 embeddings, norms and LM head) and a
 word-level tokenizer whose vocabulary is "t0".."t{V-1}". Shapes default to Llama-2-7B.
 """
 from __future__ import annotations
@@ -17,10 +17,16 @@ LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32
 
 
 def _awq_linear(k: int, n: int, group: int, device: str) -> dict[str, torch.Tensor]:
+    """Random codes; each zero point 7 or 8 at random. (Codes 0..15 average 7.5: with every zero at 8 each weight
+    leans -0.5 scale, a common direction that grows through the layers until every prompt's greedy token is the
+    same one, and an equality check of two paths' tokens cannot fail. Measured on a 4-layer model: 1 distinct token
+    in 6 prompts x 24, against 38-50 with these zeros.)"""
     gen = dict(device=device)
+    nibbles = 7 + torch.randint(0, 2, (k // group, n // 8, 8), dtype=torch.int64, **gen)
+    zeros = (nibbles << (4 * torch.arange(8, **gen))).sum(-1)
     return {
         "qweight": torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, **gen).cpu(),
-        "qzeros": torch.full((k // group, n // 8), 0x88888888 - 2**32, dtype=torch.int32, **gen).cpu(),
+        "qzeros": torch.where(zeros >= 2**31, zeros - 2**32, zeros).to(torch.int32).cpu(),
         "scales": (torch.rand(k // group, n, **gen) * 0.004 + 0.001).half().cpu(),
     }
 
@@ -37,10 +43,11 @@ def _tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def write_random_awq_model(out: str | Path, group_size: int = 128, device: str = "cuda", qkv_bias: bool = False,
-                           qk_norm: bool = False, **shape) -> Path:
+                           qk_norm: bool = False, sliding_window: int = 0, **shape) -> Path:
     """Write the checkpoint to ``out`` and return it; ``shape`` overrides fields of :data:`LLAMA2_7B`;
     ``qkv_bias``: a Qwen2 checkpoint (Qwen2ForCausalLM: random fp16 biases on q/k/v); ``qk_norm``: a Qwen3 one
-    (Qwen3ForCausalLM: per-head RMSNorm weights for q and k, random in [0.5, 1.5])."""
+    (Qwen3ForCausalLM: per-head RMSNorm weights for q and k, random in [0.5, 1.5]); ``sliding_window`` > 0: a
+    Mistral v0.1 one (MistralForCausalLM: each token attends over its last ``sliding_window`` tokens)."""
     cfg = {**LLAMA2_7B, **shape}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -66,10 +73,11 @@ def write_random_awq_model(out: str | Path, group_size: int = 128, device: str =
                 tensors[f"{p}.self_attn.{name}.weight"] = (torch.rand(head_dim) + 0.5).half()
     save_file(tensors, str(out / "model.safetensors"))
     arch, kind = (("Qwen3ForCausalLM", "qwen3") if qk_norm else ("Qwen2ForCausalLM", "qwen2") if qkv_bias else
-                  ("LlamaForCausalLM", "llama"))
+                  ("MistralForCausalLM", "mistral") if sliding_window else ("LlamaForCausalLM", "llama"))
     config = {"architectures": [arch], "model_type": kind, "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float16",
               "bos_token_id": 1, "eos_token_id": 2, **cfg,
+              **({"sliding_window": sliding_window} if sliding_window else {}),
               "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": group_size,
                                       "zero_point": True, "version": "gemm"}}
     (out / "config.json").write_text(json.dumps(config, indent=2))
