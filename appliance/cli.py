@@ -517,8 +517,8 @@ def bench(url: Optional[str] = UrlOpt,
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(str(r.concurrency), str(r.requests), str(r.errors), f"{r.req_per_s:.2f}",
-                      f"{r.output_tok_per_s:.1f}", f"{r.ttft_p50 * 1e3:.0f} / {r.ttft_p99 * 1e3:.0f}",
-                      f"{r.itl_p50 * 1e3:.1f} / {r.itl_p99 * 1e3:.1f}", f"{r.e2e_p50:.2f} / {r.e2e_p99:.2f}")
+                      f"{r.output_tok_per_s:.1f}", f"{r.ttft.median * 1e3:.0f} / {r.ttft.p99 * 1e3:.0f}",
+                      f"{r.itl.median * 1e3:.1f} / {r.itl.p99 * 1e3:.1f}", f"{r.e2el.median:.2f} / {r.e2el.p99:.2f}")
     console.print(table)
 
 

@@ -2,7 +2,8 @@
 
 For each concurrency level, that many clients each stream completions back to back (``/v1/completions`` with
 ``stream: true`` and ``ignore_eos``) until ``requests`` have finished; per level it reports req/s, output tok/s
-and TTFT / ITL / E2E latency percentiles. Everything goes over HTTP: it measures what a user sees.
+and TTFT / TPOT / ITL / E2E latencies (mean, median, standard deviation, 99th percentile; the table shows medians
+and 99th percentiles). Everything goes over HTTP: it measures what a user sees.
 """
 from __future__ import annotations
 
@@ -18,41 +19,71 @@ import httpx
 @dataclass
 class RequestTiming:
     """One streamed request: seconds from send to the first text, between text chunks, and to the end;
-    ``output_tokens`` from the stream's final usage chunk."""
+    ``input_tokens`` / ``output_tokens`` from the stream's final usage chunk."""
 
     ttft: float
     itl: list[float] = field(default_factory=list)
     e2e: float = 0.0
+    input_tokens: int = 0
     output_tokens: int = 0
 
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first, in seconds (vLLM's TPOT); None for one token or none."""
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
-@dataclass
+
+@dataclass(frozen=True)
+class Summary:
+    """Mean, median, standard deviation (of the population) and 99th percentile of some latencies, in seconds;
+    all 0.0 for none (as vLLM's ``benchmark_serving`` reports a level with no such values)."""
+
+    mean: float
+    median: float
+    std: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Summary:
+        if not values:
+            return cls(0.0, 0.0, 0.0, 0.0)
+        return cls(statistics.fmean(values), percentile(values, 50), statistics.pstdev(values), percentile(values, 99))
+
+
+@dataclass(frozen=True)
 class LevelResult:
-    """One concurrency level. Latencies in seconds; rates per second of wall time."""
+    """One concurrency level: counts, ``duration`` in seconds of wall time, and a latency :class:`Summary` each for
+    TTFT, TPOT, ITL and E2E latency (``e2el``)."""
 
     concurrency: int
     requests: int
     errors: int
+    input_tokens: int
     output_tokens: int
     duration: float
-    req_per_s: float
-    output_tok_per_s: float
-    ttft_p50: float
-    ttft_p99: float
-    itl_p50: float
-    itl_p99: float
-    e2e_p50: float
-    e2e_p99: float
+    ttft: Summary
+    tpot: Summary
+    itl: Summary
+    e2el: Summary
+
+    @property
+    def req_per_s(self) -> float:
+        return self.requests / self.duration
+
+    @property
+    def output_tok_per_s(self) -> float:
+        return self.output_tokens / self.duration
 
     def to_json(self) -> dict:
         """This level under the key names of vLLM's ``benchmark_serving.py --save-result`` (latencies in
         milliseconds, ``duration`` in seconds), so that scripts written for its results read ours."""
-        ms = {f"{stat}_{name}_ms": 1e3 * getattr(self, f"{field}_{p}")
-              for name, field in (("ttft", "ttft"), ("itl", "itl"), ("e2el", "e2e"))
-              for stat, p in (("median", "p50"), ("p99", "p99"))}
+        ms = {f"{stat}_{name}_ms": 1e3 * getattr(getattr(self, name), stat)
+              for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p99")}
         return {"max_concurrency": self.concurrency, "completed": self.requests, "failed": self.errors,
-                "total_output_tokens": self.output_tokens, "duration": self.duration,
-                "request_throughput": self.req_per_s, "output_throughput": self.output_tok_per_s, **ms}
+                "total_input_tokens": self.input_tokens, "total_output_tokens": self.output_tokens,
+                "duration": self.duration, "request_throughput": self.req_per_s,
+                "output_throughput": self.output_tok_per_s,
+                "total_token_throughput": (self.input_tokens + self.output_tokens) / self.duration, **ms}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -66,7 +97,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
     start = time.perf_counter()
-    timing, last, usage = None, start, 0
+    timing, last, usage = None, start, {}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -75,7 +106,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
             if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                 continue
             now = time.perf_counter()
@@ -86,7 +117,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming
             last = now
     timing = timing or RequestTiming(ttft=time.perf_counter() - start)
     timing.e2e = time.perf_counter() - start
-    timing.output_tokens = usage
+    timing.input_tokens = usage.get("prompt_tokens", 0)
+    timing.output_tokens = usage.get("completion_tokens", 0)
     return timing
 
 
@@ -113,11 +145,10 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, promp
     async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     duration = time.perf_counter() - start
-    itl = [x for t in timings for x in t.itl]
-    ttft, e2e = [t.ttft for t in timings], [t.e2e for t in timings]
-    tokens = sum(t.output_tokens for t in timings)
-    return LevelResult(concurrency, len(timings), errors, tokens, duration, len(timings) / duration, tokens / duration, percentile(ttft, 50), percentile(ttft, 99),
-                       percentile(itl, 50), percentile(itl, 99), percentile(e2e, 50), percentile(e2e, 99))
+    return LevelResult(concurrency, len(timings), errors, sum(t.input_tokens for t in timings),
+                       sum(t.output_tokens for t in timings), duration, Summary.of([t.ttft for t in timings]),
+                       Summary.of([t.tpot for t in timings if t.tpot is not None]),
+                       Summary.of([x for t in timings for x in t.itl]), Summary.of([t.e2e for t in timings]))
 
 
 def served_model(url: str, api_key: str | None = None) -> str:

@@ -28,20 +28,41 @@ def test_level_counts_every_request_and_token(concurrency):
         result = asyncio.run(run_level(url, "fake-model", concurrency, requests=5, prompt_len=4, max_tokens=6))
     engine.shutdown()
     assert (result.concurrency, result.requests, result.errors, result.output_tokens) == (concurrency, 5, 0, 30)
-    assert result.output_tok_per_s > 0 and result.req_per_s > 0
-    assert 0 < result.ttft_p50 <= result.ttft_p99 and result.e2e_p50 >= result.ttft_p50
+    assert result.input_tokens == 5 * len(fake.tokenizer.encode("hello " * 4))
+    assert result.output_tok_per_s == result.output_tokens / result.duration > 0
+    assert 0 < result.ttft.median <= result.ttft.p99 and result.e2el.median >= result.ttft.median
+    assert result.tpot.median > 0 and result.itl.median > 0
+
+
+def test_summary_is_mean_median_population_std_and_p99():
+    from appliance.loadgen import Summary
+
+    assert Summary.of([]) == Summary(0.0, 0.0, 0.0, 0.0)
+    s = Summary.of([1.0, 2.0, 3.0, 6.0])
+    assert (s.mean, s.median, s.p99) == pytest.approx((3.0, 2.5, 5.91))
+    assert s.std == pytest.approx(1.8708287)  # numpy.std's population form, as vLLM computes it
+
+
+def test_tpot_is_the_time_per_token_after_the_first():
+    from appliance.loadgen import RequestTiming
+
+    assert RequestTiming(ttft=0.1, e2e=0.5, output_tokens=5).tpot == pytest.approx(0.1)
+    assert RequestTiming(ttft=0.1, e2e=0.1, output_tokens=1).tpot is None
 
 
 def test_json_keys_are_vllm_benchmark_serving_ones_in_ms():
-    from appliance.loadgen import LevelResult
+    from appliance.loadgen import LevelResult, Summary
 
-    r = LevelResult(concurrency=4, requests=8, errors=1, output_tokens=80, duration=2.0, req_per_s=4.0,
-                    output_tok_per_s=40.0, ttft_p50=0.010, ttft_p99=0.030, itl_p50=0.002, itl_p99=0.005,
-                    e2e_p50=0.5, e2e_p99=0.9)
+    r = LevelResult(concurrency=4, requests=8, errors=1, input_tokens=40, output_tokens=80, duration=2.0,
+                    ttft=Summary(0.012, 0.010, 0.004, 0.030), tpot=Summary(0.003, 0.002, 0.001, 0.006),
+                    itl=Summary(0.0025, 0.002, 0.001, 0.005), e2el=Summary(0.55, 0.5, 0.1, 0.9))
     assert r.to_json() == pytest.approx({
-        "max_concurrency": 4, "completed": 8, "failed": 1, "total_output_tokens": 80, "duration": 2.0,
-        "request_throughput": 4.0, "output_throughput": 40.0, "median_ttft_ms": 10.0, "p99_ttft_ms": 30.0,
-        "median_itl_ms": 2.0, "p99_itl_ms": 5.0, "median_e2el_ms": 500.0, "p99_e2el_ms": 900.0})
+        "max_concurrency": 4, "completed": 8, "failed": 1, "total_input_tokens": 40, "total_output_tokens": 80,
+        "duration": 2.0, "request_throughput": 4.0, "output_throughput": 40.0, "total_token_throughput": 60.0,
+        "mean_ttft_ms": 12.0, "median_ttft_ms": 10.0, "std_ttft_ms": 4.0, "p99_ttft_ms": 30.0,
+        "mean_tpot_ms": 3.0, "median_tpot_ms": 2.0, "std_tpot_ms": 1.0, "p99_tpot_ms": 6.0,
+        "mean_itl_ms": 2.5, "median_itl_ms": 2.0, "std_itl_ms": 1.0, "p99_itl_ms": 5.0,
+        "mean_e2el_ms": 550.0, "median_e2el_ms": 500.0, "std_e2el_ms": 100.0, "p99_e2el_ms": 900.0})
 
 
 def test_level_counts_errors_for_an_unknown_model():
@@ -71,9 +92,11 @@ def test_cli_bench_prints_a_row_per_level_and_rejects_bad_input():
     rows = json.loads(ok.output)
     assert [(r["max_concurrency"], r["completed"], r["failed"], r["total_output_tokens"]) for r in rows] == [
         (1, 2, 0, 6), (2, 2, 0, 6)]
-    assert set(rows[0]) == {"max_concurrency", "completed", "failed", "total_output_tokens", "duration",
-                            "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
-                            "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms"}
+    assert set(rows[0]) == {"max_concurrency", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                            "duration", "request_throughput", "output_throughput", "total_token_throughput",
+                            *(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
+                              for stat in ("mean", "median", "std", "p99"))}
     assert bad.exit_code == 1 and "not a list of numbers" in bad.output
     down = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--concurrency", "1"])
     assert down.exit_code == 1 and "no server answers" in down.output
+
