@@ -233,7 +233,8 @@ def serve(
 @app.command()
 @friendly
 def status(config: Optional[Path] = typer.Option(None, "--config")):
-    """Whether the server runs, under systemd or as the background process, and where."""
+    """Whether the server runs (or is starting: loading the model), under systemd or as the background process,
+    and where. Exit status: 0 running or starting, 1 running with a failed engine, 3 stopped, 4 not installed."""
     conf = _config(config)
     st = _manager(conf).status()
     path = config or cfgmod.config_path()
@@ -241,14 +242,24 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
         why = f"{st.detail} (the config, models and logs were kept)" if path.is_file() else f"no config at {path}"
         console.print(f"[yellow]not installed[/yellow]: {why}; `appliance install` sets it up", highlight=False)
         raise typer.Exit(4)  # like `systemctl status` for a unit that does not exist
-    state = "[green]running[/green]" if st.running else "[yellow]not running[/yellow]"
-    console.print(f"{state} ({st.mode}): {st.detail}", highlight=False)
-    if st.running:
-        from appliance.installer import client_url
+    if not st.running:
+        console.print(f"[yellow]not running[/yellow] ({st.mode}): {st.detail}", highlight=False)
+        console.print(f"logs: {st.log}", highlight=False)
+        raise typer.Exit(3)  # like `systemctl status`: 3 = not running
+    from appliance.installer import client_url, server_health
 
-        console.print(f"endpoint: {client_url(conf.host, conf.port)}/v1  model: {conf.served_model_name}")
+    url = client_url(conf.host, conf.port)
+    health = server_health(url, timeout=2)
+    state, note = {"ready": ("[green]running[/green]", ""),
+                   "loading": ("[yellow]starting[/yellow]", "; loading the model, ready in a moment"),
+                   "no answer": ("[yellow]starting[/yellow]", f"; not answering at {url} yet"),
+                   "failed": ("[red]failed[/red]", f"; {health.detail}"),
+                   "other": ("[green]running[/green]", f"; /health: {health.detail}")}[health.state]
+    console.print(f"{state} ({st.mode}): {st.detail}{note}", highlight=False)
+    if health.state != "failed":
+        console.print(f"endpoint: {url}/v1  model: {conf.served_model_name}")
     console.print(f"logs: {st.log}", highlight=False)
-    raise typer.Exit(0 if st.running else 3)  # like `systemctl status`: 3 = not running
+    raise typer.Exit(1 if health.state == "failed" else 0)  # LSB: 1 = the process is there but does not work
 
 
 @app.command()
@@ -388,13 +399,13 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
         checks.append((st.running, f"background server: {st.detail}",
                        "run `appliance start` (`appliance install` if it was uninstalled), or see `appliance logs`"))
     if st.running:
-        import httpx
+        from appliance.installer import server_health
 
-        try:
-            code = httpx.get(f"{client_url(conf.host, conf.port)}/health", timeout=5).status_code
-        except httpx.HTTPError as exc:
-            code = type(exc).__name__
-        checks.append((code == 200, f"/health on port {conf.port}: {code}", "see `appliance logs`"))
+        health = server_health(client_url(conf.host, conf.port))
+        fix = {"no answer": "if it has just started, wait a few seconds; else see `appliance logs`",
+               "failed": "see `appliance logs`; then `appliance stop` and `appliance start`"}
+        checks.append((health.state in ("ready", "loading"), f"/health on port {conf.port}: {health.detail}",
+                       fix.get(health.state, "see `appliance logs`")))
     elif not port_free(conf.host, conf.port):
         checks.append((False, f"port {conf.port} is taken by another program", "stop it or set APPLIANCE_PORT"))
     return checks
@@ -497,12 +508,23 @@ def bench(url: Optional[str] = UrlOpt,
         raise ApplianceError(f"--concurrency {concurrency!r} is not a list of numbers", "e.g. --concurrency 1,4,16")
     if not levels or min(levels) < 1 or prompt_len < 1 or max_tokens < 1:
         raise ApplianceError("concurrency, prompt length and max tokens must be positive", "e.g. --concurrency 1,4")
+    from appliance.installer import server_health
+
     url, api_key = _server(url, api_key)
+    health = server_health(url)
+    if health.state == "no answer":
+        raise ApplianceError(f"no server answers at {url} ({health.detail})",
+                             "start it with `appliance start` (or `appliance install`) or pass --url")
+    if health.state == "loading":
+        raise ApplianceError(f"the server at {url} is still loading the model",
+                             "run `appliance bench` again in a few seconds (`appliance status` says running then)")
+    if health.state == "failed":
+        raise ApplianceError(f"the server at {url} cannot serve: {health.detail}", "see `appliance logs`")
     try:
         model = loadgen.served_model(url, api_key)
     except httpx.HTTPError as exc:
-        raise ApplianceError(f"no server answers at {url} ({exc})",
-                             "start it with `appliance start` (or `appliance install`) or pass --url")
+        raise ApplianceError(f"{url}/v1/models did not list a model ({exc})",
+                             "pass --url of an OpenAI-compatible server (and --api-key if it needs one)")
     results = []
     for level in levels:
         n = requests or max(4, 2 * level)

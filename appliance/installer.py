@@ -317,10 +317,41 @@ def client_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def wait_healthy(url: str, manager, timeout: float, update=None) -> None:
-    """Poll ``/health`` until 200; fail early if the server process is gone, and show its log on failure."""
+@dataclass(frozen=True)
+class Health:
+    """What a server's ``GET /health`` said. ``state``: "ready" (200), "loading" (503 while the engine loads the
+    model), "failed" (503 once the engine stopped; ``detail`` holds its error), "no answer" (nothing accepted the
+    connection or answered in time: a server still starting, or none), or "other" (another status: a server that
+    is not ours, say). ``detail``: one line for a person."""
+
+    state: str
+    detail: str
+
+
+def server_health(url: str, timeout: float = 5.0) -> Health:
+    """GET ``url``/health once (engine/server/api_server.py's endpoint); never raises for a network error."""
     import httpx
 
+    try:
+        r = httpx.get(f"{url}/health", timeout=timeout)
+    except httpx.HTTPError as exc:
+        return Health("no answer", f"{type(exc).__name__} from {url}")
+    if r.status_code == 200:
+        return Health("ready", "ready")
+    try:
+        body = r.json() if r.status_code == 503 else {}
+    except ValueError:
+        body = {}
+    if body.get("status") in ("new", "loading"):
+        return Health("loading", "loading the model")
+    if body.get("status") == "dead":
+        return Health("failed", f"the engine stopped: {body.get('error', 'no error given')}")
+    return Health("other", f"HTTP {r.status_code}")
+
+
+def wait_healthy(url: str, manager, timeout: float, update=None) -> None:
+    """Poll ``/health`` until 200; fail early if the server process is gone or its engine stopped, and show its
+    log on failure (:class:`ServerFailed`)."""
     # gptqmodel sets the root logger to INFO on import; keep httpx from logging every poll.
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -328,13 +359,12 @@ def wait_healthy(url: str, manager, timeout: float, update=None) -> None:
     deadline = time.monotonic() + timeout
     last = "no answer yet"
     while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{url}/health", timeout=5)
-            if r.status_code == 200:
-                return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            last = type(exc).__name__
+        health = server_health(url)
+        if health.state == "ready":
+            return
+        if health.state == "failed":  # the server stays up with a dead engine: waiting longer changes nothing
+            raise ServerFailed(f"the server could not load the model ({health.detail})", manager)
+        last = health.detail
         if update:
             update(description=f"{last}")
         st = manager.status()

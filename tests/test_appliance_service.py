@@ -136,9 +136,9 @@ def test_status_stop_logs_commands(bg, tmp_path):
     assert result.exit_code == 3 and "not running" in result.output
     pid = bg.start(FAKE_SERVER)
     assert wait_for(lambda: "fake server up" in bg.log_lines(5))
-    result = runner.invoke(app, ["status"])
+    result = runner.invoke(app, ["status"])  # the process runs; nothing answers on its port
     assert result.exit_code == 0, result.output
-    assert "running" in result.output and str(pid) in result.output
+    assert "starting" in result.output and str(pid) in result.output and "not answering" in _flat(result)
     result = runner.invoke(app, ["logs", "-n", "5"])
     assert result.exit_code == 0 and "fake server up" in result.output
     result = runner.invoke(app, ["stop"])
@@ -230,3 +230,46 @@ def test_start_refuses_a_port_another_program_holds(bg, tmp_path):
     assert result.exit_code == 1, result.output
     assert f"port {port} on 127.0.0.1 is already in use" in _flat(result) and "set another `port`" in _flat(result)
     assert not bg.status().running
+
+
+def test_status_tells_loading_ready_and_failed_engines_apart(bg, tmp_path):
+    """Behind the running process, /health decides: 503 while the engine loads ("starting", exit 0), 200
+    ("running", exit 0), 503 with a dead engine ("failed", exit 1, the error shown)."""
+    import threading
+
+    from test_server_fakes import FakeEngine, ServerThread, wait_for as wait_until
+
+    from appliance.cli import doctor_checks
+    from engine.async_engine import AsyncLLMEngine
+    from engine.server.api_server import build_app
+
+    def loads(gate, fails):
+        def factory():  # the engine thread loads the model until the gate opens
+            gate.wait(30)
+            if fails:
+                raise RuntimeError("CUDA out of memory while loading")
+            return FakeEngine()
+        return factory
+
+    def health_check():  # `appliance doctor`'s /health line: (ok, what, fix)
+        return next(c for c in doctor_checks(tmp_path / "config.toml") if c[1].startswith("/health"))
+
+    runner = CliRunner()
+    bg.start(FAKE_SERVER)
+    for fails, expect, code in ((False, "running", 0), (True, "failed", 1)):
+        gate = threading.Event()
+        engine = AsyncLLMEngine(loads(gate, fails), "fake-model")
+        with ServerThread(build_app(engine)) as url:
+            (tmp_path / "config.toml").write_text(f"port = {url.rsplit(':', 1)[1]}\n")
+            loading, doctor_loading = runner.invoke(app, ["status"]), health_check()
+            gate.set()
+            wait_until(lambda: engine.state in ("ready", "dead"), what="engine loaded or dead")
+            result, doctor = runner.invoke(app, ["status"]), health_check()
+            engine.shutdown()
+        assert loading.exit_code == 0 and "starting" in loading.output, loading.output
+        assert "loading the model" in _flat(loading)
+        assert doctor_loading[:2] == (True, f"/health on port {url.rsplit(':', 1)[1]}: loading the model")
+        assert result.exit_code == code and expect in result.output, result.output
+        assert doctor[0] is (not fails)
+    assert "CUDA out of memory while loading" in _flat(result) and "endpoint" not in result.output
+    assert "CUDA out of memory while loading" in doctor[1] and "appliance logs" in doctor[2]

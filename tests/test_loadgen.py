@@ -100,3 +100,22 @@ def test_cli_bench_prints_a_row_per_level_and_rejects_bad_input():
     down = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--concurrency", "1"])
     assert down.exit_code == 1 and "no server answers" in down.output
 
+
+def test_cli_bench_on_a_loading_server_says_so_with_the_fix():
+    """A server still loading its model (/health 503) gets the one-line error with the fix, not an HTTP dump."""
+    import threading
+
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+
+    gate = threading.Event()
+    engine = AsyncLLMEngine(lambda: (gate.wait(30), FakeEngine())[1], "fake-model")
+    with ServerThread(build_app(engine)) as url:
+        result = CliRunner().invoke(app, ["bench", "--url", url, "--concurrency", "1"])
+        gate.set()
+        wait_for(lambda: engine.is_ready, what="engine ready")
+    engine.shutdown()
+    out = " ".join(result.output.split())
+    assert result.exit_code == 1 and "is still loading the model" in out and "again in a few seconds" in out, out
+    assert "503" not in out
