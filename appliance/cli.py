@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -230,11 +231,27 @@ def serve(
 # -------------------------------------------------------------------------------------------------- lifecycle
 
 
+#: Seconds a server process may take before it answers on its port at all (Python, torch and uvicorn start; the
+#: model loads after the port is open, with /health answering 503)
+STARTUP_S = 60.0
+
+
+def _age_s(pid: Optional[int]) -> float:
+    """Seconds since process ``pid`` started (0.0 when unknown)."""
+    import psutil
+
+    try:
+        return time.time() - psutil.Process(pid).create_time() if pid else 0.0
+    except psutil.Error:
+        return 0.0
+
+
 @app.command()
 @friendly
 def status(config: Optional[Path] = typer.Option(None, "--config")):
     """Whether the server runs (or is starting: loading the model), under systemd or as the background process,
-    and where. Exit status: 0 running or starting, 1 running with a failed engine, 3 stopped, 4 not installed."""
+    and where. Exit status: 0 running or starting, 1 the process runs but serves nothing (its engine failed, it
+    has not answered for STARTUP_S seconds, or another program answers on its port), 3 stopped, 4 not installed."""
     conf = _config(config)
     st = _manager(conf).status()
     path = config or cfgmod.config_path()
@@ -250,16 +267,23 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
 
     url = client_url(conf.host, conf.port)
     health = server_health(url, timeout=2)
-    state, note = {"ready": ("[green]running[/green]", ""),
+    state = health.state
+    if state == "no answer" and _age_s(st.pid) > STARTUP_S:  # it binds the port before it loads the model
+        state = "hung"
+    label, note = {"ready": ("[green]running[/green]", ""),
                    "loading": ("[yellow]starting[/yellow]", "; loading the model, ready in a moment"),
                    "no answer": ("[yellow]starting[/yellow]", f"; not answering at {url} yet"),
+                   "hung": ("[red]not answering[/red]", f"; no answer at {url} after {_age_s(st.pid):.0f} s "
+                                                        f"({health.detail})"),
                    "failed": ("[red]failed[/red]", f"; {health.detail}"),
-                   "other": ("[green]running[/green]", f"; /health: {health.detail}")}[health.state]
-    console.print(f"{state} ({st.mode}): {st.detail}{note}", highlight=False)
-    if health.state != "failed":
+                   "other": ("[red]not serving[/red]", f"; {url}/health answered {health.detail} (another program "
+                                                       "on the port?)")}[state]
+    console.print(f"{label} ({st.mode}): {st.detail}{note}", highlight=False)
+    serving = state in ("ready", "loading", "no answer")
+    if serving:
         console.print(f"endpoint: {url}/v1  model: {conf.served_model_name}")
     console.print(f"logs: {st.log}", highlight=False)
-    raise typer.Exit(1 if health.state == "failed" else 0)  # LSB: 1 = the process is there but does not work
+    raise typer.Exit(0 if serving else 1)  # 1: the process runs but serves nothing
 
 
 @app.command()
@@ -495,7 +519,8 @@ def bench(url: Optional[str] = UrlOpt,
           api_key: Optional[str] = ApiKeyOpt,
           as_json: bool = typer.Option(False, "--json", help="machine-readable output: vLLM benchmark_serving's "
                                        "result keys, latencies in ms")):
-    """Load sweep against a running server: req/s, output tok/s, TTFT / ITL / E2E p50 and p99 per concurrency."""
+    """Load sweep against a running server: req/s, output tok/s, TTFT / TPOT / ITL / E2E p50 and p99 per
+    concurrency."""
     import asyncio
 
     import httpx
@@ -517,13 +542,14 @@ def bench(url: Optional[str] = UrlOpt,
                              "start it with `appliance start` (or `appliance install`) or pass --url")
     if health.state == "loading":
         raise ApplianceError(f"the server at {url} is still loading the model",
-                             "run `appliance bench` again in a few seconds (`appliance status` says running then)")
+                             "run `appliance bench` again in a few seconds (`appliance status` says running then, "
+                             "for the installed server)")
     if health.state == "failed":
         raise ApplianceError(f"the server at {url} cannot serve: {health.detail}", "see `appliance logs`")
     try:
         model = loadgen.served_model(url, api_key)
-    except httpx.HTTPError as exc:
-        raise ApplianceError(f"{url}/v1/models did not list a model ({exc})",
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:  # unreachable, or not a list
+        raise ApplianceError(f"{url}/v1/models did not list a model ({type(exc).__name__}: {exc})",
                              "pass --url of an OpenAI-compatible server (and --api-key if it needs one)")
     results = []
     for level in levels:
@@ -535,11 +561,13 @@ def bench(url: Optional[str] = UrlOpt,
         print(json.dumps([r.to_json() for r in results], indent=2))
         return
     table = Table(title=f"{model} at {url}")
-    for col in ("conc.", "req", "err", "req/s", "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p99 s"):
+    for col in ("conc.", "req", "err", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
+                "E2E p50/p99 s"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(str(r.concurrency), str(r.requests), str(r.errors), f"{r.req_per_s:.2f}",
                       f"{r.output_tok_per_s:.1f}", f"{r.ttft.median * 1e3:.0f} / {r.ttft.p99 * 1e3:.0f}",
+                      f"{r.tpot.median * 1e3:.1f} / {r.tpot.p99 * 1e3:.1f}",
                       f"{r.itl.median * 1e3:.1f} / {r.itl.p99 * 1e3:.1f}", f"{r.e2el.median:.2f} / {r.e2el.p99:.2f}")
     console.print(table)
 

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from rich.console import Console
 from rich.panel import Panel
@@ -317,35 +318,40 @@ def client_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+HealthState = Literal["ready", "loading", "failed", "no answer", "other"]
+
+
 @dataclass(frozen=True)
 class Health:
     """What a server's ``GET /health`` said. ``state``: "ready" (200), "loading" (503 while the engine loads the
-    model), "failed" (503 once the engine stopped; ``detail`` holds its error), "no answer" (nothing accepted the
-    connection or answered in time: a server still starting, or none), or "other" (another status: a server that
-    is not ours, say). ``detail``: one line for a person."""
+    model), "failed" (503 once the engine stopped: it could not load, its steps kept failing, or it was shut down;
+    ``detail`` holds its error), "no answer" (nothing accepted the connection or answered in time: a server still
+    starting, a hung one, or none), or "other" (another status: a server that is not ours, say). ``detail``: one
+    line for a person."""
 
-    state: str
+    state: HealthState
     detail: str
 
 
 def server_health(url: str, timeout: float = 5.0) -> Health:
-    """GET ``url``/health once (engine/server/api_server.py's endpoint); never raises for a network error."""
+    """GET ``url``/health once (engine/server/api_server.py's endpoint); never raises (a bad URL is "no answer")."""
     import httpx
 
     try:
         r = httpx.get(f"{url}/health", timeout=timeout)
-    except httpx.HTTPError as exc:
-        return Health("no answer", f"{type(exc).__name__} from {url}")
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        return Health("no answer", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     if r.status_code == 200:
         return Health("ready", "ready")
     try:
         body = r.json() if r.status_code == 503 else {}
     except ValueError:
         body = {}
+    body = body if isinstance(body, dict) else {}
     if body.get("status") in ("new", "loading"):
         return Health("loading", "loading the model")
     if body.get("status") == "dead":
-        return Health("failed", f"the engine stopped: {body.get('error', 'no error given')}")
+        return Health("failed", f"the engine stopped: {body.get('error') or 'no error given'}")
     return Health("other", f"HTTP {r.status_code}")
 
 

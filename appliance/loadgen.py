@@ -3,7 +3,8 @@
 For each concurrency level, that many clients each stream completions back to back (``/v1/completions`` with
 ``stream: true`` and ``ignore_eos``) until ``requests`` have finished; per level it reports req/s, output tok/s
 and TTFT / TPOT / ITL / E2E latencies (mean, median, standard deviation, 99th percentile; the table shows medians
-and 99th percentiles). Everything goes over HTTP: it measures what a user sees.
+and 99th percentiles). A request counts as failed on an HTTP error, an error event in its stream, or a stream
+without text (as vLLM's benchmark counts them). Everything goes over HTTP: it measures what a user sees.
 """
 from __future__ import annotations
 
@@ -87,12 +88,15 @@ class LevelResult:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation; 0.0 for no values."""
+    """The q-th percentile (0-100) with linear interpolation between the sorted values (``numpy.percentile``'s
+    default, as vLLM's ``benchmark_serving`` computes it); 0.0 for no values."""
     if not values:
         return 0.0
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[min(max(int(round(q)) - 1, 0), 98)]
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * min(max(q, 0.0), 100.0) / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
@@ -105,6 +109,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the server failed the request after the stream started
+                raise RuntimeError(f"error event: {str(chunk['error'])[:200]}")
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if not chunk.get("choices") or not chunk["choices"][0].get("text"):
@@ -115,10 +121,11 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming
             else:
                 timing.itl.append(now - last)
             last = now
-    timing = timing or RequestTiming(ttft=time.perf_counter() - start)
+    if timing is None:  # as vLLM's benchmark: a stream without a valid text chunk is a failed request
+        raise RuntimeError("the stream ended without text")
     timing.e2e = time.perf_counter() - start
-    timing.input_tokens = usage.get("prompt_tokens", 0)
-    timing.output_tokens = usage.get("completion_tokens", 0)
+    timing.input_tokens = usage.get("prompt_tokens") or 0
+    timing.output_tokens = usage.get("completion_tokens") or 0
     return timing
 
 
@@ -137,8 +144,8 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, promp
         for _ in todo:
             try:
                 timings.append(await _one(client, url, body))
-            except (httpx.HTTPError, RuntimeError):
-                errors += 1
+            except (httpx.HTTPError, RuntimeError, ValueError, KeyError, TypeError, AttributeError):
+                errors += 1  # unreachable, an HTTP error or error event, or a stream that is not one
 
     limits = httpx.Limits(max_connections=concurrency)
     start = time.perf_counter()

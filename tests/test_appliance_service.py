@@ -32,6 +32,14 @@ def bg(tmp_path):
     mgr.stop(timeout=5)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _flat(result) -> str:
     """A command's output with the console's line wrapping undone."""
     return " ".join(result.output.split())
@@ -131,7 +139,7 @@ def test_status_stop_logs_commands(bg, tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["status"])  # nothing installed: no config
     assert result.exit_code == 4 and f"not installed: no config at {tmp_path / 'config.toml'}" in _flat(result)
-    (tmp_path / "config.toml").write_text('port = 8000\n')  # what an install writes, more or less
+    (tmp_path / "config.toml").write_text(f'port = {_free_port()}\n')  # what an install writes, more or less
     result = runner.invoke(app, ["status"])
     assert result.exit_code == 3 and "not running" in result.output
     pid = bg.start(FAKE_SERVER)
@@ -139,6 +147,14 @@ def test_status_stop_logs_commands(bg, tmp_path):
     result = runner.invoke(app, ["status"])  # the process runs; nothing answers on its port
     assert result.exit_code == 0, result.output
     assert "starting" in result.output and str(pid) in result.output and "not answering" in _flat(result)
+    import appliance.cli as cli
+    startup, cli.STARTUP_S = cli.STARTUP_S, 0.0  # as if it had been up longer than a start takes
+    try:
+        hung = runner.invoke(app, ["status"])
+    finally:
+        cli.STARTUP_S = startup
+    assert hung.exit_code == 1 and "not answering" in hung.output and "endpoint" not in hung.output
+    assert " after " in _flat(hung) and "ConnectError" in _flat(hung)
     result = runner.invoke(app, ["logs", "-n", "5"])
     assert result.exit_code == 0 and "fake server up" in result.output
     result = runner.invoke(app, ["stop"])
@@ -273,3 +289,40 @@ def test_status_tells_loading_ready_and_failed_engines_apart(bg, tmp_path):
         assert doctor[0] is (not fails)
     assert "CUDA out of memory while loading" in _flat(result) and "endpoint" not in result.output
     assert "CUDA out of memory while loading" in doctor[1] and "appliance logs" in doctor[2]
+
+
+@pytest.mark.parametrize("status,body,state,detail", [
+    (200, b"", "ready", "ready"),
+    (503, b'{"status": "loading", "model": "m"}', "loading", "loading the model"),
+    (503, b'{"status": "dead", "error": "RuntimeError()"}', "failed", "the engine stopped: RuntimeError()"),
+    (503, b'{"status": "dead", "error": null}', "failed", "the engine stopped: no error given"),
+    (503, b'{"error": {"code": "server_overloaded"}}', "other", "HTTP 503"),  # overloaded: not a load state
+    (503, b"[1, 2]", "other", "HTTP 503"), (503, b"null", "other", "HTTP 503"), (503, b"<html>", "other", "HTTP 503"),
+    (404, b'{"detail": "Not Found"}', "other", "HTTP 404")])
+def test_server_health_reads_every_answer_without_raising(monkeypatch, status, body, state, detail):
+    import httpx
+
+    from appliance.installer import server_health
+
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(status, content=body))
+    health = server_health("http://127.0.0.1:1")
+    assert (health.state, health.detail) == (state, detail)
+
+
+def test_server_health_of_nothing_listening_or_a_bad_url_is_no_answer():
+    from appliance.installer import server_health
+
+    down = server_health(f"http://127.0.0.1:{_free_port()}", timeout=2)
+    assert down.state == "no answer" and down.detail.startswith("ConnectError")
+    assert server_health("http://[::1", timeout=2).state == "no answer"
+
+
+def test_wait_healthy_gives_up_at_once_on_a_dead_engine(monkeypatch, bg):
+    from appliance import installer
+
+    monkeypatch.setattr(installer, "server_health", lambda url: installer.Health("failed", "the engine stopped: x"))
+    bg.start(FAKE_SERVER)
+    start = time.monotonic()
+    with pytest.raises(installer.ServerFailed, match="could not load the model .the engine stopped: x."):
+        installer.wait_healthy("http://127.0.0.1:1", bg, timeout=60)
+    assert time.monotonic() - start < 5

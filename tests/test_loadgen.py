@@ -16,6 +16,8 @@ def test_percentile_interpolates():
     assert percentile([3.0], 99) == 3.0
     assert percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 50) == 5.5
     assert percentile([1, 2, 3], 99) == pytest.approx(2.98)
+    assert percentile([3, 1, 2], 0) == 1 and percentile([3, 1, 2], 100) == 3  # the ends, unsorted input
+    assert percentile(list(range(1001)), 99.9) == pytest.approx(999.0)  # numpy.percentile's value
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
@@ -48,6 +50,7 @@ def test_tpot_is_the_time_per_token_after_the_first():
 
     assert RequestTiming(ttft=0.1, e2e=0.5, output_tokens=5).tpot == pytest.approx(0.1)
     assert RequestTiming(ttft=0.1, e2e=0.1, output_tokens=1).tpot is None
+    assert RequestTiming(ttft=0.1, e2e=0.1, output_tokens=0).tpot is None
 
 
 def test_json_keys_are_vllm_benchmark_serving_ones_in_ms():
@@ -119,3 +122,50 @@ def test_cli_bench_on_a_loading_server_says_so_with_the_fix():
     out = " ".join(result.output.split())
     assert result.exit_code == 1 and "is still loading the model" in out and "again in a few seconds" in out, out
     assert "503" not in out
+
+
+def _sse_app(lines: list[str], models: dict | None = None):
+    """A stand-in server: /v1/completions streams ``lines`` as SSE ``data:`` lines, /health 200, /v1/models."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def completions(request):
+        async def body():
+            for line in lines:
+                yield f"data: {line}\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/health", lambda r: JSONResponse({})),
+                             Route("/v1/models", lambda r: JSONResponse(models or {"data": [{"id": "m"}]}))])
+
+
+@pytest.mark.parametrize("lines", [
+    ['{"error": {"message": "engine died", "code": 500}}', "[DONE]"],  # the server's error event
+    ['{"choices": [{"text": ""}], "usage": {"completion_tokens": 0}}', "[DONE]"],  # no text at all
+    ["{not json", "[DONE]"]])
+def test_a_stream_with_an_error_event_no_text_or_garbage_is_a_failed_request(lines):
+    with ServerThread(_sse_app(lines)) as url:
+        result = asyncio.run(run_level(url, "m", 2, requests=3, prompt_len=4, max_tokens=2))
+    assert (result.requests, result.errors) == (0, 3)
+
+
+def test_a_stream_with_null_usage_counts_zero_tokens():
+    lines = ['{"choices": [{"text": "hi"}]}', '{"choices": [], "usage": {"prompt_tokens": null, '
+             '"completion_tokens": null}}', "[DONE]"]
+    with ServerThread(_sse_app(lines)) as url:
+        result = asyncio.run(run_level(url, "m", 1, requests=2, prompt_len=4, max_tokens=2))
+    assert (result.requests, result.errors, result.input_tokens, result.output_tokens) == (2, 0, 0, 0)
+
+
+@pytest.mark.parametrize("models", [{"data": []}, {"object": "list"}])
+def test_cli_bench_on_a_server_listing_no_model_says_so(models):
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+
+    with ServerThread(_sse_app([], models)) as url:
+        result = CliRunner().invoke(app, ["bench", "--url", url, "--concurrency", "1"])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 1 and "/v1/models did not list a model" in out and "Traceback" not in out, out
