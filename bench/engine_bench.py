@@ -411,8 +411,9 @@ def divergence_report(got: list[list[int]], logprobs: list[list[dict]], refs: li
     """(prompts whose greedy tokens equal ``refs`` or first differ at a near-tie, a note per divergence). A near-tie
     (issue 3: "a divergence only where the two top logits are within bf16 rounding"): the reference's two largest
     raw logits at that step (``ref_top[i][step]``, fp32; same context: the tokens agree up to there) are at most
-    one bf16 spacing (the coarser of the two's) apart, so rounding the logits to bf16 could tie or swap them. ``logprobs``: each prompt's
-    entries (the two largest at each step) for the gap this path saw. Without ``ref_top`` no divergence counts."""
+    one bf16 spacing (the coarser of the two's) apart, so rounding the logits to bf16 could tie or swap them.
+    ``logprobs``: each prompt's entries (the two largest at each step) for the gap this path saw. Without
+    ``ref_top`` no divergence counts."""
     allowed, notes = 0, []
     for i, (tokens, entries, ref) in enumerate(zip(got, logprobs, refs)):
         if tokens == ref:
@@ -631,11 +632,25 @@ def sliding_window_rows(ctx: dict, make_row) -> list:
 TIE_NATS = 0.05
 
 
+def _largest_gap(a: list, b: list) -> float:
+    """The largest difference between two runs' logprobs of one token where their tokens agree so far (nan when
+    they never do), over (token ids, logprobs) per prompt."""
+    gaps = []
+    for (ta, la), (tb, lb) in zip(a, b):
+        for x, y, pa, pb in zip(ta, tb, la, lb):
+            if x != y:
+                break
+            gaps += [abs(pa[t] - pb[t]) for t in pa.keys() & pb.keys()]
+    return max(gaps, default=float("nan"))
+
+
 def tie_report(got: list, ref: list) -> tuple[int, int, str]:
     """Two runs' (token ids, logprobs) per prompt (``_small_model_tokens(..., outputs=True)``, logprobs >= 2):
     (sequences identical, sequences identical or first differing at a near tie, a note). A near tie: at the first
     step where the tokens differ, each run's top entries hold the other run's token, at most :data:`TIE_NATS` below
     its own."""
+    if len(got) != len(ref):
+        raise ValueError(f"tie_report: {len(got)} prompts against {len(ref)}")
     identical, gaps, others = 0, [], []
     for i, ((ta, la), (tb, lb)) in enumerate(zip(got, ref)):
         if ta == tb:
@@ -685,8 +700,8 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                                        vocab_size=4096, max_position_embeddings=2048))
     lp = dict(logprobs=3)
-    graphs = _small_model_tokens(small)
-    unoverlapped = _small_model_tokens(small, async_scheduling=False)
+    graphs = _small_model_tokens(small, lp, outputs=True)
+    unoverlapped = _small_model_tokens(small, lp, async_scheduling=False, outputs=True)
     eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
     fp8 = _small_model_tokens(small, lp, kv_cache_dtype="fp8", outputs=True)
     int8 = _small_model_tokens(small, lp, kv_cache_dtype="int8", outputs=True)
@@ -705,8 +720,8 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                                                             ("int8", int8, ref_int8))}
     distinct = len({t for tokens, _ in ref for t in tokens})
     return [make_row("engine greedy: CUDA graphs = eager (counts, not µs)", "random 4-layer AWQ, 6 prompts", n,
-                     "sequences identical", sum(a == b[0] for a, b in zip(graphs, eager)), 1.0,
-                     f"{distinct} distinct tokens"),
+                     "sequences identical", sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0,
+                     f"{distinct} distinct tokens; top-3 logprobs at most {_largest_gap(graphs, eager):.4f} apart"),
             make_row("engine greedy: async scheduling = not (counts, not µs)", "same, graphs on", n,
                      "sequences identical", sum(a == b for a, b in zip(graphs, unoverlapped)), 1.0, ""),
             make_row("engine greedy: Triton = torch reference (counts, not µs)", "same", n,
@@ -722,7 +737,7 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                      "repetition 1.05, frequency 0.3, presence 0.2: a pending token counted on the device"),
             *(make_row(f"engine greedy, {kv} KV: Triton = torch reference (counts, not µs)", "same", n,
                        "identical or a near tie", ties[kv][1], 1.0,
-                       f"{ties[kv][2]}; {sum(a[0] == b for a, b in zip(got, graphs))} of {n} equal to the bf16 "
+                       f"{ties[kv][2]}; {sum(a[0] == b[0] for a, b in zip(got, graphs))} of {n} equal to the bf16 "
                        "cache's") for kv, got in (("fp8", fp8), ("int8", int8)))]
 
 
@@ -824,31 +839,35 @@ def _offline_tok_s(llm: LLM, prompt: str, concurrency: int, tokens: int) -> floa
     return best
 
 
-def http_rows(ctx: dict, make_row, port: int = 8011, device: str = "cuda", levels=HTTP_LEVELS) -> list:
+def http_rows(ctx: dict, make_row, device: str = "cuda", levels=HTTP_LEVELS) -> list:
     """What a client of the OpenAI server gets against the engine in process: the 7B-shaped model behind
-    ``python -m engine.server`` (a subprocess, the service's settings but built-in plans), loaded by ``appliance
-    bench``'s load generator (streamed completions, 128-token prompts), output tok/s per concurrency level against
-    ``LLM.generate`` of the same prompts at once; TTFT, ITL and TPOT medians in the note. Needs the server's wheels
-    on the GPU machine (fastapi, starlette, uvicorn, sse-starlette, pydantic, pydantic-core, annotated-types,
-    typing-inspection, opentelemetry-api, anyio, typing-extensions: carried as ``.whl``, the device README's recipe).
-    ``device``, ``levels``: for a smoke run on the CPU (a small model in ``ctx["model_7b"]``)."""
+    ``python -m engine.server`` (a subprocess on a free port; 256 sequences, 1,024-token context, built-in plans),
+    loaded by ``appliance bench``'s load generator (streamed completions, 128-token prompts), output tok/s per
+    concurrency level against ``LLM.generate`` of the same prompts at once, same settings; TTFT, ITL and TPOT in
+    the note. Needs the server's wheels on the GPU machine (fastapi, starlette, uvicorn, sse-starlette, pydantic,
+    pydantic-core, annotated-types, typing-inspection, opentelemetry-api, anyio, typing-extensions: carried as
+    ``.whl``, the device README's recipe). ``device``, ``levels``: for a smoke run on the CPU (a small model in
+    ``ctx["model_7b"]``). The server's log: ``$OUT/http_server.log``."""
     import asyncio
+    import socket
     import subprocess
     import sys
 
-    import httpx
-
     from appliance import loadgen
+    from appliance.installer import server_health
 
     model_dir = _model_7b(ctx)
     settings = dict(max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.85)
-    prompt = "hello " * 128  # 128 tokens of this tokenizer (each word one token), as the load generator sends
+    prompt = "hello " * 128  # 128 tokens: this tokenizer makes every unknown word one token ("t0")
     llm = LLM(model_dir, device=device, **BUILT_IN, **settings)
     llm.generate([prompt] * max(c for c, _, _ in levels), SamplingParams(temperature=0, max_tokens=4,
                                                                           ignore_eos=True))  # warm-up
     offline = {c: _offline_tok_s(llm, prompt, c, tokens) for c, _, tokens in levels}
     del llm
     _free()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     args = [sys.executable, "-m", "engine.server", "--model", model_dir, "--port", str(port), "--no-tune-kernels",
             "--kernel-plans-dir", tempfile.mkdtemp(prefix="no-plans-"), "--log-level", "warning", "--device", device,
             *(f"--{k.replace('_', '-')}={v}" for k, v in settings.items())]
@@ -858,15 +877,15 @@ def http_rows(ctx: dict, make_row, port: int = 8011, device: str = "cuda", level
         server = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     rows = []
     try:
-        deadline = time.monotonic() + 300
+        deadline, health = time.monotonic() + 300, None
         while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            health = server_health(url, timeout=2)
+            if health.state in ("ready", "failed"):
+                break
             time.sleep(1)
-        name = loadgen.served_model(url)  # raises when the server never came up (see http_server.log)
+        if server.poll() is not None or health is None or health.state != "ready":
+            raise RuntimeError(f"the server did not come up ({health.detail if health else 'exited'}; see {log})")
+        name = loadgen.served_model(url)
         for conc, n, tokens in levels:
             asyncio.run(loadgen.run_level(url, name, conc, conc, 128, 8))  # the level's shapes compiled
             r = asyncio.run(loadgen.run_level(url, name, conc, n, 128, tokens))
@@ -880,7 +899,11 @@ def http_rows(ctx: dict, make_row, port: int = 8011, device: str = "cuda", level
                                  f"{r.tpot.median * 1e3:.2f} ms; {r.errors} failed"))
     finally:
         server.terminate()
-        server.wait(30)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
     return rows
 
 

@@ -16,18 +16,18 @@ LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32
                  num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
 
 
-def _awq_linear(k: int, n: int, group: int, device: str) -> dict[str, torch.Tensor]:
+def _awq_linear(k: int, n: int, group: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Random codes; each zero point 7 or 8 at random. (Codes 0..15 average 7.5: with every zero at 8 each weight
     leans -0.5 scale, a common direction that grows through the layers until every prompt's greedy token is the
     same one, and an equality check of two paths' tokens cannot fail. Measured on a 4-layer model: 1 distinct token
     in 6 prompts x 24, against 38-50 with these zeros.)"""
-    gen = dict(device=device)
-    nibbles = 7 + torch.randint(0, 2, (k // group, n // 8, 8), dtype=torch.int64, **gen)
-    zeros = (nibbles << (4 * torch.arange(8, **gen))).sum(-1)
+    on = dict(device=gen.device, generator=gen)
+    nibbles = 7 + torch.randint(0, 2, (k // group, n // 8, 8), dtype=torch.int64, **on)
+    zeros = (nibbles << (4 * torch.arange(8, device=gen.device))).sum(-1)
     return {
-        "qweight": torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, **gen).cpu(),
+        "qweight": torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, **on).cpu(),
         "qzeros": torch.where(zeros >= 2**31, zeros - 2**32, zeros).to(torch.int32).cpu(),
-        "scales": (torch.rand(k // group, n, **gen) * 0.004 + 0.001).half().cpu(),
+        "scales": (torch.rand(k // group, n, **on) * 0.004 + 0.001).half().cpu(),
     }
 
 
@@ -43,19 +43,22 @@ def _tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def write_random_awq_model(out: str | Path, group_size: int = 128, device: str = "cuda", qkv_bias: bool = False,
-                           qk_norm: bool = False, sliding_window: int = 0, **shape) -> Path:
+                           qk_norm: bool = False, sliding_window: int = 0, seed: int = 0, **shape) -> Path:
     """Write the checkpoint to ``out`` and return it; ``shape`` overrides fields of :data:`LLAMA2_7B`;
     ``qkv_bias``: a Qwen2 checkpoint (Qwen2ForCausalLM: random fp16 biases on q/k/v); ``qk_norm``: a Qwen3 one
     (Qwen3ForCausalLM: per-head RMSNorm weights for q and k, random in [0.5, 1.5]); ``sliding_window`` > 0: a
-    Mistral v0.1 one (MistralForCausalLM: each token attends over its last ``sliding_window`` tokens)."""
+    Mistral v0.1 one (MistralForCausalLM: each token attends over its last ``sliding_window`` tokens). The values
+    depend only on ``seed`` (and ``device``'s generator), not on what drew random numbers before."""
+    cpu, gen = torch.Generator().manual_seed(seed), torch.Generator(device=device).manual_seed(seed)
     cfg = {**LLAMA2_7B, **shape}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]  # Qwen3 sets it apart from hidden / heads
     q, kv = head_dim * cfg["num_attention_heads"], head_dim * cfg["num_key_value_heads"]
-    tensors = {"model.embed_tokens.weight": (torch.randn(v, h) * 0.02).half(),
-               "lm_head.weight": (torch.randn(v, h) * 0.02).half(), "model.norm.weight": torch.ones(h).half()}
+    tensors = {"model.embed_tokens.weight": (torch.randn(v, h, generator=cpu) * 0.02).half(),
+               "lm_head.weight": (torch.randn(v, h, generator=cpu) * 0.02).half(),
+               "model.norm.weight": torch.ones(h).half()}
     shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
               "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
               "mlp.down_proj": (inter, h)}
@@ -64,13 +67,13 @@ def write_random_awq_model(out: str | Path, group_size: int = 128, device: str =
         tensors[f"{p}.input_layernorm.weight"] = torch.ones(h).half()
         tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(h).half()
         for name, (k, n) in shapes.items():
-            for t, value in _awq_linear(k, n, group_size, device).items():
+            for t, value in _awq_linear(k, n, group_size, gen).items():
                 tensors[f"{p}.{name}.{t}"] = value
             if qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-                tensors[f"{p}.{name}.bias"] = (torch.randn(n) * 0.5).half()
+                tensors[f"{p}.{name}.bias"] = (torch.randn(n, generator=cpu) * 0.5).half()
         if qk_norm:
             for name in ("q_norm", "k_norm"):
-                tensors[f"{p}.self_attn.{name}.weight"] = (torch.rand(head_dim) + 0.5).half()
+                tensors[f"{p}.self_attn.{name}.weight"] = (torch.rand(head_dim, generator=cpu) + 0.5).half()
     save_file(tensors, str(out / "model.safetensors"))
     arch, kind = (("Qwen3ForCausalLM", "qwen3") if qk_norm else ("Qwen2ForCausalLM", "qwen2") if qkv_bias else
                   ("MistralForCausalLM", "mistral") if sliding_window else ("LlamaForCausalLM", "llama"))
