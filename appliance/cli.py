@@ -332,7 +332,7 @@ def logs(
     """The server's log (the background log file, or the unit's journal)."""
     mgr = _manager(_config(config))
     if follow:
-        mgr.follow()
+        mgr.follow(lines)
         return
     for line in mgr.log_lines(lines):
         print(line)
@@ -426,10 +426,13 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
         from appliance.installer import server_health
 
         health = server_health(client_url(conf.host, conf.port))
-        fix = {"no answer": "if it has just started, wait a few seconds; else see `appliance logs`",
-               "failed": "see `appliance logs`; then `appliance stop` and `appliance start`"}
-        checks.append((health.state in ("ready", "loading"), f"/health on port {conf.port}: {health.detail}",
-                       fix.get(health.state, "see `appliance logs`")))
+        if health.state == "no answer" and _age_s(st.pid) <= STARTUP_S:
+            checks.append((True, f"/health on port {conf.port}: starting (not listening yet)", ""))
+        else:
+            fix = {"no answer": f"it has not answered for {_age_s(st.pid):.0f} s: see `appliance logs`",
+                   "failed": "see `appliance logs`; then `appliance stop` and `appliance start`"}
+            checks.append((health.state in ("ready", "loading"), f"/health on port {conf.port}: {health.detail}",
+                           fix.get(health.state, "see `appliance logs`")))
     elif not port_free(conf.host, conf.port):
         checks.append((False, f"port {conf.port} is taken by another program", "stop it or set APPLIANCE_PORT"))
     return checks
@@ -509,6 +512,18 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
     dashboard.run()
 
 
+def _installed_starting(url: str) -> bool:
+    """Whether ``url`` is the installed server's and its process started less than STARTUP_S seconds ago."""
+    from appliance.installer import client_url
+
+    try:
+        conf = _config(None)
+    except ApplianceError:
+        return False
+    st = _manager(conf).status()
+    return url == client_url(conf.host, conf.port) and st.running and _age_s(st.pid) <= STARTUP_S
+
+
 @app.command()
 @friendly
 def bench(url: Optional[str] = UrlOpt,
@@ -537,6 +552,9 @@ def bench(url: Optional[str] = UrlOpt,
 
     url, api_key = _server(url, api_key)
     health = server_health(url)
+    if health.state == "no answer" and _installed_starting(url):
+        raise ApplianceError(f"the server at {url} is starting (not listening yet)",
+                             "run `appliance bench` again in a few seconds (`appliance status` says running then)")
     if health.state == "no answer":
         raise ApplianceError(f"no server answers at {url} ({health.detail})",
                              "start it with `appliance start` (or `appliance install`) or pass --url")

@@ -165,8 +165,10 @@ class Systemd:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         return proc.stdout.splitlines()
 
-    def follow(self) -> None:
-        os.execvp("journalctl", ["journalctl", "--user-unit" if self.user else "-u", UNIT_NAME, "-f", "-o", "cat"])
+    def follow(self, n: int = 50) -> None:
+        """Print the last ``n`` lines, then new ones as they come (journalctl -f; does not return)."""
+        os.execvp("journalctl", ["journalctl", "--user-unit" if self.user else "-u", UNIT_NAME, "-n", str(n), "-f",
+                                 "-o", "cat"])
 
     def uninstall(self) -> bool:
         if not self.installed():
@@ -282,11 +284,12 @@ class Background:
     def log_lines(self, n: int = 50) -> list[str]:
         return tail_file(self.log_file, n)
 
-    def follow(self) -> None:
+    def follow(self, n: int = 50) -> None:
+        """Print the last ``n`` lines of the log, then new ones as they come (until interrupted)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.log_file.touch()
         with open(self.log_file, errors="replace") as f:
-            for line in _tail(f, 20):
+            for line in _tail(f, n):
                 sys.stdout.write(line)
             while True:
                 line = f.readline()

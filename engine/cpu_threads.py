@@ -17,8 +17,12 @@ Policy (``CpuThreads.update``), once per ``INTERVAL_S`` of wall time while the e
 * at least 1 thread, at most torch's count at start (``torch.get_num_threads()``, one per physical core), and at
   most the CPUs a cgroup quota grants, rounded down (``docker --cpus 2`` on a 16-core host: 2; torch does not read
   quotas, and 16 threads in a 2-CPU quota are throttled in turn while the others spin; :func:`cgroup_cpu_limit`);
-* the engine calls ``pause`` when it runs out of work: the next look only starts a new window (idle time is not
-  judged, however long a step takes);
+* the time the engine waits for requests is judged like the time it steps (the load other processes put on the
+  CPUs meanwhile is what the next request meets: a request of one step, a prompt with ``max_tokens`` 1, after
+  an idle spell beside a busy process runs at the reduced count; when the wait was not judged, such requests
+  never were, and each computed with every thread: 5-16 s against 0.2-0.6 s for a one-token chat answer of the
+  demo model beside a busy loop, the README trial of the twenty-third session);
+  a window longer than ``INTERVAL_S`` (a long wait, a slow step) is judged as a whole at the next look;
 * a change is logged at INFO at most once a minute (the rest at DEBUG); a probe that keeps the full count always;
 * ``OMP_NUM_THREADS`` in the environment fixes the count, and so does a failure to read the CPU times (logged).
 
@@ -155,16 +159,9 @@ class CpuThreads:
             self.fixed = True
             return None
 
-    def pause(self) -> None:
-        """The engine has no work: the next ``update`` starts a new window instead of judging the idle time."""
-        self._last = None
-
     def update(self) -> int:
         """Look at the load if an interval has passed since the last look; set and return the thread count."""
         if self.fixed:
-            return self.threads
-        if self._last is None:  # paused: this look starts a window
-            self._last = self._safe_read()
             return self.threads
         if self._clock() - self._last.wall < self._interval:
             return self.threads

@@ -191,12 +191,8 @@ class LLMEngine:
         return req
 
     def has_unfinished_requests(self) -> bool:
-        """Whether ``step`` has work. False also tells the CPU thread governor that the engine goes idle (the wait
-        for the next request is not load to judge)."""
-        unfinished = bool(self.requests) or bool(self._aborted) or self._pending is not None
-        if not unfinished and self.cpu_threads is not None:
-            self.cpu_threads.pause()
-        return unfinished
+        """Whether ``step`` has work."""
+        return bool(self.requests) or bool(self._aborted) or self._pending is not None
 
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

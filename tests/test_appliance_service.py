@@ -147,6 +147,11 @@ def test_status_stop_logs_commands(bg, tmp_path):
     result = runner.invoke(app, ["status"])  # the process runs; nothing answers on its port
     assert result.exit_code == 0, result.output
     assert "starting" in result.output and str(pid) in result.output and "not answering" in _flat(result)
+    from appliance.cli import doctor_checks
+    health = next(c for c in doctor_checks(tmp_path / "config.toml") if c[1].startswith("/health"))
+    assert health[0] is True and health[1].endswith(": starting (not listening yet)")
+    early = runner.invoke(app, ["bench", "--concurrency", "1"])
+    assert early.exit_code == 1 and "is starting (not listening yet)" in _flat(early), early.output
     import appliance.cli as cli
     startup, cli.STARTUP_S = cli.STARTUP_S, 0.0  # as if it had been up longer than a start takes
     try:
@@ -155,6 +160,14 @@ def test_status_stop_logs_commands(bg, tmp_path):
         cli.STARTUP_S = startup
     assert hung.exit_code == 1 and "not answering" in hung.output and "endpoint" not in hung.output
     assert " after " in _flat(hung) and "ConnectError" in _flat(hung)
+    cli.STARTUP_S = 0.0
+    try:
+        late = runner.invoke(app, ["bench", "--concurrency", "1"])
+        health = next(c for c in doctor_checks(tmp_path / "config.toml") if c[1].startswith("/health"))
+    finally:
+        cli.STARTUP_S = startup
+    assert late.exit_code == 1 and "no server answers" in _flat(late)
+    assert health[0] is False and "has not answered for" in health[2]
     result = runner.invoke(app, ["logs", "-n", "5"])
     assert result.exit_code == 0 and "fake server up" in result.output
     result = runner.invoke(app, ["stop"])
@@ -326,3 +339,20 @@ def test_wait_healthy_gives_up_at_once_on_a_dead_engine(monkeypatch, bg):
     with pytest.raises(installer.ServerFailed, match="could not load the model .the engine stopped: x."):
         installer.wait_healthy("http://127.0.0.1:1", bg, timeout=60)
     assert time.monotonic() - start < 5
+
+
+def test_follow_prints_the_last_n_lines_first(bg, monkeypatch, capsys):
+    """`appliance logs -n N -f`: N lines of history, then new ones (the loop ends here at its first wait)."""
+    bg.state_dir.mkdir(parents=True, exist_ok=True)
+    bg.log_file.write_text("".join(f"line {i}\n" for i in range(10)))
+
+    class Waited(Exception):
+        pass
+
+    def no_wait(seconds):
+        raise Waited
+
+    monkeypatch.setattr(service.time, "sleep", no_wait)
+    with pytest.raises(Waited):
+        bg.follow(3)
+    assert capsys.readouterr().out == "line 7\nline 8\nline 9\n"

@@ -98,21 +98,20 @@ def test_a_probe_against_a_busy_core_goes_back_and_waits_again(monkeypatch):
     assert cpu.set_calls == [1, 2, 1, 2, 1]
 
 
-def test_idle_time_is_not_judged_however_long_a_step_takes(monkeypatch):
-    """After ``pause`` (the engine ran out of work) the next look only starts a window; slow steps (10 s each, a
-    big model beside a busy process) are judged like fast ones."""
+def test_the_wait_between_requests_is_judged_like_steps_however_long(monkeypatch):
+    """The load other processes put on the CPUs while the engine waits is what the next request meets: the first
+    look after 10 idle minutes beside a busy process takes the reduced count (a one-step request, max_tokens 1,
+    would otherwise never be judged); slow steps (10 s each) are judged like fast ones."""
     cpu = FakeCpu()
     gov = cpu.governor(monkeypatch)
-    gov.pause()
     cpu.advance(600.0, others=1.5, own=0.0)  # the engine idle for 10 minutes while others worked
-    assert gov.update() == 2 and cpu.set_calls == []
-    assert cpu.run(gov, 2, others=0.0) == [2, 2] and cpu.set_calls == []
-    cpu.advance(10.0, others=1.0, own=1.0)
-    assert gov.update() == 1
-    for _ in range(4):  # one probe after 30 s, judged 10 s later: back to 1
-        cpu.advance(10.0, others=1.0, own=1.0)
-        gov.update()
-    assert cpu.set_calls == [1, 2, 1]
+    assert gov.update() == 1 and cpu.set_calls == [1]
+    cpu.advance(10.0, others=0.0, own=1.0)  # the other work ended during a 10 s step
+    assert gov.update() == 2 and cpu.set_calls == [1, 2]
+    cpu.advance(0.5, others=1.5, own=0.0)  # half a second idle: not a window yet
+    assert gov.update() == 2
+    cpu.advance(0.6, others=1.5, own=0.0)
+    assert gov.update() == 1 and cpu.set_calls == [1, 2, 1]
 
 
 def test_logs_say_what_changed_once_a_minute_at_most(monkeypatch, caplog):
@@ -200,13 +199,11 @@ def test_read_cpu_times_sees_our_cpu_time_in_the_busy_time():
 
 def test_greedy_output_does_not_depend_on_the_thread_count(monkeypatch):
     """What lets the count change mid-request: 1 and 2 threads give the same tokens on the demo model. The engine
-    step calls ``update`` and an engine out of work ``pause`` (held fixed here by OMP_NUM_THREADS so that the test
-    sets the count itself)."""
+    step calls ``update`` (held fixed here by OMP_NUM_THREADS so that the test sets the count itself)."""
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     llm = LLM(demo_dir(), device="cpu")
-    updates, pauses = [], []
+    updates = []
     monkeypatch.setattr(llm.engine.cpu_threads, "update", lambda: updates.append(1) or 1)
-    monkeypatch.setattr(llm.engine.cpu_threads, "pause", lambda: pauses.append(len(updates)))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     before = torch.get_num_threads()
     try:
@@ -218,4 +215,3 @@ def test_greedy_output_does_not_depend_on_the_thread_count(monkeypatch):
         torch.set_num_threads(before)
     assert tokens[1] == tokens[2] and all(len(t) == 12 for t in tokens[1])
     assert len(updates) >= 12  # once per step
-    assert pauses and pauses[-1] == len(updates)  # idle once the last generate finished
