@@ -246,6 +246,18 @@ def _age_s(pid: Optional[int]) -> float:
         return 0.0
 
 
+def _serving_state(url: str, st: service.Status):
+    """(state, Health) of the running server ``st`` at ``url``: /health's state (appliance.installer.Health), but
+    no answer is "starting" within STARTUP_S seconds of the process's start and "hung" after them."""
+    from appliance.installer import server_health
+
+    health = server_health(url, timeout=2)
+    state = health.state
+    if state == "no answer":
+        state = "starting" if _age_s(st.pid) <= STARTUP_S else "hung"
+    return state, health
+
+
 @app.command()
 @friendly
 def status(config: Optional[Path] = typer.Option(None, "--config")):
@@ -263,23 +275,20 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
         console.print(f"[yellow]not running[/yellow] ({st.mode}): {st.detail}", highlight=False)
         console.print(f"logs: {st.log}", highlight=False)
         raise typer.Exit(3)  # like `systemctl status`: 3 = not running
-    from appliance.installer import client_url, server_health
+    from appliance.installer import client_url
 
     url = client_url(conf.host, conf.port)
-    health = server_health(url, timeout=2)
-    state = health.state
-    if state == "no answer" and _age_s(st.pid) > STARTUP_S:  # it binds the port before it loads the model
-        state = "hung"
+    state, health = _serving_state(url, st)
     label, note = {"ready": ("[green]running[/green]", ""),
                    "loading": ("[yellow]starting[/yellow]", "; loading the model, ready in a moment"),
-                   "no answer": ("[yellow]starting[/yellow]", f"; not answering at {url} yet"),
+                   "starting": ("[yellow]starting[/yellow]", f"; not answering at {url} yet"),
                    "hung": ("[red]not answering[/red]", f"; no answer at {url} after {_age_s(st.pid):.0f} s "
                                                         f"({health.detail})"),
                    "failed": ("[red]failed[/red]", f"; {health.detail}"),
                    "other": ("[red]not serving[/red]", f"; {url}/health answered {health.detail} (another program "
                                                        "on the port?)")}[state]
     console.print(f"{label} ({st.mode}): {st.detail}{note}", highlight=False)
-    serving = state in ("ready", "loading", "no answer")
+    serving = state in ("ready", "loading", "starting")
     if serving:
         console.print(f"endpoint: {url}/v1  model: {conf.served_model_name}")
     console.print(f"logs: {st.log}", highlight=False)
@@ -423,16 +432,12 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
         checks.append((st.running, f"background server: {st.detail}",
                        "run `appliance start` (`appliance install` if it was uninstalled), or see `appliance logs`"))
     if st.running:
-        from appliance.installer import server_health
-
-        health = server_health(client_url(conf.host, conf.port))
-        if health.state == "no answer" and _age_s(st.pid) <= STARTUP_S:
-            checks.append((True, f"/health on port {conf.port}: starting (not listening yet)", ""))
-        else:
-            fix = {"no answer": f"it has not answered for {_age_s(st.pid):.0f} s: see `appliance logs`",
-                   "failed": "see `appliance logs`; then `appliance stop` and `appliance start`"}
-            checks.append((health.state in ("ready", "loading"), f"/health on port {conf.port}: {health.detail}",
-                           fix.get(health.state, "see `appliance logs`")))
+        state, health = _serving_state(client_url(conf.host, conf.port), st)
+        what = "starting (not listening yet)" if state == "starting" else health.detail
+        fix = {"hung": f"it has not answered for {_age_s(st.pid):.0f} s: see `appliance logs`",
+               "failed": "see `appliance logs`; then `appliance stop` and `appliance start`"}
+        checks.append((state in ("ready", "loading", "starting"), f"/health on port {conf.port}: {what}",
+                       fix.get(state, "see `appliance logs`")))
     elif not port_free(conf.host, conf.port):
         checks.append((False, f"port {conf.port} is taken by another program", "stop it or set APPLIANCE_PORT"))
     return checks
@@ -513,7 +518,7 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
 
 
 def _installed_starting(url: str) -> bool:
-    """Whether ``url`` is the installed server's and its process started less than STARTUP_S seconds ago."""
+    """Whether ``url`` is the installed server's and it is starting (:func:`_serving_state`)."""
     from appliance.installer import client_url
 
     try:
@@ -521,7 +526,7 @@ def _installed_starting(url: str) -> bool:
     except ApplianceError:
         return False
     st = _manager(conf).status()
-    return url == client_url(conf.host, conf.port) and st.running and _age_s(st.pid) <= STARTUP_S
+    return url == client_url(conf.host, conf.port) and st.running and _serving_state(url, st)[0] == "starting"
 
 
 @app.command()
