@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.cpu_threads import INTERVAL_S
 from engine.errors import StepFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -361,7 +362,9 @@ class AsyncLLMEngine:
                     if self._clear_failed_routes():  # nothing is held any more: parked requests may enter
                         continue
                     self._stats = self._engine.get_stats()
-                    self._wakeup.wait()
+                    idle = getattr(self._engine, "idle", None)  # the CPU thread count follows the load meanwhile
+                    while not self._wakeup.wait(INTERVAL_S if idle else None):
+                        idle()
                     continue
                 try:
                     outputs = self._engine.step()

@@ -17,12 +17,14 @@ Policy (``CpuThreads.update``), once per ``INTERVAL_S`` of wall time while the e
 * at least 1 thread, at most torch's count at start (``torch.get_num_threads()``, one per physical core), and at
   most the CPUs a cgroup quota grants, rounded down (``docker --cpus 2`` on a 16-core host: 2; torch does not read
   quotas, and 16 threads in a 2-CPU quota are throttled in turn while the others spin; :func:`cgroup_cpu_limit`);
-* the time the engine waits for requests is judged like the time it steps (the load other processes put on the
-  CPUs meanwhile is what the next request meets: a request of one step, a prompt with ``max_tokens`` 1, after
-  an idle spell beside a busy process runs at the reduced count; when the wait was not judged, such requests
-  never were, and each computed with every thread: 5-16 s against 0.2-0.6 s for a one-token chat answer of the
-  demo model beside a busy loop, the README trial of the twenty-third session);
-  a window longer than ``INTERVAL_S`` (a long wait, a slow step) is judged as a whole at the next look;
+* the engine calls ``pause`` when it runs out of work: the next look at a step only starts a new window (a
+  wait is not judged there, however long a step takes);
+* while a server waits for requests it calls ``idle_look`` about once per ``INTERVAL_S``: each judges the last
+  second or so of the wait the same way, with niced CPU time left out (a niced job yields its cores once we step),
+  and never starts a probe; so a request that is one step long (a prompt with ``max_tokens`` 1) beside a busy
+  process starts at the reduced count (without it such requests were never judged and each ran with every
+  thread: 5-16 s against 0.2-0.6 s for a one-token chat answer of the demo model beside a busy loop, the README
+  trial of the twenty-third session);
 * a change is logged at INFO at most once a minute (the rest at DEBUG); a probe that keeps the full count always;
 * ``OMP_NUM_THREADS`` in the environment fixes the count, and so does a failure to read the CPU times (logged).
 
@@ -63,12 +65,13 @@ def threads_for(cores: int, free: float, current: int) -> int:
 class CpuTimes:
     """One reading: ``wall`` (s, monotonic), ``busy`` (s of CPU time the CPUs this process may use spent outside
     idle and iowait since boot), ``own`` (s of CPU time this process spent, all threads), ``cpus`` (how many CPUs
-    this process may use)."""
+    this process may use), ``nice`` (s of ``busy`` spent in niced processes)."""
 
     wall: float
     busy: float
     own: float
     cpus: int
+    nice: float = 0.0
 
 
 def _quota(directory: Path) -> float | None:
@@ -121,7 +124,7 @@ def read_cpu_times() -> CpuTimes:
     cpus = [t for i, t in enumerate(per_cpu) if usable is None or i in usable]
     busy = sum(sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0)
                - getattr(t, "guest_nice", 0.0) for t in cpus)  # guest time is counted in user time already
-    return CpuTimes(time.monotonic(), busy, time.process_time(), len(cpus))
+    return CpuTimes(time.monotonic(), busy, time.process_time(), len(cpus), sum(getattr(t, "nice", 0.0) for t in cpus))
 
 
 class CpuThreads:
@@ -150,6 +153,7 @@ class CpuThreads:
         self._next_probe: float | None = None  # while the count is reduced: when to try the full count again
         self._probe_from: int | None = None  # the count a running probe came from
         self._logged = float("-inf")  # when the last INFO line went out
+        self._idle_last: CpuTimes | None = None  # the last idle look's reading, while the engine waits
 
     def _safe_read(self) -> CpuTimes | None:
         try:
@@ -159,9 +163,40 @@ class CpuThreads:
             self.fixed = True
             return None
 
+    def pause(self) -> None:
+        """The engine has no work: the next ``update`` starts a new window instead of judging the idle time; the
+        wait's window for ``idle_look`` starts here (once per wait)."""
+        self._last = None
+        if self._idle_last is None and not self.fixed:
+            self._idle_last = self._safe_read()
+
+    def idle_look(self) -> int:
+        """While the engine waits (paused; call about every INTERVAL_S): judge the wait since the last idle look
+        (or the pause), niced time left out, without probes; set and return the thread count."""
+        if self.fixed:
+            return self.threads
+        now = self._safe_read()
+        last, self._idle_last = self._idle_last, now
+        if now is None or last is None or now.wall - last.wall < self._interval / 2:
+            return self.threads
+        spent = (now.busy - last.busy) - (now.nice - last.nice) - (now.own - last.own)
+        others = max(0.0, spent) / (now.wall - last.wall)
+        threads = threads_for(self.cores, now.cpus - others, self.threads)
+        self._next_probe = None if threads >= self.cores else self._next_probe or now.wall + self._probe_every
+        if threads != self.threads:
+            self._probe_from = None  # a probe running when the engine went idle ends here
+            self._log(f"{self.threads} -> {threads}", others, now, quiet=False)
+            self._set(threads)
+            self.threads = threads
+        return self.threads
+
     def update(self) -> int:
         """Look at the load if an interval has passed since the last look; set and return the thread count."""
         if self.fixed:
+            return self.threads
+        self._idle_last = None  # stepping: a later wait starts its own window
+        if self._last is None:  # paused: this look starts a window
+            self._last = self._safe_read()
             return self.threads
         if self._clock() - self._last.wall < self._interval:
             return self.threads

@@ -191,8 +191,19 @@ class LLMEngine:
         return req
 
     def has_unfinished_requests(self) -> bool:
-        """Whether ``step`` has work."""
-        return bool(self.requests) or bool(self._aborted) or self._pending is not None
+        """Whether ``step`` has work. False also tells the CPU thread governor that the engine goes idle (the next
+        step starts a new window; the wait is judged by :meth:`idle`, where a server calls it)."""
+        unfinished = bool(self.requests) or bool(self._aborted) or self._pending is not None
+        if not unfinished and self.cpu_threads is not None:
+            self.cpu_threads.pause()
+        return unfinished
+
+    def idle(self) -> None:
+        """For a server waiting for requests, about once per ``cpu_threads.INTERVAL_S``: the CPU path's thread
+        count follows the other processes' load meanwhile (``CpuThreads.idle_look``), so that the next request,
+        one step long perhaps, starts at the right count. Nothing on CUDA."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.idle_look()
 
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

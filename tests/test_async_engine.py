@@ -145,3 +145,26 @@ def test_duplicate_request_id_is_refused(fake, engine):
         stream.abort()
 
     run(main())
+
+
+def test_a_waiting_engine_looks_at_the_cpu_load_every_interval(monkeypatch):
+    """LLMEngine.idle (the CPU thread count's idle looks) runs while nothing is to do, and not while it steps."""
+    import engine.async_engine as async_engine
+
+    class Idle(FakeEngine):
+        idles = 0
+
+        def idle(self):
+            self.idles += 1
+
+    monkeypatch.setattr(async_engine, "INTERVAL_S", 0.02)
+    fake = Idle(step_delay=0.01)
+    with started_engine(fake) as eng:
+        wait_for(lambda: fake.idles >= 3, what="idle looks")
+        before = fake.idles
+
+        async def one():
+            return [out async for out in await eng.add_request("r", "hello", SamplingParams(max_tokens=8))]
+        outs = run(one())
+        assert outs[-1].finished
+        assert fake.idles - before <= 2  # the request's 8 steps ran without looks between them

@@ -98,20 +98,57 @@ def test_a_probe_against_a_busy_core_goes_back_and_waits_again(monkeypatch):
     assert cpu.set_calls == [1, 2, 1, 2, 1]
 
 
-def test_the_wait_between_requests_is_judged_like_steps_however_long(monkeypatch):
-    """The load other processes put on the CPUs while the engine waits is what the next request meets: the first
-    look after 10 idle minutes beside a busy process takes the reduced count (a one-step request, max_tokens 1,
-    would otherwise never be judged); slow steps (10 s each) are judged like fast ones."""
+def test_idle_time_is_not_judged_however_long_a_step_takes(monkeypatch):
+    """After ``pause`` (the engine ran out of work) the next look only starts a window; slow steps (10 s each, a
+    big model beside a busy process) are judged like fast ones."""
     cpu = FakeCpu()
     gov = cpu.governor(monkeypatch)
+    gov.pause()
     cpu.advance(600.0, others=1.5, own=0.0)  # the engine idle for 10 minutes while others worked
-    assert gov.update() == 1 and cpu.set_calls == [1]
-    cpu.advance(10.0, others=0.0, own=1.0)  # the other work ended during a 10 s step
-    assert gov.update() == 2 and cpu.set_calls == [1, 2]
-    cpu.advance(0.5, others=1.5, own=0.0)  # half a second idle: not a window yet
-    assert gov.update() == 2
-    cpu.advance(0.6, others=1.5, own=0.0)
-    assert gov.update() == 1 and cpu.set_calls == [1, 2, 1]
+    assert gov.update() == 2 and cpu.set_calls == []
+    assert cpu.run(gov, 2, others=0.0) == [2, 2] and cpu.set_calls == []
+    cpu.advance(10.0, others=1.0, own=1.0)
+    assert gov.update() == 1
+    for _ in range(4):  # one probe after 30 s, judged 10 s later: back to 1
+        cpu.advance(10.0, others=1.0, own=1.0)
+        gov.update()
+    assert cpu.set_calls == [1, 2, 1]
+
+
+def test_idle_looks_follow_the_load_of_a_wait(monkeypatch):
+    """While a server waits (idle looks once a second): a busy process takes a thread away before the next
+    request, one step long perhaps; its end gives it back; the first look judges the wait since the pause."""
+    cpu = FakeCpu()
+    gov = cpu.governor(monkeypatch)
+    gov.pause()
+    cpu.advance(1.0, others=1.0, own=0.0)
+    gov.pause()  # the engine loop asks again: the wait's window still starts at the first pause
+    assert gov.idle_look() == 1 and cpu.set_calls == [1]
+    cpu.advance(1.0, others=0.0, own=0.0)
+    assert gov.idle_look() == 2 and cpu.set_calls == [1, 2]
+    cpu.advance(0.3, others=1.0, own=0.0)
+    assert gov.idle_look() == 2  # under half an interval: not judged
+    assert gov.update() == 2  # a step: the wait's window ends; the step's own starts
+    cpu.advance(1.0, others=1.0, own=0.0)
+    gov.pause()
+    cpu.advance(1.0, others=0.0, own=0.0)
+    assert gov.idle_look() == 2  # the new wait's window starts at its pause, not at the last idle look
+
+
+def test_idle_looks_leave_a_niced_job_out_and_never_probe(monkeypatch):
+    """A niced job that fills the cores while we wait yields them once we step: not load. A count reduced by a
+    busy process stays reduced over a wait longer than the probe period (no probe while nothing steps)."""
+    cpu = FakeCpu()
+    gov = cpu.governor(monkeypatch)
+    gov.pause()
+    for _ in range(5):  # a nice-19 job on both cores
+        n = cpu.now
+        cpu.now = CpuTimes(n.wall + 1.0, n.busy + 2.0, n.own, n.cpus, n.nice + 2.0)
+        assert gov.idle_look() == 2
+    for _ in range(40):  # then a normal one on a core, for longer than PROBE_S
+        cpu.advance(1.0, others=1.0, own=0.0)
+        gov.idle_look()
+    assert gov.threads == 1 and cpu.set_calls == [1]
 
 
 def test_logs_say_what_changed_once_a_minute_at_most(monkeypatch, caplog):
@@ -199,11 +236,13 @@ def test_read_cpu_times_sees_our_cpu_time_in_the_busy_time():
 
 def test_greedy_output_does_not_depend_on_the_thread_count(monkeypatch):
     """What lets the count change mid-request: 1 and 2 threads give the same tokens on the demo model. The engine
-    step calls ``update`` (held fixed here by OMP_NUM_THREADS so that the test sets the count itself)."""
+    step calls ``update`` and an engine out of work ``pause`` (held fixed here by OMP_NUM_THREADS so that the test
+    sets the count itself)."""
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     llm = LLM(demo_dir(), device="cpu")
-    updates = []
+    updates, pauses = [], []
     monkeypatch.setattr(llm.engine.cpu_threads, "update", lambda: updates.append(1) or 1)
+    monkeypatch.setattr(llm.engine.cpu_threads, "pause", lambda: pauses.append(len(updates)))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     before = torch.get_num_threads()
     try:
@@ -215,3 +254,4 @@ def test_greedy_output_does_not_depend_on_the_thread_count(monkeypatch):
         torch.set_num_threads(before)
     assert tokens[1] == tokens[2] and all(len(t) == 12 for t in tokens[1])
     assert len(updates) >= 12  # once per step
+    assert pauses and pauses[-1] == len(updates)  # idle once the last generate finished
