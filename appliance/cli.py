@@ -236,26 +236,34 @@ def serve(
 STARTUP_S = 60.0
 
 
-def _age_s(pid: Optional[int]) -> float:
-    """Seconds since process ``pid`` started (0.0 when unknown)."""
+def _age_s(pid: Optional[int]) -> Optional[float]:
+    """Seconds since process ``pid`` started (None when unknown)."""
     import psutil
 
     try:
-        return time.time() - psutil.Process(pid).create_time() if pid else 0.0
+        return time.time() - psutil.Process(pid).create_time() if pid else None
     except psutil.Error:
-        return 0.0
+        return None
 
 
 def _serving_state(url: str, st: service.Status):
     """(state, Health) of the running server ``st`` at ``url``: /health's state (appliance.installer.Health), but
-    no answer is "starting" within STARTUP_S seconds of the process's start and "hung" after them."""
+    no answer is "starting" within STARTUP_S seconds of the process's start, "restarting" once systemd restarted
+    it, and "hung" after STARTUP_S or when its age is unknown."""
     from appliance.installer import server_health
 
     health = server_health(url, timeout=2)
     state = health.state
     if state == "no answer":
-        state = "starting" if _age_s(st.pid) <= STARTUP_S else "hung"
+        age = _age_s(st.pid)
+        state = ("restarting" if st.restarts else "starting" if age is not None and age <= STARTUP_S else "hung")
     return state, health
+
+
+def _silence(st: service.Status) -> str:
+    """How long the process has run, for a server that does not answer."""
+    age = _age_s(st.pid)
+    return f"the process is {age:.0f} s old" if age is not None else "its age is unknown"
 
 
 @app.command()
@@ -282,8 +290,9 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
     label, note = {"ready": ("[green]running[/green]", ""),
                    "loading": ("[yellow]starting[/yellow]", "; loading the model, ready in a moment"),
                    "starting": ("[yellow]starting[/yellow]", f"; not answering at {url} yet"),
-                   "hung": ("[red]not answering[/red]", f"; no answer at {url} after {_age_s(st.pid):.0f} s "
-                                                        f"({health.detail})"),
+                   "hung": ("[red]not answering[/red]", f"; no answer at {url}, {_silence(st)} ({health.detail})"),
+                   "restarting": ("[red]restarting[/red]", f"; systemd restarted it {st.restarts} times, no answer "
+                                                           f"at {url}"),
                    "failed": ("[red]failed[/red]", f"; {health.detail}"),
                    "other": ("[red]not serving[/red]", f"; {url}/health answered {health.detail} (another program "
                                                        "on the port?)")}[state]
@@ -434,7 +443,8 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
     if st.running:
         state, health = _serving_state(client_url(conf.host, conf.port), st)
         what = "starting (not listening yet)" if state == "starting" else health.detail
-        fix = {"hung": f"it has not answered for {_age_s(st.pid):.0f} s: see `appliance logs`",
+        fix = {"hung": f"{_silence(st)}: see `appliance logs`",
+               "restarting": f"systemd restarted it {st.restarts} times: see `appliance logs`",
                "failed": "see `appliance logs`; then `appliance stop` and `appliance start`"}
         checks.append((state in ("ready", "loading", "starting"), f"/health on port {conf.port}: {what}",
                        fix.get(state, "see `appliance logs`")))

@@ -36,6 +36,7 @@ class Status:
     detail: str = ""
     log: str = ""  # where the logs are: a file, or the journalctl command
     installed: bool = True  # False once `appliance uninstall` removed the service (and nothing started it since)
+    restarts: int = 0  # times systemd restarted the unit's process since it was started (Restart=on-failure)
 
 
 def systemd_running() -> bool:
@@ -150,8 +151,10 @@ class Systemd:
     def status(self) -> Status:
         active = self._systemctl("is-active", UNIT_NAME, check=False).stdout.strip()
         pid = self._systemctl("show", "-p", "MainPID", "--value", UNIT_NAME, check=False).stdout.strip()
+        restarts = self._systemctl("show", "-p", "NRestarts", "--value", UNIT_NAME, check=False).stdout.strip()
         return Status(mode=self.mode, running=active == "active",
                       pid=int(pid) if pid.isdigit() and pid != "0" else None,
+                      restarts=int(restarts) if restarts.isdigit() else 0,
                       detail=f"unit {self.unit_path}: {active or 'unknown'}",
                       log=f"journalctl {'--user-unit' if self.user else '-u'} {UNIT_NAME}")
 

@@ -159,7 +159,7 @@ def test_status_stop_logs_commands(bg, tmp_path):
     finally:
         cli.STARTUP_S = startup
     assert hung.exit_code == 1 and "not answering" in hung.output and "endpoint" not in hung.output
-    assert " after " in _flat(hung) and "ConnectError" in _flat(hung)
+    assert "s old" in _flat(hung) and "ConnectError" in _flat(hung)
     cli.STARTUP_S = 0.0
     try:
         late = runner.invoke(app, ["bench", "--concurrency", "1"])
@@ -167,7 +167,7 @@ def test_status_stop_logs_commands(bg, tmp_path):
     finally:
         cli.STARTUP_S = startup
     assert late.exit_code == 1 and "no server answers" in _flat(late)
-    assert health[0] is False and "has not answered for" in health[2]
+    assert health[0] is False and "the process is" in health[2]
     result = runner.invoke(app, ["logs", "-n", "5"])
     assert result.exit_code == 0 and "fake server up" in result.output
     result = runner.invoke(app, ["stop"])
@@ -356,3 +356,14 @@ def test_follow_prints_the_last_n_lines_first(bg, monkeypatch, capsys):
     with pytest.raises(Waited):
         bg.follow(3)
     assert capsys.readouterr().out == "line 7\nline 8\nline 9\n"
+
+
+def test_a_silent_server_is_starting_only_while_young_and_never_restarted(bg):
+    from appliance.cli import _serving_state
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    pid = bg.start(FAKE_SERVER)
+    young = service.Status(mode="background", running=True, pid=pid)
+    assert _serving_state(url, young)[0] == "starting"
+    assert _serving_state(url, service.Status(mode="systemd", running=True, pid=pid, restarts=2))[0] == "restarting"
+    assert _serving_state(url, service.Status(mode="systemd", running=True, pid=None))[0] == "hung"  # age unknown
