@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.cpu_threads import INTERVAL_S
 from engine.errors import StepFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -357,14 +356,14 @@ class AsyncLLMEngine:
             logger.info("engine ready: %s", self.model_name)
             while not self._stop:
                 self._wakeup.clear()  # before draining: a command sent after this sets it again
+                if self._stop:  # a shutdown between the loop's test and the clear: its wake-up is gone
+                    break
                 self._drain_commands()
                 if not self._engine.has_unfinished_requests():
                     if self._clear_failed_routes():  # nothing is held any more: parked requests may enter
                         continue
                     self._stats = self._engine.get_stats()
-                    idle = getattr(self._engine, "idle", None)  # the CPU thread count follows the load meanwhile
-                    while not self._wakeup.wait(INTERVAL_S if idle else None):
-                        idle()
+                    self._wait_idle()
                     continue
                 try:
                     outputs = self._engine.step()
@@ -380,6 +379,21 @@ class AsyncLLMEngine:
             self.error = e
         self._state = "dead"
         self._fail_all(self.error or EngineDeadError("engine was shut down"))
+
+    def _wait_idle(self) -> None:
+        """Sleep until a command or shutdown sets ``_wakeup``; an engine with ``idle_look_s`` (the CPU path's thread
+        count) gets ``idle()`` every that many seconds meanwhile and once on waking (a failing look is logged,
+        never fatal)."""
+        period = getattr(self._engine, "idle_look_s", None)
+        while not self._stop:
+            woke = self._wakeup.wait(period)
+            if period is not None:
+                try:
+                    self._engine.idle()
+                except Exception:  # noqa: BLE001 - bookkeeping must not kill serving
+                    logger.exception("idle look failed")
+            if woke:
+                return
 
     def _step_failed(self, e: StepFailed) -> None:
         """A step failed for some requests: they get the error, the others carry on (the step's outputs are

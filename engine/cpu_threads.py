@@ -19,12 +19,13 @@ Policy (``CpuThreads.update``), once per ``INTERVAL_S`` of wall time while the e
   quotas, and 16 threads in a 2-CPU quota are throttled in turn while the others spin; :func:`cgroup_cpu_limit`);
 * the engine calls ``pause`` when it runs out of work: the next look at a step only starts a new window (a
   wait is not judged there, however long a step takes);
-* while a server waits for requests it calls ``idle_look`` about once per ``INTERVAL_S``: each judges the last
-  second or so of the wait the same way, with niced CPU time left out (a niced job yields its cores once we step),
-  and never starts a probe; so a request that is one step long (a prompt with ``max_tokens`` 1) beside a busy
-  process starts at the reduced count (without it such requests were never judged and each ran with every
-  thread: 5-16 s against 0.2-0.6 s for a one-token chat answer of the demo model beside a busy loop, the README
-  trial of the twenty-third session);
+* while a server waits for requests it calls ``idle_look`` about once per ``INTERVAL_S`` and as it wakes: each
+  judges the time since the last idle look (or the pause; short steps between short waits included, at least half
+  an interval) the same way, with niced CPU time left out (a niced job yields its cores once we step); it never
+  starts a probe and puts the next one a full period away; so a request that is one step long (a prompt with
+  ``max_tokens`` 1) beside a busy process starts at the reduced count (without it such requests were never
+  judged and each ran with every thread: 5-16 s against 0.2-0.6 s for a one-token chat answer of the demo model
+  beside a busy loop, the README trial of the twenty-third session);
 * a change is logged at INFO at most once a minute (the rest at DEBUG); a probe that keeps the full count always;
 * ``OMP_NUM_THREADS`` in the environment fixes the count, and so does a failure to read the CPU times (logged).
 
@@ -175,17 +176,19 @@ class CpuThreads:
         (or the pause), niced time left out, without probes; set and return the thread count."""
         if self.fixed:
             return self.threads
-        now = self._safe_read()
-        last, self._idle_last = self._idle_last, now
+        now, last = self._safe_read(), self._idle_last
         if now is None or last is None or now.wall - last.wall < self._interval / 2:
+            self._idle_last = last or now  # a window too short to judge goes on
             return self.threads
+        self._idle_last = now
         spent = (now.busy - last.busy) - (now.nice - last.nice) - (now.own - last.own)
         others = max(0.0, spent) / (now.wall - last.wall)
         threads = threads_for(self.cores, now.cpus - others, self.threads)
-        self._next_probe = None if threads >= self.cores else self._next_probe or now.wall + self._probe_every
+        # measured without our threads competing: the next probe is a full period away
+        self._next_probe = None if threads >= self.cores else now.wall + self._probe_every
+        probing, self._probe_from = self._probe_from, None  # a probe running when the engine went idle ends here
         if threads != self.threads:
-            self._probe_from = None  # a probe running when the engine went idle ends here
-            self._log(f"{self.threads} -> {threads}", others, now, quiet=False)
+            self._log(f"{self.threads} -> {threads}", others, now, quiet=probing is not None)
             self._set(threads)
             self.threads = threads
         return self.threads
@@ -194,7 +197,6 @@ class CpuThreads:
         """Look at the load if an interval has passed since the last look; set and return the thread count."""
         if self.fixed:
             return self.threads
-        self._idle_last = None  # stepping: a later wait starts its own window
         if self._last is None:  # paused: this look starts a window
             self._last = self._safe_read()
             return self.threads
@@ -204,6 +206,7 @@ class CpuThreads:
         if now is None:
             return self.threads
         last, self._last = self._last, now
+        self._idle_last = None  # a window of steps judged: a later wait starts its own
         others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / (now.wall - last.wall)
         threads = threads_for(self.cores, now.cpus - others, self.threads)
         ended, self._probe_from = self._probe_from, None

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from engine import detokenizer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cpu_threads import CpuThreads
+from engine.cpu_threads import INTERVAL_S, CpuThreads
 from engine.generation_config import sampling_defaults
 from engine.errors import ContextLengthError, StepFailed
 from engine.sampler import INVALID
@@ -198,10 +198,15 @@ class LLMEngine:
             self.cpu_threads.pause()
         return unfinished
 
+    @property
+    def idle_look_s(self) -> float | None:
+        """How often a server waiting for requests should call :meth:`idle` (s); None: never (CUDA)."""
+        return INTERVAL_S if self.cpu_threads is not None else None
+
     def idle(self) -> None:
-        """For a server waiting for requests, about once per ``cpu_threads.INTERVAL_S``: the CPU path's thread
-        count follows the other processes' load meanwhile (``CpuThreads.idle_look``), so that the next request,
-        one step long perhaps, starts at the right count. Nothing on CUDA."""
+        """For a server waiting for requests, every ``idle_look_s`` and on waking: the CPU path's thread count
+        follows the other processes' load meanwhile (``CpuThreads.idle_look``), so that the next request, one step
+        long perhaps, starts at the right count."""
         if self.cpu_threads is not None:
             self.cpu_threads.idle_look()
 

@@ -127,12 +127,9 @@ def test_idle_looks_follow_the_load_of_a_wait(monkeypatch):
     cpu.advance(1.0, others=0.0, own=0.0)
     assert gov.idle_look() == 2 and cpu.set_calls == [1, 2]
     cpu.advance(0.3, others=1.0, own=0.0)
-    assert gov.idle_look() == 2  # under half an interval: not judged
-    assert gov.update() == 2  # a step: the wait's window ends; the step's own starts
-    cpu.advance(1.0, others=1.0, own=0.0)
-    gov.pause()
-    cpu.advance(1.0, others=0.0, own=0.0)
-    assert gov.idle_look() == 2  # the new wait's window starts at its pause, not at the last idle look
+    assert gov.idle_look() == 2  # under half an interval: not judged yet (the window goes on)
+    cpu.advance(0.3, others=1.0, own=0.0)
+    assert gov.idle_look() == 1  # 0.6 s, one core busy elsewhere
 
 
 def test_idle_looks_leave_a_niced_job_out_and_never_probe(monkeypatch):
@@ -149,6 +146,24 @@ def test_idle_looks_leave_a_niced_job_out_and_never_probe(monkeypatch):
         cpu.advance(1.0, others=1.0, own=0.0)
         gov.idle_look()
     assert gov.threads == 1 and cpu.set_calls == [1]
+
+
+def test_short_requests_between_short_waits_are_judged_and_a_wait_defers_the_probe(monkeypatch):
+    """Requests of one 0.3 s step every 0.8 s beside a busy core (no wait reaches an interval): the looks as the
+    loop wakes judge the steps and waits together. A long wait at the reduced count: no probe at the next steps."""
+    cpu = FakeCpu()
+    gov = cpu.governor(monkeypatch)
+    for _ in range(3):
+        gov.update()
+        cpu.advance(0.3, others=1.0, own=1.0)
+        gov.pause()
+        cpu.advance(0.5, others=1.0, own=0.0)
+        gov.idle_look()  # the loop wakes for the next request
+    assert gov.threads == 1 and cpu.set_calls == [1]
+    for _ in range(120):  # a 2-minute wait, looked at every second
+        cpu.advance(1.0, others=1.0, own=0.0)
+        gov.idle_look()
+    assert cpu.run(gov, 5, others=1.0) == [1] * 5 and cpu.set_calls == [1]
 
 
 def test_logs_say_what_changed_once_a_minute_at_most(monkeypatch, caplog):
