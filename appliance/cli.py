@@ -248,30 +248,37 @@ def _age_s(pid: Optional[int]) -> Optional[float]:
 
 def _serving_state(url: str, st: service.Status):
     """(state, Health) of the running server ``st`` at ``url``: /health's state (appliance.installer.Health), but
-    no answer is "starting" within STARTUP_S seconds of the process's start, "restarting" once systemd restarted
-    it, and "hung" after STARTUP_S or when its age is unknown."""
+    no answer is "starting" within STARTUP_S seconds of the process's start ("restarting" when systemd restarted
+    it), and "hung" after them or when its age is unknown."""
     from appliance.installer import server_health
 
     health = server_health(url, timeout=2)
     state = health.state
     if state == "no answer":
         age = _age_s(st.pid)
-        state = ("restarting" if st.restarts else "starting" if age is not None and age <= STARTUP_S else "hung")
+        young = age is not None and age <= STARTUP_S
+        state = ("restarting" if st.restarts else "starting") if young else "hung"
     return state, health
 
 
 def _silence(st: service.Status) -> str:
     """How long the process has run, for a server that does not answer."""
     age = _age_s(st.pid)
-    return f"the process is {age:.0f} s old" if age is not None else "its age is unknown"
+    text = f"the process is {age:.0f} s old" if age is not None else "its age is unknown"
+    return text + (f"; systemd restarted it {_times(st.restarts)}" if st.restarts else "")
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
 
 
 @app.command()
 @friendly
 def status(config: Optional[Path] = typer.Option(None, "--config")):
     """Whether the server runs (or is starting: loading the model), under systemd or as the background process,
-    and where. Exit status: 0 running or starting, 1 the process runs but serves nothing (its engine failed, it
-    has not answered for STARTUP_S seconds, or another program answers on its port), 3 stopped, 4 not installed."""
+    and where. Exit status: 0 running or starting (restarting included), 1 the process runs but serves nothing
+    (its engine failed, it has not answered for STARTUP_S seconds, or another program answers on its port), 3
+    stopped, 4 not installed."""
     conf = _config(config)
     st = _manager(conf).status()
     path = config or cfgmod.config_path()
@@ -291,13 +298,13 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
                    "loading": ("[yellow]starting[/yellow]", "; loading the model, ready in a moment"),
                    "starting": ("[yellow]starting[/yellow]", f"; not answering at {url} yet"),
                    "hung": ("[red]not answering[/red]", f"; no answer at {url}, {_silence(st)} ({health.detail})"),
-                   "restarting": ("[red]restarting[/red]", f"; systemd restarted it {st.restarts} times, no answer "
-                                                           f"at {url}"),
+                   "restarting": ("[yellow]restarting[/yellow]", f"; systemd restarted it {_times(st.restarts)}, "
+                                                                 f"not answering at {url} yet (see `appliance logs`)"),
                    "failed": ("[red]failed[/red]", f"; {health.detail}"),
                    "other": ("[red]not serving[/red]", f"; {url}/health answered {health.detail} (another program "
                                                        "on the port?)")}[state]
     console.print(f"{label} ({st.mode}): {st.detail}{note}", highlight=False)
-    serving = state in ("ready", "loading", "starting")
+    serving = state in ("ready", "loading", "starting", "restarting")
     if serving:
         console.print(f"endpoint: {url}/v1  model: {conf.served_model_name}")
     console.print(f"logs: {st.log}", highlight=False)
@@ -444,7 +451,7 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
         state, health = _serving_state(client_url(conf.host, conf.port), st)
         what = "starting (not listening yet)" if state == "starting" else health.detail
         fix = {"hung": f"{_silence(st)}: see `appliance logs`",
-               "restarting": f"systemd restarted it {st.restarts} times: see `appliance logs`",
+               "restarting": f"systemd restarted it {_times(st.restarts)}: see `appliance logs`",
                "failed": "see `appliance logs`; then `appliance stop` and `appliance start`"}
         checks.append((state in ("ready", "loading", "starting"), f"/health on port {conf.port}: {what}",
                        fix.get(state, "see `appliance logs`")))
@@ -528,7 +535,7 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
 
 
 def _installed_starting(url: str) -> bool:
-    """Whether ``url`` is the installed server's and it is starting (:func:`_serving_state`)."""
+    """Whether ``url`` is the installed server's and it is starting or restarting (:func:`_serving_state`)."""
     from appliance.installer import client_url
 
     try:
@@ -536,7 +543,8 @@ def _installed_starting(url: str) -> bool:
     except ApplianceError:
         return False
     st = _manager(conf).status()
-    return url == client_url(conf.host, conf.port) and st.running and _serving_state(url, st)[0] == "starting"
+    return (url == client_url(conf.host, conf.port) and st.running
+            and _serving_state(url, st)[0] in ("starting", "restarting"))
 
 
 @app.command()

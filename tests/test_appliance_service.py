@@ -367,3 +367,18 @@ def test_a_silent_server_is_starting_only_while_young_and_never_restarted(bg):
     assert _serving_state(url, young)[0] == "starting"
     assert _serving_state(url, service.Status(mode="systemd", running=True, pid=pid, restarts=2))[0] == "restarting"
     assert _serving_state(url, service.Status(mode="systemd", running=True, pid=None))[0] == "hung"  # age unknown
+    import appliance.cli as cli
+    startup, cli.STARTUP_S = cli.STARTUP_S, 0.0  # old: a restart long ago does not make a hung server restarting
+    try:
+        assert _serving_state(url, service.Status(mode="systemd", running=True, pid=pid, restarts=1))[0] == "hung"
+    finally:
+        cli.STARTUP_S = startup
+
+
+def test_the_cli_does_not_import_torch():
+    """`appliance status`, `logs`, `--help` start in a fraction of a second: torch loads only where it computes."""
+    import subprocess
+    import sys
+
+    code = "import sys, appliance.cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
