@@ -246,13 +246,13 @@ def _age_s(pid: Optional[int]) -> Optional[float]:
         return None
 
 
-def _serving_state(url: str, st: service.Status):
-    """(state, Health) of the running server ``st`` at ``url``: /health's state (appliance.installer.Health), but
-    no answer is "starting" within STARTUP_S seconds of the process's start ("restarting" when systemd restarted
-    it), and "hung" after them or when its age is unknown."""
+def _serving_state(url: str, st: service.Status, health=None):
+    """(state, Health) of the running server ``st`` at ``url``: /health's state (appliance.installer.Health; asked
+    here unless ``health`` is the answer already had), but no answer is "starting" within STARTUP_S seconds of the
+    process's start ("restarting" when systemd restarted it), and "hung" after them or when its age is unknown."""
     from appliance.installer import server_health
 
-    health = server_health(url, timeout=2)
+    health = health or server_health(url, timeout=2)
     state = health.state
     if state == "no answer":
         age = _age_s(st.pid)
@@ -534,8 +534,9 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
     dashboard.run()
 
 
-def _installed_starting(url: str) -> bool:
-    """Whether ``url`` is the installed server's and it is starting or restarting (:func:`_serving_state`)."""
+def _installed_starting(url: str, health) -> bool:
+    """Whether ``url`` is the installed server's and it is starting or restarting (:func:`_serving_state`, from
+    its /health answer ``health``)."""
     from appliance.installer import client_url
 
     try:
@@ -544,7 +545,7 @@ def _installed_starting(url: str) -> bool:
         return False
     st = _manager(conf).status()
     return (url == client_url(conf.host, conf.port) and st.running
-            and _serving_state(url, st)[0] in ("starting", "restarting"))
+            and _serving_state(url, st, health)[0] in ("starting", "restarting"))
 
 
 @app.command()
@@ -575,7 +576,7 @@ def bench(url: Optional[str] = UrlOpt,
 
     url, api_key = _server(url, api_key)
     health = server_health(url)
-    if health.state == "no answer" and _installed_starting(url):
+    if health.state == "no answer" and _installed_starting(url, health):
         raise ApplianceError(f"the server at {url} is starting (not listening yet)",
                              "run `appliance bench` again in a few seconds (`appliance status` says running then)")
     if health.state == "no answer":

@@ -150,8 +150,9 @@ class Systemd:
 
     def status(self) -> Status:
         active = self._systemctl("is-active", UNIT_NAME, check=False).stdout.strip()
-        pid = self._systemctl("show", "-p", "MainPID", "--value", UNIT_NAME, check=False).stdout.strip()
-        restarts = self._systemctl("show", "-p", "NRestarts", "--value", UNIT_NAME, check=False).stdout.strip()
+        shown = self._systemctl("show", "-p", "MainPID", "-p", "NRestarts", UNIT_NAME, check=False).stdout
+        props = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+        pid, restarts = props.get("MainPID", ""), props.get("NRestarts", "")
         return Status(mode=self.mode, running=active == "active",
                       pid=int(pid) if pid.isdigit() and pid != "0" else None,
                       restarts=int(restarts) if restarts.isdigit() else 0,

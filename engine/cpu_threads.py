@@ -125,7 +125,8 @@ def read_cpu_times() -> CpuTimes:
     cpus = [t for i, t in enumerate(per_cpu) if usable is None or i in usable]
     busy = sum(sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0)
                - getattr(t, "guest_nice", 0.0) for t in cpus)  # guest time is counted in user time already
-    return CpuTimes(time.monotonic(), busy, time.process_time(), len(cpus), sum(getattr(t, "nice", 0.0) for t in cpus))
+    nice = sum(getattr(t, "nice", 0.0) for t in cpus)
+    return CpuTimes(time.monotonic(), busy, time.process_time(), len(cpus), nice)
 
 
 class CpuThreads:
@@ -187,8 +188,12 @@ class CpuThreads:
         # measured without our threads competing: the next probe is a full period away
         self._next_probe = None if threads >= self.cores else now.wall + self._probe_every
         probing, self._probe_from = self._probe_from, None  # a probe running when the engine went idle ends here
+        return self._apply(threads, others, now, quiet=probing is not None)
+
+    def _apply(self, threads: int, others: float, now: CpuTimes, quiet: bool) -> int:
+        """Set the count to ``threads`` if it changes (logged, :meth:`_log`); return the count."""
         if threads != self.threads:
-            self._log(f"{self.threads} -> {threads}", others, now, quiet=probing is not None)
+            self._log(f"{self.threads} -> {threads}", others, now, quiet)
             self._set(threads)
             self.threads = threads
         return self.threads
@@ -218,12 +223,7 @@ class CpuThreads:
             threads, self._probe_from = self.cores, self.threads  # a probe: the next look decides at full count
         if ended is not None and threads == self.threads:  # the probe's full count is kept: the load went away
             self._log(f"stays at {threads}", others, now, quiet=False, always=True)
-        if threads != self.threads:
-            self._log(f"{self.threads} -> {threads}", others, now,
-                      quiet=self._probe_from is not None or threads == ended)
-            self._set(threads)
-            self.threads = threads
-        return self.threads
+        return self._apply(threads, others, now, quiet=self._probe_from is not None or threads == ended)
 
     def _log(self, what: str, others: float, now: CpuTimes, quiet: bool, always: bool = False) -> None:
         """A probe and its return are DEBUG; a probe that keeps the full count is INFO; other changes are INFO at
