@@ -6,6 +6,8 @@ Event-loop code talks to it only through a thread-safe command queue (add / abor
 ``RequestOutput``s on a per-request ``asyncio.Queue`` filled with ``loop.call_soon_threadsafe`` (once per step
 for all of them: :func:`hand_over`).
 Stats are snapshotted by the engine thread after every step, so readers never call into the engine.
+On CUDA the "``LLMEngine``" is by default an ``EngineProcess`` (engine/engine_process.py): the same interface,
+with the real engine in a child process, so that this process's event loop never takes the GIL from it.
 
 Admission: at most ``max_num_seqs + max_waiting`` requests are in the engine at once (submitted and not finished
 or aborted), so at most ``max_waiting`` of them wait for a batch slot; one more is refused at once with
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import StepFailed
+from engine.errors import EngineBroken, StepFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -196,9 +198,18 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, max_waiting: int = DEFAULT_MAX_WAITING) -> AsyncLLMEngine:
-        """An engine that loads ``LLMEngine(config)`` when started; served as ``served_model_name`` or folder name."""
+    def from_config(cls, config: EngineConfig, max_waiting: int = DEFAULT_MAX_WAITING,
+                    engine_process: bool | None = None) -> AsyncLLMEngine:
+        """An engine that loads ``LLMEngine(config)`` when started; served as ``served_model_name`` or folder name.
+        ``engine_process``: run the ``LLMEngine`` in a process of its own (``engine/engine_process.py``), so that
+        the event loop's work never waits for the GIL the engine needs, or on this process's engine thread; None:
+        a process of its own on CUDA (``engine_process.wanted``)."""
+        from engine import engine_process as ep
+        own_process = ep.wanted(config) if engine_process is None else engine_process
+
         def build():
+            if own_process:
+                return ep.EngineProcess(config)
             from engine.llm_engine import LLMEngine
             return LLMEngine(config)
         return cls(build, config.served_model_name or Path(config.model).name, config, max_waiting)
@@ -379,6 +390,12 @@ class AsyncLLMEngine:
             self.error = e
         self._state = "dead"
         self._fail_all(self.error or EngineDeadError("engine was shut down"))
+        close = getattr(self._engine, "close", None)  # an EngineProcess: its child stops
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the engine is dead already; a failing stop is only logged
+                logger.exception("stopping the engine process failed")
 
     def _wait_idle(self) -> None:
         """Sleep until a command or shutdown sets ``_wakeup``; an engine with ``idle_look_s`` (the CPU path's thread
@@ -449,6 +466,8 @@ class AsyncLLMEngine:
             return
         try:
             self._engine.add_request(stream.request_id, prompt, params, arrival_time=arrival, grammar=grammar)
+        except EngineBroken:  # not the request's fault: the engine is dead (``_run``)
+            raise
         except Exception as e:  # noqa: BLE001 - rejections belong to the request, not the engine
             if self._release(stream):
                 stream.put_threadsafe(e)

@@ -38,3 +38,8 @@ class StepFailed(RuntimeError):
                  request_error: bool = False):
         super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
         self.request_ids, self.cause, self.outputs, self.request_error = request_ids, cause, outputs or [], request_error
+
+
+class EngineBroken(RuntimeError):
+    """The engine itself cannot go on (its process exited, its pipe broke): never one request's fault, so a server
+    that gets it while adding a request declares the engine dead instead of refusing that request."""

@@ -67,6 +67,26 @@ def _eos_token_ids(model_dir: str, tokenizer) -> set[int]:
     return ids
 
 
+def prompt_token_ids(tokenizer, vocab_size: int, max_model_len: int, prompt: str | list[int],
+                     params: SamplingParams) -> list[int]:
+    """A request's prompt as token ids, checked as ``LLMEngine.add_request`` checks it (also where the engine runs
+    in a process of its own, ``engine/engine_process.py``): a string is encoded with the tokenizer's special
+    tokens, ids are taken as they are. Raises ContextLengthError when prompt + max_tokens exceed ``max_model_len``
+    (tokens), ValueError for an empty prompt or a prompt, stop or logit-bias token id outside [0, ``vocab_size``)."""
+    ids = tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise ValueError("prompt: must not be empty")
+    # the embedding and the sampler (stop ids, biases) index with them
+    for name, tokens in (("prompt", ids), ("stop_token_ids", params.stop_token_ids),
+                         ("logit_bias", params.logit_bias or {})):
+        if any(not 0 <= t < vocab_size for t in tokens):
+            raise ValueError(f"{name}: token ids must be in [0, {vocab_size})")
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
+    if len(ids) + max(max_tokens, 1) > max_model_len:
+        raise ContextLengthError(max_model_len, len(ids), max_tokens)
+    return ids
+
+
 class LLMEngine:
     """Single-threaded engine; see docs/architecture.md for the contract the server relies on."""
 
@@ -131,17 +151,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        # the embedding and the sampler (stop ids, biases) index with them
-        for name, tokens in (("prompt", ids), ("stop_token_ids", params.stop_token_ids),
-                             ("logit_bias", params.logit_bias or {})):
-            if any(not 0 <= t < self.vocab_size for t in tokens):
-                raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max(max_tokens, 1) > self.max_model_len:
-            raise ContextLengthError(self.max_model_len, len(ids), max_tokens)
+        ids = prompt_token_ids(self.tokenizer, self.vocab_size, self.max_model_len, prompt, params)
         matchers = [self._matcher(params, grammar) for _ in range(params.n)]  # a schema it cannot follow raises
         seqs = [Sequence(request_id, i, list(ids), params,  # a seeded child i draws from seed + i (vLLM V1)
                          torch.Generator(self.runner.device).manual_seed(params.seed + i)

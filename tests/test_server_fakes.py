@@ -295,9 +295,10 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
 
 
 @contextmanager
-def demo_model_server(**config_kw) -> Iterator[tuple[str, object]]:
+def demo_model_server(*, engine_process: bool = False, **config_kw) -> Iterator[tuple[str, object]]:
     """``(base URL, AsyncLLMEngine)`` of uvicorn serving the real engine over the demo model on the CPU, loaded;
-    ``config_kw`` are ``EngineConfig`` fields. Skips the test when the demo model is not installed."""
+    ``config_kw`` are ``EngineConfig`` fields; ``engine_process``: the engine in a process of its own. Skips the
+    test when the demo model is not installed."""
     from appliance.demo_model import DemoModelMissing, demo_model_dir
     from engine.config import EngineConfig
     from engine.server.api_server import build_app
@@ -306,7 +307,8 @@ def demo_model_server(**config_kw) -> Iterator[tuple[str, object]]:
         model_dir = demo_model_dir()
     except DemoModelMissing as e:
         pytest.skip(str(e))
-    engine = AsyncLLMEngine.from_config(EngineConfig(model=str(model_dir), device="cpu", **config_kw))
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=str(model_dir), device="cpu", **config_kw),
+                                        engine_process=engine_process)
     try:
         with ServerThread(build_app(engine)) as url:
             wait_for(lambda: engine.is_ready or engine.is_dead, timeout=300, what="model load")

@@ -1,5 +1,6 @@
 """``python -m engine.server --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N]
-[--tool-call-parser auto|hermes|llama3_json|none] [--reasoning-parser auto|deepseek_r1|qwen3|none] [engine options]``.
+[--tool-call-parser auto|hermes|llama3_json|none] [--reasoning-parser auto|deepseek_r1|qwen3|none]
+[--[no-]engine-process] [engine options]``.
 
 Every ``EngineConfig`` field is an option (``--max-model-len 2048``, ``--enforce-eager``, ...).
 """
@@ -45,12 +46,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reasoning-parser", default="auto", choices=reasoning.SETTINGS,
                         help="chat answers' <think> blocks as their reasoning: deepseek_r1 or qwen3 (the same "
                              "split), none, or auto (when the model's chat template writes <think>)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the engine in a process of its own, apart from the HTTP server's event loop "
+                             "(default: on CUDA, not on the CPU)")
     _engine_options(parser)
     args = vars(parser.parse_args(argv))
-    host, port, api_key, log_level, max_waiting, parser_name, reasoning_name = (args.pop(k) for k in (
-        "host", "port", "api_key", "log_level", "max_waiting", "tool_call_parser", "reasoning_parser"))
+    host, port, api_key, log_level, max_waiting, parser_name, reasoning_name, own_process = (args.pop(k) for k in (
+        "host", "port", "api_key", "log_level", "max_waiting", "tool_call_parser", "reasoning_parser",
+        "engine_process"))
     run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level,
-               max_waiting=max_waiting, tool_call_parser=parser_name, reasoning_parser=reasoning_name)
+               max_waiting=max_waiting, tool_call_parser=parser_name, reasoning_parser=reasoning_name,
+               engine_process=own_process)
 
 
 if __name__ == "__main__":

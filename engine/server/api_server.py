@@ -186,16 +186,17 @@ class QuietPolls(logging.Filter):
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, log_level: str = "info",
                max_waiting: int = DEFAULT_MAX_WAITING, tool_call_parser: str = "auto",
-               reasoning_parser: str = "auto") -> None:
+               reasoning_parser: str = "auto", engine_process: bool | None = None) -> None:
     """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM.
 
     ``max_waiting``: requests queued beyond ``max_num_seqs`` before new ones get 503 (``AsyncLLMEngine``).
+    ``engine_process``: the engine in a process of its own (``AsyncLLMEngine.from_config``; None: on CUDA).
     ``tool_call_parser``, ``reasoning_parser``: see :func:`build_app`.
     The engine's own log lines (loading, ready, failed steps, CPU thread counts) go to stderr at ``log_level``
     unless the caller set up logging first.
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting)
+    engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting, engine_process=engine_process)
     engine.start()
     logging.getLogger("uvicorn.access").addFilter(QuietPolls())  # uvicorn's logging set-up keeps filters
     try:

@@ -1,0 +1,399 @@
+"""``EngineProcess``: the ``LLMEngine`` in a process of its own, driven through two one-way pipes (commands in,
+outputs out), so that the API server's
+event loop (sockets, SSE, JSON) never holds the GIL the engine's host work needs (vLLM V1 splits its API server
+from its engine core for the same reason).
+
+The parent (``EngineProcess``) stands in for an ``LLMEngine`` on ``AsyncLLMEngine``'s engine thread: the same
+``add_request`` / ``abort_request`` / ``step`` / ``has_unfinished_requests`` / ``get_stats`` and the read-only
+``tokenizer``, ``max_model_len``, ``vocab_size``, ``default_sampling``, ``grammar_compiler()``. It tokenizes and
+checks each request itself (``llm_engine.prompt_token_ids``), so a bad request is refused at once, as in process,
+and only token ids cross the pipe.
+
+The child (:func:`_serve`) loads the ``LLMEngine``, then loops: apply the commands that arrived (add, abort), run a
+step while any request is unfinished, and send that step's outputs, one message per step, without waiting for the
+parent to read them (the pipe's buffer is the only back-pressure). So the parent's ``step`` reads the next message;
+the two agree on which requests are unfinished because every request the child holds ends in an output it sends
+(finished, aborted or failed).
+
+Outputs cross as deltas (:class:`_Encoder` / :class:`_Decoder`): per choice the new token ids and logprobs, and the
+text as (characters kept, characters added), since a stop string may take back text already sent; the parent
+rebuilds the same cumulative ``RequestOutput`` the engine made. Exceptions cross as themselves when they pickle
+(a ``ValueError`` that does not becomes a ``ValueError`` of its message, anything else a ``RuntimeError``).
+
+The child exits when the parent closes the pipe or dies (it reads end-of-file), ignores SIGINT (a terminal's
+Ctrl-C reaches the whole process group; the parent stops it), and a structured request's grammar is compiled
+again in the child (the parent's compiled grammar does not cross the pipe).
+"""
+from __future__ import annotations
+
+import faulthandler
+import logging
+import multiprocessing
+import pickle
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.errors import EngineBroken, StepFailed
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+#: seconds ``close`` waits for the child to exit after "stop" before it is terminated
+STOP_WAIT_S = 10.0
+
+
+class EngineProcessDied(EngineBroken):
+    """The engine's process exited (a crash, the OOM killer) or its pipe broke; nothing it held can be served."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the child's loaded ``LLMEngine`` tells the parent once, with "ready"."""
+
+    model_name: str
+    max_model_len: int  # tokens
+    vocab_size: int  # token ids a request may name
+    model_vocab_size: int  # rows of the model's logits (the grammar masks' width)
+    eos_token_ids: tuple[int, ...]
+    default_sampling: dict
+
+
+def wanted(config: EngineConfig) -> bool:
+    """The default: a process of its own on CUDA (``device`` "cuda", or "auto" with a GPU), the engine thread on the
+    CPU (where the two processes would share the same few cores anyway)."""
+    if config.device == "cuda":
+        return True
+    if config.device == "cpu":
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+def _portable(e: BaseException) -> BaseException:
+    """``e`` if it survives a pickle round trip, else a ValueError (a request's fault, a 400) or RuntimeError of its
+    type and message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any exception that does not round-trip is replaced
+        kind = ValueError if isinstance(e, ValueError) else RuntimeError
+        return kind(f"{type(e).__name__}: {e}")
+
+
+# ---- outputs as deltas ---------------------------------------------------------------------------------------------
+#: one choice of a delta: (index, new token ids, new logprobs or None, text characters kept, text added,
+#: finish_reason, stop_reason)
+ChoiceDelta = tuple[int, list[int], list | None, int, str, str | None, Any]
+
+
+class _Encoder:
+    """Child side: what each request's outputs added since the last one sent. Invariant: ``_sent`` holds exactly the
+    requests that had an output sent and no finished one (nor a failure)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, list[tuple[int, int, str]]] = {}  # id -> per choice (ids sent, logprobs sent, text)
+        self._prompt_lp_sent: set[str] = set()
+
+    def encode(self, outputs: list[RequestOutput]) -> list[tuple]:
+        deltas = []
+        for out in outputs:
+            prev = self._sent.get(out.request_id) or [(0, 0, "")] * len(out.outputs)
+            choices, state = [], []
+            for c, (n_ids, n_lp, text) in zip(out.outputs, prev):
+                keep = len(text) if c.text.startswith(text) else _common_prefix(text, c.text)
+                lps = None if c.logprobs is None else c.logprobs[n_lp:]
+                choices.append((c.index, c.token_ids[n_ids:], lps, keep, c.text[keep:], c.finish_reason,
+                                c.stop_reason))
+                state.append((len(c.token_ids), len(c.logprobs or ()), c.text))
+            prompt_lp = None
+            if out.prompt_logprobs is not None and out.request_id not in self._prompt_lp_sent:
+                prompt_lp = (out.prompt_logprobs, out.prompt_logprob_ranks)
+                self._prompt_lp_sent.add(out.request_id)
+            if out.finished:
+                self.forget(out.request_id)
+            else:
+                self._sent[out.request_id] = state
+            deltas.append((out.request_id, choices, out.finished, out.metrics, out.num_cached_tokens, prompt_lp))
+        return deltas
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+        self._prompt_lp_sent.discard(request_id)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class _Held:
+    """Parent side: one request as the child's outputs built it so far."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    choices: list[CompletionOutput] | None = None
+    prompt_logprobs: list | None = None
+    prompt_logprob_ranks: list | None = None
+
+
+class _Decoder:
+    """Parent side: rebuilds each cumulative ``RequestOutput`` from its delta (new lists each time: an output
+    handed out is never changed afterwards). Invariant: ``held`` holds the requests added and not yet finished or
+    failed."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, _Held] = {}
+
+    def add(self, request_id: str, prompt: str | None, ids: list[int]) -> None:
+        self.held[request_id] = _Held(prompt, ids)
+
+    def decode(self, deltas: list[tuple]) -> list[RequestOutput]:
+        outputs = []
+        for request_id, choices, finished, metrics, num_cached, prompt_lp in deltas:
+            held = self.held.get(request_id)
+            if held is None:  # a request the parent gave up (a failed step): its last output reaches nobody
+                continue
+            prev = held.choices or [CompletionOutput(i, "", [], logprobs=None) for i in range(len(choices))]
+            held.choices = [
+                CompletionOutput(index, p.text[:keep] + added, p.token_ids + ids,
+                                 finish, stop, None if lps is None else (p.logprobs or []) + lps)
+                for p, (index, ids, lps, keep, added, finish, stop) in zip(prev, choices)]
+            if prompt_lp is not None:
+                held.prompt_logprobs, held.prompt_logprob_ranks = prompt_lp
+            if finished:
+                del self.held[request_id]
+            outputs.append(RequestOutput(request_id, held.prompt, held.prompt_token_ids, held.choices, finished,
+                                         metrics, num_cached, held.prompt_logprobs, held.prompt_logprob_ranks))
+        return outputs
+
+
+# ---- the child -----------------------------------------------------------------------------------------------------
+def _serve(config: EngineConfig, commands: Connection, conn: Connection, log_level: int) -> None:
+    """The child's main: load, say "ready" (or "failed") on ``conn``, then apply the commands that arrived on
+    ``commands`` and step until "stop" or end-of-file. Messages to the parent: ("ready", EngineInfo, EngineStats),
+    ("failed", exception), ("step", deltas, EngineStats), ("step_failed", request ids, cause, request_error, deltas,
+    EngineStats).
+
+    Commands are read by a thread of their own (:func:`_read_commands`) into a queue, so the parent's sends never
+    wait for this loop: a child blocked sending outputs (the parent busy, the pipe full) and a parent blocked
+    sending an add would otherwise wait for each other forever (seen on an H200 at 16 concurrent streams)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.enable()  # a crash in native code (a driver, a kernel) leaves its Python stack in the log
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.llm_engine import LLMEngine
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - the parent reports it (a bad folder, too little memory)
+        logger.exception("engine failed to load")
+        conn.send(("failed", _portable(e)))
+        return
+    info = EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
+                      engine.runner.model.config["vocab_size"], tuple(sorted(engine.eos_token_ids)),
+                      engine.default_sampling)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_commands, args=(commands, inbox), name="engine-commands", daemon=True).start()
+    conn.send(("ready", info, engine.get_stats()))
+    encoder = _Encoder()
+    try:
+        while True:
+            if not engine.has_unfinished_requests():
+                period = engine.idle_look_s
+                try:
+                    cmd = inbox.get(timeout=period)  # None: block until a command comes
+                except queue.Empty:
+                    cmd = None
+                if period is not None:
+                    engine.idle()  # the CPU path's thread count follows the other processes' load meanwhile
+                if cmd is None:
+                    continue
+                if not _apply(engine, cmd, conn, encoder):
+                    return
+            while not inbox.empty():
+                if not _apply(engine, inbox.get(), conn, encoder):
+                    return
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except StepFailed as e:
+                    for request_id in e.request_ids:
+                        encoder.forget(request_id)
+                    conn.send(("step_failed", e.request_ids, _portable(e.cause), e.request_error,
+                               encoder.encode(e.outputs), engine.get_stats()))
+                    continue
+                conn.send(("step", encoder.encode(outputs), engine.get_stats()))
+    except (BrokenPipeError, ConnectionResetError):
+        logger.warning("the server closed the engine's pipe without a stop; the engine process exits")
+
+
+def _read_commands(commands: Connection, inbox: queue.SimpleQueue) -> None:
+    """The child's command reader: every command from the parent onto ``inbox`` as it arrives; ("stop",) when the
+    parent closed its end or died (end-of-file)."""
+    try:
+        while True:
+            inbox.put(commands.recv())
+    except (EOFError, OSError):
+        logger.warning("the server closed the engine's command pipe")
+        inbox.put(("stop",))
+
+
+def _apply(engine: Any, cmd: tuple, conn: Connection, encoder: _Encoder) -> bool:
+    """One command from the parent; False for "stop". An add the engine refuses after the parent's checks (a
+    grammar it cannot build, say) fails that request alone, as a step would."""
+    if cmd[0] == "add":
+        _, request_id, ids, params, arrival = cmd
+        try:
+            engine.add_request(request_id, ids, params, arrival_time=arrival)
+        except Exception as e:  # noqa: BLE001 - the request's own fault: it fails, the engine goes on
+            conn.send(("step_failed", [request_id], _portable(e), True, [], engine.get_stats()))
+    elif cmd[0] == "abort":
+        engine.abort_request(cmd[1])
+    elif cmd[0] == "stop":
+        return False
+    return True
+
+
+# ---- the parent ----------------------------------------------------------------------------------------------------
+class EngineProcess:
+    """An ``LLMEngine`` running in a spawned child process; see the module docstring. Call from one thread only
+    (``AsyncLLMEngine``'s engine thread), except the read-only attributes and ``grammar_compiler``.
+
+    Building it starts the child and waits for the model load: raises what ``LLMEngine(config)`` raised there
+    (``FileNotFoundError``, ``ValueError``, ...), or ``EngineProcessDied`` when the child exited first.
+    """
+
+    #: the child judges the CPU thread count itself (``_serve``): the caller's idle looks are not needed
+    idle_look_s = None
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer
+        self.config = config
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        # two one-way pipes: commands to the child, outputs from it (see ``_serve`` for why not one)
+        commands_in, self._commands = ctx.Pipe(duplex=False)
+        self._conn, outputs_out = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_serve, args=(config, commands_in, outputs_out,
+                                                         logging.getLogger().getEffectiveLevel()),
+                                    name="llm-engine-core", daemon=True)
+        self._process.start()
+        commands_in.close()  # the child's ends live in the child only: its exit shows here as end-of-file
+        outputs_out.close()
+        tokenizer_error = None
+        try:
+            try:  # while the child loads; the child's own error comes first (it checks the folder)
+                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            except Exception as e:  # noqa: BLE001 - raised below unless the child says why first
+                tokenizer_error = e
+            msg = self._recv()
+        except BaseException:
+            self.close()
+            raise
+        if msg[0] == "failed" or tokenizer_error is not None:
+            self.close()
+            raise msg[1] if msg[0] == "failed" else tokenizer_error
+        _, info, self._stats = msg
+        self.info: EngineInfo = info
+        self.model_name, self.max_model_len, self.vocab_size = info.model_name, info.max_model_len, info.vocab_size
+        self.default_sampling = info.default_sampling
+        self._decoder = _Decoder()
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+        logger.info("engine process %d ready", self._process.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def _recv(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._died(e) from e
+
+    def _send(self, cmd: tuple) -> None:
+        try:
+            self._commands.send(cmd)
+        except OSError as e:
+            raise self._died(e) from e
+
+    def _died(self, e: BaseException) -> EngineProcessDied:
+        self._process.join(1.0)
+        code = self._process.exitcode
+        how = "is still running" if code is None else f"exited (exit code {code})"
+        return EngineProcessDied(f"the engine process {how}; its pipe: {type(e).__name__}: {e}")
+
+    # ---- what LLMEngine offers ----
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, grammar: Any = None) -> None:
+        """Check and queue a request (``LLMEngine.add_request``'s errors, raised here at once); ``grammar`` is not
+        sent (the child compiles its own)."""
+        from engine.llm_engine import prompt_token_ids
+        if request_id in self._decoder.held:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        ids = prompt_token_ids(self.tokenizer, self.vocab_size, self.max_model_len, prompt, params)
+        self._send(("add", request_id, ids, params, arrival_time or time.monotonic()))
+        self._decoder.add(request_id, prompt if isinstance(prompt, str) else None, ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request; its "abort" output comes with a later ``step`` (as ``LLMEngine.abort_request``)."""
+        if request_id in self._decoder.held:
+            self._send(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._decoder.held)
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs of the child's next step (blocks until it sent them). Raises StepFailed as
+        ``LLMEngine.step`` does, and ``EngineProcessDied``."""
+        msg = self._recv()
+        if msg[0] == "step":
+            _, deltas, self._stats = msg
+            return self._decoder.decode(deltas)
+        _, request_ids, cause, request_error, deltas, self._stats = msg
+        for request_id in request_ids:
+            self._decoder.held.pop(request_id, None)
+        raise StepFailed(request_ids, cause, self._decoder.decode(deltas), request_error=request_error)
+
+    def get_stats(self) -> EngineStats:
+        """The child's snapshot after its latest step read here."""
+        return self._stats
+
+    def idle(self) -> None:
+        """Nothing: the child takes its own idle looks."""
+
+    def grammar_compiler(self):
+        """A grammar compiler over this tokenizer, built at the first call (``LLMEngine.grammar_compiler``): the
+        async engine compiles a structured request's grammar with it first, so that a schema it cannot follow is
+        refused before the request is queued."""
+        from engine.structured_output import GrammarCompiler
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.info.model_vocab_size,
+                                                 list(self.info.eos_token_ids))
+            return self._grammars
+
+    def close(self, timeout: float = STOP_WAIT_S) -> None:
+        """Stop the child (after its current step) and wait for it; terminated after ``timeout`` s. Idempotent."""
+        if self._process.is_alive():
+            try:
+                self._commands.send(("stop",))
+            except OSError:
+                pass
+            self._process.join(timeout)
+            if self._process.is_alive():
+                logger.warning("the engine process did not stop in %.0f s; terminating it", timeout)
+                self._process.terminate()
+                self._process.join(5.0)
+        self._commands.close()
+        self._conn.close()

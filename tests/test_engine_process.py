@@ -1,0 +1,278 @@
+"""The engine in a process of its own (engine/engine_process.py): outputs as deltas, and the demo model behind
+``AsyncLLMEngine`` in a spawned child giving what the engine thread gives, refusing bad requests at once, aborting,
+and dying cleanly."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import os
+import signal
+from multiprocessing import Pipe
+
+import httpx
+import pytest
+
+from engine import engine_process as ep
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.config import EngineConfig
+from engine.errors import ContextLengthError
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from test_server_fakes import demo_model_server, run, wait_for
+
+
+def _out(rid, choices, finished=False, prompt_lp=None, ranks=None, cached=0):
+    return RequestOutput(rid, None, [1, 2, 3], choices, finished, RequestMetrics(arrival_time=1.5),
+                         num_cached_tokens=cached, prompt_logprobs=prompt_lp, prompt_logprob_ranks=ranks)
+
+
+def test_deltas_rebuild_every_cumulative_output_without_changing_earlier_ones():
+    """Two choices; text that a stop string takes back ("ab." -> "a"); logprobs; prompt logprobs from the second
+    output on; a second request interleaved; finish."""
+    steps = [
+        [_out("r", [CompletionOutput(0, "He", [7], logprobs=[{7: -0.5}]), CompletionOutput(1, "", [9])]),
+         _out("s", [CompletionOutput(0, "x", [4])])],
+        [_out("r", [CompletionOutput(0, "Hello", [7, 8], logprobs=[{7: -0.5}, {8: -1.0}]),
+                    CompletionOutput(1, "ab.", [9, 10])], prompt_lp=[None, {2: -2.0}], ranks=[None, 1], cached=16)],
+        [_out("r", [CompletionOutput(0, "Hello!", [7, 8, 3], "stop", None, [{7: -0.5}, {8: -1.0}, {3: -0.1}]),
+                    CompletionOutput(1, "a", [9, 10, 11], "stop", ".")], True, [None, {2: -2.0}], [None, 1], 16),
+         _out("s", [CompletionOutput(0, "xy", [4, 5], "length")], True)],
+    ]
+    encoder, decoder = ep._Encoder(), ep._Decoder()
+    decoder.add("r", None, [1, 2, 3])
+    decoder.add("s", None, [1, 2, 3])
+    got = []
+    for outputs in steps:
+        expect = copy.deepcopy(outputs)
+        got.append(decoder.decode(encoder.encode(outputs)))
+        assert got[-1] == expect
+    assert got[0][0].outputs[0].token_ids == [7] and got[1][0].outputs[1].text == "ab."  # untouched by later steps
+    assert decoder.held == {} and encoder._sent == {} and encoder._prompt_lp_sent == set()
+    second = encoder.encode([steps[1][0]])[0]
+    assert second[1][0][1] == [7, 8] and second[5] is not None  # a forgotten request starts over: the whole output
+
+
+def test_a_delta_of_an_unknown_request_reaches_nobody():
+    decoder = ep._Decoder()
+    assert decoder.decode(ep._Encoder().encode([_out("gone", [CompletionOutput(0, "a", [1])])])) == []
+
+
+def test_exceptions_cross_as_themselves_or_as_their_kind():
+    assert isinstance(ep._portable(FileNotFoundError(2, "nope")), FileNotFoundError)
+    ctx = ep._portable(ContextLengthError(10, 8, 4))  # its __init__ takes three arguments: it does not unpickle
+    assert type(ctx) is ValueError and str(ctx).startswith("ContextLengthError: This model's maximum")
+
+
+class _Refusing:
+    def add_request(self, *a, **k):
+        raise ValueError("grammar: cannot follow it")
+
+    def get_stats(self):
+        return "stats"
+
+
+def test_an_add_the_child_refuses_fails_that_request_alone():
+    parent, child = Pipe()
+    assert ep._apply(_Refusing(), ("add", "r1", [1], SamplingParams(), 0.0), child, ep._Encoder())
+    kind, ids, cause, request_error, deltas, stats = parent.recv()
+    assert (kind, ids, str(cause), request_error, deltas, stats) == (
+        "step_failed", ["r1"], "grammar: cannot follow it", True, [], "stats")
+    assert ep._apply(_Refusing(), ("stop",), child, ep._Encoder()) is False
+
+
+def test_wanted_on_cuda_only():
+    assert ep.wanted(EngineConfig(model="m", device="cuda"))
+    assert not ep.wanted(EngineConfig(model="m", device="cpu"))
+
+
+def _engine(demo_model, own_process: bool) -> AsyncLLMEngine:
+    eng = AsyncLLMEngine.from_config(EngineConfig(model=str(demo_model), device="cpu", max_model_len=256,
+                                                  max_num_seqs=8), engine_process=own_process)
+    eng.start()
+    wait_for(lambda: eng.is_ready or eng.is_dead, timeout=300, what="model load")
+    assert eng.is_ready, eng.error
+    return eng
+
+
+@pytest.fixture(scope="module")
+def own_process(demo_model):
+    eng = _engine(demo_model, True)
+    yield eng
+    eng.shutdown()
+
+
+REQUESTS = [("The quick brown fox", SamplingParams(temperature=0, max_tokens=12, logprobs=1, stop=["."])),
+            ("1, 2, 3, 5, 8,", SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=1)),
+            ("Hello", SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=8)),
+            ([504, 3458, 282], SamplingParams(temperature=0, max_tokens=6, stop=[" the"], include_stop_str_in_output=True))]
+
+
+async def _final(eng, prompt, params, rid):
+    last = None
+    async for out in eng.generate(prompt, params, rid):
+        last = out
+    return last
+
+
+def _answers(eng):
+    async def main():
+        return await asyncio.gather(*(_final(eng, p, sp, f"q{i}") for i, (p, sp) in enumerate(REQUESTS)))
+    outs = run(main(), timeout=300)
+    for out in outs:
+        out.metrics = None  # timestamps
+    return outs
+
+
+def test_a_process_of_its_own_answers_as_the_engine_thread(demo_model, own_process):
+    here = _engine(demo_model, False)
+    try:
+        expect = _answers(here)
+    finally:
+        here.shutdown()
+    got = _answers(own_process)
+    assert got == expect
+    assert got[0].prompt == "The quick brown fox" and got[3].prompt is None and len(got[2].outputs) == 2
+    assert own_process.get_stats().generation_tokens_total >= sum(len(c.token_ids) for o in got for c in o.outputs)
+
+
+def test_bad_requests_are_refused_at_once(own_process):
+    with pytest.raises(ContextLengthError):
+        run(own_process.add_request("long", "hi " * 300, SamplingParams(max_tokens=8)))
+    with pytest.raises(ValueError, match="must not be empty"):
+        run(own_process.add_request("empty", [], SamplingParams(max_tokens=8)))
+    assert own_process.num_requests == 0 and own_process.is_ready
+
+
+def test_an_abort_ends_the_request_and_its_id_serves_again(own_process):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        seen = 0
+        async with contextlib.aclosing(own_process.generate("Once upon a time", params, "same")) as outs:
+            async for _ in outs:
+                seen += 1
+                if seen == 2:
+                    break  # closing the generator aborts the request
+        return await _final(own_process, "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                            "same")
+
+    out = run(main(), timeout=300)
+    assert out.finished and len(out.outputs[0].token_ids) == 3
+    wait_for(lambda: own_process.get_stats().num_running == 0, what="the abort reaching the child")
+
+
+def test_a_folder_that_is_no_model_makes_the_engine_dead_with_its_error(tmp_path):
+    eng = AsyncLLMEngine.from_config(EngineConfig(model=str(tmp_path), device="cpu"), engine_process=True)
+    eng.start()
+    wait_for(lambda: eng.is_dead, timeout=120, what="the load failing")
+    assert isinstance(eng.error, FileNotFoundError) and "no config.json" in str(eng.error)
+
+
+def test_a_killed_engine_process_fails_its_requests_and_the_engine_is_dead(demo_model):
+    eng = _engine(demo_model, True)
+    child = eng.engine._process
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = await eng.add_request("dies", "Once upon a time", params)
+        await stream.__anext__()
+        os.kill(child.pid, signal.SIGKILL)
+        async for _ in stream:
+            pass
+
+    try:
+        with pytest.raises(EngineDeadError):
+            run(main(), timeout=120)
+        wait_for(lambda: eng.is_dead, what="the engine dead")
+        assert isinstance(eng.error, ep.EngineProcessDied) and "exited (exit code -9)" in str(eng.error)
+    finally:
+        eng.shutdown()
+
+
+def test_shutdown_stops_the_engine_process(demo_model):
+    eng = _engine(demo_model, True)
+    child = eng.engine._process
+    eng.shutdown()
+    assert not child.is_alive() and child.exitcode == 0
+
+
+def test_the_server_streams_and_counts_through_the_engine_process():
+    with demo_model_server(engine_process=True, max_model_len=256, max_num_seqs=4) as (url, engine):
+        assert engine.engine.pid != os.getpid()
+        body = {"model": engine.model_name, "prompt": "In the beginning God created", "max_tokens": 8,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 8
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+        full = httpx.post(f"{url}/v1/completions", json={k: v for k, v in body.items() if k not in ("stream", "stream_options")}, timeout=300).json()
+        assert text == full["choices"][0]["text"] and text.strip()
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "vllm:generation_tokens_total" in metrics
+        line = next(x for x in metrics.splitlines() if x.startswith("vllm:generation_tokens_total{"))
+        assert float(line.split()[-1]) == 16.0
+
+
+class _Chatty:
+    """A stand-in ``LLMEngine`` for ``_serve``: each request finishes in one step with a large output, and each
+    step's stats are large (as a GPU's ``block_states``, one character per KV block)."""
+
+    idle_look_s = None
+    model_name, max_model_len, vocab_size, eos_token_ids, default_sampling = "chatty", 64, 100, {0}, {}
+    runner = type("R", (), {"model": type("M", (), {"config": {"vocab_size": 100}})()})()
+
+    def __init__(self, config):
+        self.pending: list[str] = []
+
+    def add_request(self, request_id, ids, params, arrival_time=None):
+        self.pending.append(request_id)
+
+    def abort_request(self, request_id):
+        pass
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        rid = self.pending.pop(0)
+        return [_out(rid, [CompletionOutput(0, "x" * 20_000, [5], "length")], finished=True)]
+
+    def get_stats(self):
+        return "." * 20_000
+
+    def idle(self):
+        pass
+
+
+def test_a_parent_sending_while_the_child_sends_never_deadlocks(monkeypatch):
+    """The parent sends 300 adds of 20 KB each before it reads anything, while the child's outputs fill the other
+    pipe: both pipes fill. With one duplex pipe and no reader thread in the child, each side waited in ``send``
+    for the other forever (seen on an H200 at 16 concurrent streams)."""
+    import threading
+    import engine.llm_engine
+    monkeypatch.setattr(engine.llm_engine, "LLMEngine", _Chatty)
+    monkeypatch.setattr(ep.signal, "signal", lambda *a: None)  # _serve runs in a thread here, not a process
+    commands_in, commands = Pipe(duplex=False)
+    outputs, outputs_out = Pipe(duplex=False)
+    child = threading.Thread(target=ep._serve, args=(EngineConfig(model="m"), commands_in, outputs_out, 30),
+                             daemon=True)
+    child.start()
+    assert outputs.recv()[0] == "ready"
+    n = 300
+    sender = threading.Thread(target=lambda: [commands.send(("add", f"r{i}", [1] * 5_000, SamplingParams(), 0.0))
+                                              for i in range(n)], daemon=True)
+    sender.start()
+    sender.join(60)
+    assert not sender.is_alive(), "the parent's sends deadlocked against the child's"
+    finished = []
+    while len(finished) < n:
+        assert outputs.poll(60), "no output from the child"
+        msg = outputs.recv()
+        assert msg[0] == "step" and len(msg[2]) == 20_000
+        finished += [d[0] for d in msg[1] if d[2]]
+    assert finished == [f"r{i}" for i in range(n)]
+    commands.send(("stop",))
+    child.join(10)
+    assert not child.is_alive()
