@@ -826,6 +826,8 @@ def scaled_rope_rows(ctx: dict, make_row) -> list:
 
 #: http_rows' load: (concurrency, requests, output tokens per request), 128-token prompts
 HTTP_LEVELS = ((1, 4, 256), (16, 32, 256), (64, 64, 256), (256, 256, 512))
+if os.environ.get("HTTP_LEVELS"):  # "c:n:t,c:n:t": a shorter run
+    HTTP_LEVELS = tuple(tuple(int(x) for x in lv.split(":")) for lv in os.environ["HTTP_LEVELS"].split(","))
 
 
 def _offline_tok_s(llm: LLM, prompt: str, concurrency: int, tokens: int) -> float:
@@ -844,10 +846,42 @@ def http_rows(ctx: dict, make_row, device: str = "cuda", levels=HTTP_LEVELS) -> 
     ``python -m engine.server`` (a subprocess on a free port; 256 sequences, 1,024-token context, built-in plans),
     loaded by ``appliance bench``'s load generator (streamed completions, 128-token prompts), output tok/s per
     concurrency level against ``LLM.generate`` of the same prompts at once, same settings; TTFT, ITL and TPOT in
-    the note. Needs the server's wheels on the GPU machine (fastapi, starlette, uvicorn, sse-starlette, pydantic,
-    pydantic-core, annotated-types, typing-inspection, opentelemetry-api, anyio, typing-extensions: carried as
-    ``.whl``, the device README's recipe). ``device``, ``levels``: for a smoke run on the CPU (a small model in
-    ``ctx["model_7b"]``). The server's log: ``$OUT/http_server.log``."""
+    the note. Twice: the engine in a process of its own (the default on CUDA) and on the server's engine thread
+    (``--no-engine-process``). Needs the server's wheels on the GPU machine (fastapi, starlette, uvicorn,
+    sse-starlette, pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api, anyio,
+    typing-extensions, tomli-w, and whatever of click, h11, httpx, prometheus-client, psutil, rich it lacks: carried
+    as ``.whl``, the device README's recipe). ``device``, ``levels``: for a smoke run on the CPU (a small model in
+    ``ctx["model_7b"]``). The servers' logs: ``$OUT/http_server_*.log``."""
+    model_dir = _model_7b(ctx)
+    print(f"[http_rows] checkpoint ready at {time.strftime('%H:%M:%S')}", flush=True)
+    settings = dict(max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.85)
+    prompt = "hello " * 128  # 128 tokens: this tokenizer makes every unknown word one token ("t0")
+    llm = LLM(model_dir, device=device, **BUILT_IN, **settings)
+    llm.generate([prompt] * max(c for c, _, _ in levels), SamplingParams(temperature=0, max_tokens=4,
+                                                                          ignore_eos=True))  # warm-up
+    offline = {c: _offline_tok_s(llm, prompt, c, tokens) for c, _, tokens in levels}
+    print(f"[http_rows] offline done at {time.strftime('%H:%M:%S')}", flush=True)
+    del llm
+    _free()
+    rows = []
+    for mode, flag in (("engine process", "--engine-process"), ("engine thread", "--no-engine-process")):
+        results = _serve_levels(model_dir, settings, device, flag, levels)
+        print(f"[http_rows] {mode} done at {time.strftime('%H:%M:%S')}", flush=True)
+        for (conc, n, tokens), r in zip(levels, results):
+            rows.append(make_row(f"OpenAI server over HTTP ({mode}) vs in process, {conc} concurrent",
+                                 f"7B shape, {n} streamed completions, 128 + {tokens} tokens",
+                                 1e6 / max(r.output_tok_per_s, 1e-9), "LLM.generate, same prompts at once",
+                                 1e6 / offline[conc], None,
+                                 f"{r.output_tok_per_s:.0f} vs {offline[conc]:.0f} tok/s (µs per output token); "
+                                 f"TTFT median {r.ttft.median * 1e3:.1f} ms, p99 {r.ttft.p99 * 1e3:.1f}; ITL median "
+                                 f"{r.itl.median * 1e3:.2f} ms, p99 {r.itl.p99 * 1e3:.2f}; TPOT median "
+                                 f"{r.tpot.median * 1e3:.2f} ms; {r.errors} failed"))
+    return rows
+
+
+def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels) -> list:
+    """``python -m engine.server`` over ``model_dir`` with ``flag`` on a free port, each level of ``levels`` run
+    against it once its shapes are compiled (a short run first); the load generator's results, in order."""
     import asyncio
     import socket
     import subprocess
@@ -856,26 +890,16 @@ def http_rows(ctx: dict, make_row, device: str = "cuda", levels=HTTP_LEVELS) -> 
     from appliance import loadgen
     from appliance.installer import server_health
 
-    model_dir = _model_7b(ctx)
-    settings = dict(max_num_seqs=256, max_model_len=1024, gpu_memory_utilization=0.85)
-    prompt = "hello " * 128  # 128 tokens: this tokenizer makes every unknown word one token ("t0")
-    llm = LLM(model_dir, device=device, **BUILT_IN, **settings)
-    llm.generate([prompt] * max(c for c, _, _ in levels), SamplingParams(temperature=0, max_tokens=4,
-                                                                          ignore_eos=True))  # warm-up
-    offline = {c: _offline_tok_s(llm, prompt, c, tokens) for c, _, tokens in levels}
-    del llm
-    _free()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     args = [sys.executable, "-m", "engine.server", "--model", model_dir, "--port", str(port), "--no-tune-kernels",
             "--kernel-plans-dir", tempfile.mkdtemp(prefix="no-plans-"), "--log-level", "warning", "--device", device,
-            *(f"--{k.replace('_', '-')}={v}" for k, v in settings.items())]
-    log = Path(os.environ.get("OUT", "/tmp")) / "http_server.log"
+            flag, *(f"--{k.replace('_', '-')}={v}" for k, v in settings.items())]
+    log = Path(os.environ.get("OUT", "/tmp")) / f"http_server_{flag.strip('-')}.log"
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
         server = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-    rows = []
     try:
         deadline, health = time.monotonic() + 300, None
         while time.monotonic() < deadline and server.poll() is None:
@@ -886,17 +910,12 @@ def http_rows(ctx: dict, make_row, device: str = "cuda", levels=HTTP_LEVELS) -> 
         if server.poll() is not None or health is None or health.state != "ready":
             raise RuntimeError(f"the server did not come up ({health.detail if health else 'exited'}; see {log})")
         name = loadgen.served_model(url)
+        print(f"[http_rows] server ({flag}) ready at {time.strftime('%H:%M:%S')}", flush=True)
+        results = []
         for conc, n, tokens in levels:
             asyncio.run(loadgen.run_level(url, name, conc, conc, 128, 8))  # the level's shapes compiled
-            r = asyncio.run(loadgen.run_level(url, name, conc, n, 128, tokens))
-            rows.append(make_row(f"OpenAI server over HTTP vs in process, {conc} concurrent",
-                                 f"7B shape, {n} streamed completions, 128 + {tokens} tokens",
-                                 1e6 / max(r.output_tok_per_s, 1e-9), "LLM.generate, same prompts at once",
-                                 1e6 / offline[conc], None,
-                                 f"{r.output_tok_per_s:.0f} vs {offline[conc]:.0f} tok/s (µs per output token); "
-                                 f"TTFT median {r.ttft.median * 1e3:.1f} ms, p99 {r.ttft.p99 * 1e3:.1f}; ITL median "
-                                 f"{r.itl.median * 1e3:.2f} ms, p99 {r.itl.p99 * 1e3:.2f}; TPOT median "
-                                 f"{r.tpot.median * 1e3:.2f} ms; {r.errors} failed"))
+            results.append(asyncio.run(loadgen.run_level(url, name, conc, n, 128, tokens)))
+        return results
     finally:
         server.terminate()
         try:
@@ -904,11 +923,15 @@ def http_rows(ctx: dict, make_row, device: str = "cuda", levels=HTTP_LEVELS) -> 
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    return rows
 
 
-#: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some.
+#: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
+#: the order given (an unknown name is an error).
 SUITE_ROWS = [cuda_path_rows, qwen_rows, sliding_window_rows, scaled_rope_rows, smollm2_rows, decode_rows,
               measured_plan_rows, throughput_rows, http_rows]
 if os.environ.get("ENGINE_ROWS"):
-    SUITE_ROWS = [fn for fn in SUITE_ROWS if fn.__name__ in os.environ["ENGINE_ROWS"].split(",")]
+    _BY_NAME = {fn.__name__: fn for fn in SUITE_ROWS}
+    _unknown = [n for n in os.environ["ENGINE_ROWS"].split(",") if n not in _BY_NAME]
+    if _unknown:
+        raise SystemExit(f"ENGINE_ROWS: unknown {', '.join(_unknown)}; choose from {', '.join(_BY_NAME)}")
+    SUITE_ROWS = [_BY_NAME[n] for n in os.environ["ENGINE_ROWS"].split(",")]
