@@ -399,14 +399,16 @@ class AsyncLLMEngine:
 
     def _wait_idle(self) -> None:
         """Sleep until a command or shutdown sets ``_wakeup``; an engine with ``idle_look_s`` (the CPU path's thread
-        count) gets ``idle()`` every that many seconds meanwhile and once on waking (a failing look is logged,
-        never fatal)."""
+        count; an engine process's liveness) gets ``idle()`` every that many seconds meanwhile and once on waking (a
+        failing look is logged, never fatal, except ``EngineBroken``: the engine is dead)."""
         period = getattr(self._engine, "idle_look_s", None)
         while not self._stop:
             woke = self._wakeup.wait(period)
             if period is not None:
                 try:
                     self._engine.idle()
+                except EngineBroken:  # an engine process that died while the server waited: the engine is dead
+                    raise
                 except Exception:  # noqa: BLE001 - bookkeeping must not kill serving
                     logger.exception("idle look failed")
             if woke:

@@ -273,8 +273,9 @@ class EngineProcess:
     (``FileNotFoundError``, ``ValueError``, ...), or ``EngineProcessDied`` when the child exited first.
     """
 
-    #: the child judges the CPU thread count itself (``_serve``): the caller's idle looks are not needed
-    idle_look_s = None
+    #: seconds between the caller's idle looks: each checks that the child is alive (it judges the CPU thread count
+    #: itself, ``_serve``), so a child that died while the server waited (the OOM killer) shows on /health at once
+    idle_look_s = 1.0
 
     def __init__(self, config: EngineConfig):
         from transformers import AutoTokenizer
@@ -370,7 +371,9 @@ class EngineProcess:
         return self._stats
 
     def idle(self) -> None:
-        """Nothing: the child takes its own idle looks."""
+        """Raises ``EngineProcessDied`` when the child has exited (it takes its own idle looks)."""
+        if not self._process.is_alive():
+            raise self._died(RuntimeError("found dead while the server waited"))
 
     def grammar_compiler(self):
         """A grammar compiler over this tokenizer, built at the first call (``LLMEngine.grammar_compiler``): the
@@ -390,6 +393,7 @@ class EngineProcess:
                 self._commands.send(("stop",))
             except OSError:
                 pass
+            self._conn.close()  # a child blocked sending a step's outputs (nobody reads them now) gets a broken pipe
             self._process.join(timeout)
             if self._process.is_alive():
                 logger.warning("the engine process did not stop in %.0f s; terminating it", timeout)

@@ -276,3 +276,16 @@ def test_a_parent_sending_while_the_child_sends_never_deadlocks(monkeypatch):
     commands.send(("stop",))
     child.join(10)
     assert not child.is_alive()
+
+
+def test_an_engine_process_killed_while_the_server_waits_makes_the_engine_dead(demo_model):
+    """No request runs: the engine thread's idle looks find the child gone, so /health says so before any client
+    sends a request into a dead engine."""
+    eng = _engine(demo_model, True)
+    child = eng.engine._process
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+        wait_for(lambda: eng.is_dead, timeout=30, what="the engine dead")
+        assert isinstance(eng.error, ep.EngineProcessDied) and "exit code -9" in str(eng.error)
+    finally:
+        eng.shutdown()
