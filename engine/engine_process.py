@@ -29,6 +29,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -108,7 +109,7 @@ class _Encoder:
             prev = self._sent.get(out.request_id) or [(0, 0, "")] * len(out.outputs)
             choices, state = [], []
             for c, (n_ids, n_lp, text) in zip(out.outputs, prev):
-                keep = len(text) if c.text.startswith(text) else _common_prefix(text, c.text)
+                keep = len(os.path.commonprefix((text, c.text)))  # a stop string may take back text sent
                 lps = None if c.logprobs is None else c.logprobs[n_lp:]
                 choices.append((c.index, c.token_ids[n_ids:], lps, keep, c.text[keep:], c.finish_reason,
                                 c.stop_reason))
@@ -127,14 +128,6 @@ class _Encoder:
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
         self._prompt_lp_sent.discard(request_id)
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
