@@ -31,6 +31,8 @@ from collections import OrderedDict
 
 from engine.sequence import Sequence
 
+FREE, USED, CACHED = b".", b"#", b"c"  # a block's state in ``BlockManager.block_states``
+
 
 def block_hash(parent: bytes | None, token_ids) -> bytes:
     """The chained hash of one full block: SHA-256 over the parent's hash and the block's token ids (int64).
@@ -70,6 +72,9 @@ class BlockManager:
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached_blocks: dict[bytes, int] = {}
+        #: Each block's state as one byte, kept with every change (``block_states``' characters): a stats snapshot
+        #: after every step reads it whole instead of walking the free queue (1.3 ms a step at 30,867 blocks).
+        self._states = bytearray(FREE) * num_blocks
         #: Prefix cache lookups in tokens (vLLM semantics): a new sequence's tokens, and how many were found cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -83,7 +88,7 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks that hold a reusable prefix and that no sequence holds (evictable)."""
-        return sum(1 for b in self.cached_blocks.values() if self.ref_counts[b] == 0)
+        return self._states.count(CACHED)
 
     @property
     def usage(self) -> float:
@@ -141,6 +146,7 @@ class BlockManager:
             del self.cached_blocks[self.block_hashes[block_id]]
         self.block_hashes[block_id] = self.block_tokens[block_id] = None
         self.ref_counts[block_id] = 1
+        self._states[block_id] = USED[0]
         return block_id
 
     def allocate(self, seq: Sequence, num_tokens: int | None = None) -> None:
@@ -162,6 +168,7 @@ class BlockManager:
             for block_id in hits:
                 if self.ref_counts[block_id] == 0:
                     del self.free_block_ids[block_id]
+                    self._states[block_id] = USED[0]
                 self.ref_counts[block_id] += 1
             seq.block_table = list(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
@@ -200,9 +207,11 @@ class BlockManager:
             if self.ref_counts[block_id] > 0:
                 continue
             self.free_block_ids[block_id] = None
+            self._states[block_id] = CACHED[0]
             if not self._is_registered(block_id):
                 self.block_hashes[block_id] = self.block_tokens[block_id] = None
                 self.free_block_ids.move_to_end(block_id, last=False)
+                self._states[block_id] = FREE[0]
         seq.block_table = []
 
     def forget(self, seq: Sequence) -> None:
@@ -244,16 +253,9 @@ class BlockManager:
 
     # ---- introspection -------------------------------------------------------------------------------------
     def block_states(self) -> str:
-        """One character per block: ``.`` free, ``#`` used, ``c`` cached (evictable)."""
-        # Called after every engine step (the server's stats snapshot): touch only the free queue and the cached
-        # blocks, not every block, so the cost falls as the pool fills. Blocks outside the queue are held.
-        states = bytearray(b"#" * self.num_blocks)
-        for block_id in self.free_block_ids:
-            states[block_id] = ord(".")
-        for block_id in self.cached_blocks.values():
-            if not self.ref_counts[block_id]:
-                states[block_id] = ord("c")
-        return states.decode()
+        """One character per block: ``.`` free, ``#`` used, ``c`` cached (evictable). Called after every engine
+        step (the server's stats snapshot): a copy of the states kept as blocks change, about 10 us at 30k blocks."""
+        return self._states.decode()
 
     def check(self, seqs=()) -> None:
         """Assert the invariants of the class docstring; ``seqs``: every sequence that holds blocks."""
@@ -272,5 +274,9 @@ class BlockManager:
             seen_cached |= registered
         used = sum(1 for c in self.ref_counts if c)
         assert used + self.num_free_blocks == self.num_blocks, "a block is neither free, cached nor used"
+        states = bytearray(USED) * self.num_blocks
+        for block_id in self.free_block_ids:
+            states[block_id] = (CACHED if self._is_registered(block_id) else FREE)[0]
+        assert states == self._states, f"kept block states {self._states.decode()} != {states.decode()}"
         for h, block_id in self.cached_blocks.items():
             assert self.block_hashes[block_id] == h and self.block_tokens[block_id] is not None

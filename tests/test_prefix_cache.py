@@ -70,6 +70,24 @@ def test_last_token_is_always_computed():
     bm.check()
 
 
+def test_the_kept_block_states_follow_every_change_and_check_catches_a_stale_one():
+    """block_states() is kept with each allocation, hit, release and eviction (not rebuilt from the free queue):
+    the states after each equal the rule "free queue: cached if registered, else free; the rest used"."""
+    bm = cached_bm(4, 2)
+    a = seq(range(5))  # blocks for [0 1] [2 3] [4]
+    bm.allocate(a)
+    assert bm.block_states() == "###."
+    bm.free(a)  # two registered blocks stay cached, the partial one is free (at the front of the queue)
+    assert sorted(bm.block_states()) == [".", ".", "c", "c"] and bm.num_cached_blocks == 2
+    b = seq([0, 1, 9, 9, 9, 9, 9])  # hits the first block, then takes the two free ones and the cached one (evicted)
+    bm.allocate(b)
+    assert bm.block_states() == "####" and bm.num_cached_blocks == 0 and bm.num_free_blocks == 0
+    bm.check([b])
+    bm._states[b.block_table[0]] = ord(".")
+    with pytest.raises(AssertionError, match="kept block states"):
+        bm.check([b])
+
+
 def test_freed_blocks_stay_cached_and_are_hit_again():
     bm = cached_bm(6, 4)
     a = seq(range(9))
