@@ -22,7 +22,7 @@ rebuilds the same cumulative ``RequestOutput`` the engine made. Exceptions cross
 
 The child exits when the parent closes the pipe or dies (it reads end-of-file), ignores SIGINT (a terminal's
 Ctrl-C reaches the whole process group; the parent stops it), and a structured request's grammar is compiled
-again in the child (the parent's compiled grammar does not cross the pipe).
+again in the child, on its command reader's thread (the parent's compiled grammar does not cross the pipe).
 """
 from __future__ import annotations
 
@@ -196,12 +196,15 @@ def _serve(config: EngineConfig, commands: Connection, conn: Connection, log_lev
                       engine.runner.model.config["vocab_size"], tuple(sorted(engine.eos_token_ids)),
                       engine.default_sampling)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_read_commands, args=(commands, inbox), name="engine-commands", daemon=True).start()
+    threading.Thread(target=_read_commands, args=(commands, inbox, engine), name="engine-commands",
+                     daemon=True).start()
     conn.send(("ready", info, engine.get_stats()))
     encoder = _Encoder()
+    failed: set[str] = set()  # requests whose step just failed: outputs of theirs made before it are dropped
     try:
         while True:
             if not engine.has_unfinished_requests():
+                failed.clear()
                 period = engine.idle_look_s
                 try:
                     cmd = inbox.get(timeout=period)  # None: block until a command comes
@@ -213,29 +216,48 @@ def _serve(config: EngineConfig, commands: Connection, conn: Connection, log_lev
                     continue
                 if not _apply(engine, cmd, conn, encoder):
                     return
-            while not inbox.empty():
+            while not failed and not inbox.empty():  # none right after a failed step: see below
                 if not _apply(engine, inbox.get(), conn, encoder):
                     return
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
                 except StepFailed as e:
+                    failed.update(e.request_ids)
                     for request_id in e.request_ids:
                         encoder.forget(request_id)
                     conn.send(("step_failed", e.request_ids, _portable(e.cause), e.request_error,
-                               encoder.encode(e.outputs), engine.get_stats()))
+                               encoder.encode(_drop(e.outputs, failed)), engine.get_stats()))
                     continue
-                conn.send(("step", encoder.encode(outputs), engine.get_stats()))
+                conn.send(("step", encoder.encode(_drop(outputs, failed)), engine.get_stats()))
+                failed.clear()
     except (BrokenPipeError, ConnectionResetError):
         logger.warning("the server closed the engine's pipe without a stop; the engine process exits")
 
 
-def _read_commands(commands: Connection, inbox: queue.SimpleQueue) -> None:
+def _drop(outputs: list[RequestOutput], failed: set[str]) -> list[RequestOutput]:
+    """``outputs`` less those of the requests in ``failed``. After a failed step the engine may hold outputs made
+    before it (``LLMEngine.step``: delivered by the next call), among them some of the failed requests; the parent
+    gave those up, and a new request could take their id before they arrived and be sent them. So the child runs
+    the next step before it applies any command (no new request can hold such an id yet) and drops them here."""
+    return [o for o in outputs if o.request_id not in failed] if failed else outputs
+
+
+def _read_commands(commands: Connection, inbox: queue.SimpleQueue, engine: Any) -> None:
     """The child's command reader: every command from the parent onto ``inbox`` as it arrives; ("stop",) when the
-    parent closed its end or died (end-of-file)."""
+    parent closed its end or died (end-of-file). A structured request's grammar is compiled here, before its add is
+    queued (xgrammar releases the GIL while it compiles): the main loop would stop every running request's steps
+    for the whole compile. An add carries its compiled grammar, or the exception the compile raised, last."""
     try:
         while True:
-            inbox.put(commands.recv())
+            cmd = commands.recv()
+            if cmd[0] == "add" and cmd[3].structured_outputs is not None:
+                try:
+                    grammar = engine.grammar_compiler().compile(cmd[3].structured_outputs)
+                except Exception as e:  # noqa: BLE001 - the request's fault: _apply fails it alone
+                    grammar = e
+                cmd = (*cmd, grammar)
+            inbox.put(cmd)
     except (EOFError, OSError):
         logger.warning("the server closed the engine's command pipe")
         inbox.put(("stop",))
@@ -245,9 +267,12 @@ def _apply(engine: Any, cmd: tuple, conn: Connection, encoder: _Encoder) -> bool
     """One command from the parent; False for "stop". An add the engine refuses after the parent's checks (a
     grammar it cannot build, say) fails that request alone, as a step would."""
     if cmd[0] == "add":
-        _, request_id, ids, params, arrival = cmd
+        _, request_id, ids, params, arrival, *grammar = cmd  # a structured request's grammar: _read_commands
+        grammar = grammar[0] if grammar else None
         try:
-            engine.add_request(request_id, ids, params, arrival_time=arrival)
+            if isinstance(grammar, Exception):
+                raise grammar
+            engine.add_request(request_id, ids, params, arrival_time=arrival, grammar=grammar)
         except Exception as e:  # noqa: BLE001 - the request's own fault: it fails, the engine goes on
             conn.send(("step_failed", [request_id], _portable(e), True, [], engine.get_stats()))
     elif cmd[0] == "abort":

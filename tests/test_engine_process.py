@@ -8,7 +8,9 @@ import contextlib
 import copy
 import json
 import os
+import queue
 import signal
+import threading
 from multiprocessing import Pipe
 
 import httpx
@@ -17,9 +19,9 @@ import pytest
 from engine import engine_process as ep
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.config import EngineConfig
-from engine.errors import ContextLengthError
+from engine.errors import ContextLengthError, StepFailed
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from test_server_fakes import demo_model_server, run, wait_for
 
 
@@ -106,7 +108,9 @@ def own_process(demo_model):
 REQUESTS = [("The quick brown fox", SamplingParams(temperature=0, max_tokens=12, logprobs=1, stop=["."])),
             ("1, 2, 3, 5, 8,", SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=1)),
             ("Hello", SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=8)),
-            ([504, 3458, 282], SamplingParams(temperature=0, max_tokens=6, stop=[" the"], include_stop_str_in_output=True))]
+            ([504, 3458, 282], SamplingParams(temperature=0, max_tokens=6, stop=[" the"], include_stop_str_in_output=True)),
+            ("Is the sky blue? Answer:", SamplingParams(temperature=0, max_tokens=8, structured_outputs=(
+                StructuredOutputsParams(choice=["yes", "no", "maybe not"]))))]  # its grammar compiled in the child
 
 
 async def _final(eng, prompt, params, rid):
@@ -134,6 +138,7 @@ def test_a_process_of_its_own_answers_as_the_engine_thread(demo_model, own_proce
     got = _answers(own_process)
     assert got == expect
     assert got[0].prompt == "The quick brown fox" and got[3].prompt is None and len(got[2].outputs) == 2
+    assert got[4].outputs[0].text in ("yes", "no", "maybe not")
     assert own_process.get_stats().generation_tokens_total >= sum(len(c.token_ids) for o in got for c in o.outputs)
 
 
@@ -226,7 +231,7 @@ class _Chatty:
     def __init__(self, config):
         self.pending: list[str] = []
 
-    def add_request(self, request_id, ids, params, arrival_time=None):
+    def add_request(self, request_id, ids, params, arrival_time=None, grammar=None):
         self.pending.append(request_id)
 
     def abort_request(self, request_id):
@@ -289,3 +294,149 @@ def test_an_engine_process_killed_while_the_server_waits_makes_the_engine_dead(d
         assert isinstance(eng.error, ep.EngineProcessDied) and "exit code -9" in str(eng.error)
     finally:
         eng.shutdown()
+
+
+class _Inbox(queue.SimpleQueue):
+    """The child's command queue, letting a test wait until a command is in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived = threading.Condition()
+        self.count = 0
+
+    def put(self, item, *a, **k):
+        super().put(item, *a, **k)
+        with self.arrived:
+            self.count += 1
+            self.arrived.notify_all()
+
+    def wait_for(self, count):
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: self.count >= count, timeout=30), "the command never arrived"
+
+
+class _Scripted(_Chatty):
+    """A stand-in ``LLMEngine`` whose running requests each get one token a step and never finish. With
+    ``fail_next`` set, its next step sets ``failing``, waits until ``before_failing`` commands reached the inbox,
+    then fails "x" the way ``LLMEngine`` does when a read-back raises: an output of "x" made before the failure is
+    held and comes with the next step. ``grammar_compiler().compile`` returns "G" once ``compile_after`` steps
+    ran; a spec whose regex is "bad" raises ValueError at once."""
+
+    inbox: _Inbox
+
+    def __init__(self, config):
+        self.running, self.held, self.log, self.steps = {}, [], [], 0
+        self.stepped = threading.Condition()
+        self.fail_next, self.failing, self.before_failing, self.compile_after = False, threading.Event(), 0, 0
+
+    def add_request(self, request_id, ids, params, arrival_time=None, grammar=None):
+        self.log.append(("add", request_id, grammar))
+        self.running[request_id] = 0
+
+    def has_unfinished_requests(self):
+        return bool(self.running or self.held)
+
+    def step(self):
+        with self.stepped:
+            self.steps += 1
+            self.stepped.notify_all()
+        self.log.append(("step",))
+        outputs, self.held = self.held, []
+        for rid in self.running:
+            self.running[rid] += 1
+        now = [_out(rid, [CompletionOutput(0, "t" * n, [5] * n)]) for rid, n in self.running.items()]
+        if self.fail_next:
+            self.fail_next = False
+            self.failing.set()
+            self.inbox.wait_for(self.before_failing)
+            del self.running["x"]
+            self.held = outputs + now  # "x"'s output of this step among them
+            self.log.append(("failed",))
+            raise StepFailed(["x"], RuntimeError("device error at read-back"))
+        return outputs + now
+
+    def grammar_compiler(self):
+        engine = self
+
+        class Compiler:
+            def compile(self, spec):
+                if spec.regex == "bad":
+                    raise ValueError("structured_outputs: not a regex this server can follow")
+                with engine.stepped:
+                    assert engine.stepped.wait_for(lambda: engine.steps >= engine.compile_after, timeout=30), \
+                        "the engine did not step while the grammar compiled"
+                return "G"
+        return Compiler()
+
+
+@contextlib.contextmanager
+def _child(monkeypatch, engine_cls):
+    """``_serve`` on a thread over two pipes, with ``engine_cls`` as its LLMEngine: yields (commands, the
+    messages it sent so far (a list a thread fills), the engine) once it said "ready"."""
+    import engine.llm_engine
+    made, inbox = [], _Inbox()
+    engine_cls.inbox = inbox
+    monkeypatch.setattr(engine.llm_engine, "LLMEngine", lambda config: made.append(engine_cls(config)) or made[0])
+    monkeypatch.setattr(ep.signal, "signal", lambda *a: None)  # _serve runs in a thread here, not a process
+    monkeypatch.setattr(ep.queue, "SimpleQueue", lambda: inbox)
+    commands_in, commands = Pipe(duplex=False)
+    outputs, outputs_out = Pipe(duplex=False)
+    child = threading.Thread(target=ep._serve, args=(EngineConfig(model="m"), commands_in, outputs_out, 30),
+                             daemon=True)
+    child.start()
+    assert outputs.recv()[0] == "ready"
+    got: list[tuple] = []
+
+    def collect():
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                got.append(outputs.recv())
+    threading.Thread(target=collect, daemon=True).start()
+    try:
+        yield commands, got, made[0]
+    finally:
+        commands.send(("stop",))
+        child.join(10)
+        assert not child.is_alive()
+
+
+def test_a_failed_requests_held_output_never_reaches_a_new_request_of_its_id(monkeypatch):
+    """A step fails "x" and holds an output of it; a new "x" reaches the child's inbox while that step runs. The
+    child runs the next step before it applies the add, and drops the old "x"'s output there: the new "x" gets
+    only its own (one token at its first step)."""
+    with _child(monkeypatch, _Scripted) as (commands, got, engine):
+        commands.send(("add", "x", [1], SamplingParams(), 0.0))
+        commands.send(("add", "y", [1], SamplingParams(), 0.0))
+        wait_for(lambda: set(engine.running) == {"x", "y"}, timeout=30, what="both running")
+        engine.before_failing, engine.fail_next = 3, True
+        assert engine.failing.wait(30)
+        commands.send(("add", "x", [2], SamplingParams(), 0.0))
+        wait_for(lambda: any(m[0] == "step_failed" for m in got) and len(got) > got.index(
+            next(m for m in got if m[0] == "step_failed")) + 2, timeout=30, what="two steps after the failure")
+    at = next(i for i, m in enumerate(got) if m[0] == "step_failed")
+    assert got[at][1] == ["x"] and [d[0] for d in got[at + 1][1]] == ["y", "y"]  # held y, then this step's
+    decoder = ep._Decoder()
+    decoder.add("x", None, [2])
+    new = got[at + 2]
+    assert [d[0] for d in new[1]] == ["y", "x"]
+    assert [o.outputs[0].token_ids for o in decoder.decode(new[1])] == [[5]]
+    failed = engine.log.index(("failed",))
+    assert engine.log[failed + 1:failed + 3] == [("step",), ("add", "x", None)]
+
+
+def test_the_child_compiles_a_grammar_while_its_requests_step(monkeypatch):
+    """The compile returns only once the engine stepped three times more: compiled on the child's main loop it
+    would wait for steps that never come. The add then carries the compiled grammar; a failed compile fails that
+    request alone (a 400: request_error)."""
+    regex = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="bad"))
+    with _child(monkeypatch, _Scripted) as (commands, got, engine):
+        commands.send(("add", "y", [1], SamplingParams(), 0.0))
+        wait_for(lambda: engine.steps >= 1, timeout=30, what="a step")
+        engine.compile_after = engine.steps + 3
+        commands.send(("add", "s", [1], regex, 0.0))
+        commands.send(("add", "b", [1], bad, 0.0))
+        wait_for(lambda: any(m[0] == "step_failed" for m in got), timeout=30, what="the bad grammar refused")
+        wait_for(lambda: ("add", "s", "G") in engine.log, timeout=30, what="the structured request added")
+    refused = [(m[1], m[3], str(m[2])) for m in got if m[0] == "step_failed"]
+    assert refused == [(["b"], True, "structured_outputs: not a regex this server can follow")]
