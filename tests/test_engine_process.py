@@ -251,51 +251,6 @@ class _Chatty:
         pass
 
 
-def test_a_parent_sending_while_the_child_sends_never_deadlocks(monkeypatch):
-    """The parent sends 300 adds of 20 KB each before it reads anything, while the child's outputs fill the other
-    pipe: both pipes fill. With one duplex pipe and no reader thread in the child, each side waited in ``send``
-    for the other forever (seen on an H200 at 16 concurrent streams)."""
-    import threading
-    import engine.llm_engine
-    monkeypatch.setattr(engine.llm_engine, "LLMEngine", _Chatty)
-    monkeypatch.setattr(ep.signal, "signal", lambda *a: None)  # _serve runs in a thread here, not a process
-    commands_in, commands = Pipe(duplex=False)
-    outputs, outputs_out = Pipe(duplex=False)
-    child = threading.Thread(target=ep._serve, args=(EngineConfig(model="m"), commands_in, outputs_out, 30),
-                             daemon=True)
-    child.start()
-    assert outputs.recv()[0] == "ready"
-    n = 300
-    sender = threading.Thread(target=lambda: [commands.send(("add", f"r{i}", [1] * 5_000, SamplingParams(), 0.0))
-                                              for i in range(n)], daemon=True)
-    sender.start()
-    sender.join(60)
-    assert not sender.is_alive(), "the parent's sends deadlocked against the child's"
-    finished = []
-    while len(finished) < n:
-        assert outputs.poll(60), "no output from the child"
-        msg = outputs.recv()
-        assert msg[0] == "step" and len(msg[2]) == 20_000
-        finished += [d[0] for d in msg[1] if d[2]]
-    assert finished == [f"r{i}" for i in range(n)]
-    commands.send(("stop",))
-    child.join(10)
-    assert not child.is_alive()
-
-
-def test_an_engine_process_killed_while_the_server_waits_makes_the_engine_dead(demo_model):
-    """No request runs: the engine thread's idle looks find the child gone, so /health says so before any client
-    sends a request into a dead engine."""
-    eng = _engine(demo_model, True)
-    child = eng.engine._process
-    try:
-        os.kill(child.pid, signal.SIGKILL)
-        wait_for(lambda: eng.is_dead, timeout=30, what="the engine dead")
-        assert isinstance(eng.error, ep.EngineProcessDied) and "exit code -9" in str(eng.error)
-    finally:
-        eng.shutdown()
-
-
 class _Inbox(queue.SimpleQueue):
     """The child's command queue, letting a test wait until a command is in it."""
 
@@ -313,6 +268,72 @@ class _Inbox(queue.SimpleQueue):
     def wait_for(self, count):
         with self.arrived:
             assert self.arrived.wait_for(lambda: self.count >= count, timeout=30), "the command never arrived"
+
+
+@contextlib.contextmanager
+def _child(monkeypatch, engine_cls, collect: bool = True):
+    """``_serve`` on a thread over two pipes, with ``engine_cls`` as its LLMEngine: yields (commands, the
+    messages it sent so far (a list a thread fills; with ``collect`` False the outputs pipe itself), the engine)
+    once it said "ready"."""
+    import engine.llm_engine
+    made, inbox = [], _Inbox()
+    engine_cls.inbox = inbox
+    monkeypatch.setattr(engine.llm_engine, "LLMEngine", lambda config: made.append(engine_cls(config)) or made[0])
+    monkeypatch.setattr(ep.signal, "signal", lambda *a: None)  # _serve runs in a thread here, not a process
+    monkeypatch.setattr(ep.queue, "SimpleQueue", lambda: inbox)
+    commands_in, commands = Pipe(duplex=False)
+    outputs, outputs_out = Pipe(duplex=False)
+    child = threading.Thread(target=ep._serve, args=(EngineConfig(model="m"), commands_in, outputs_out, 30),
+                             daemon=True)
+    child.start()
+    assert outputs.recv()[0] == "ready"
+    got: list[tuple] = []
+
+    def read_all():
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                got.append(outputs.recv())
+    if collect:
+        threading.Thread(target=read_all, daemon=True).start()
+    try:
+        yield commands, got if collect else outputs, made[0]
+    finally:
+        commands.send(("stop",))
+        child.join(10)
+        assert not child.is_alive()
+
+
+def test_a_parent_sending_while_the_child_sends_never_deadlocks(monkeypatch):
+    """The parent sends 300 adds of 20 KB each before it reads anything, while the child's outputs fill the other
+    pipe: both pipes fill. With one duplex pipe and no reader thread in the child, each side waited in ``send``
+    for the other forever (seen on an H200 at 16 concurrent streams)."""
+    with _child(monkeypatch, _Chatty, collect=False) as (commands, outputs, _):
+        n = 300
+        sender = threading.Thread(target=lambda: [commands.send(("add", f"r{i}", [1] * 5_000, SamplingParams(), 0.0))
+                                                  for i in range(n)], daemon=True)
+        sender.start()
+        sender.join(60)
+        assert not sender.is_alive(), "the parent's sends deadlocked against the child's"
+        finished = []
+        while len(finished) < n:
+            assert outputs.poll(60), "no output from the child"
+            msg = outputs.recv()
+            assert msg[0] == "step" and len(msg[2]) == 20_000
+            finished += [d[0] for d in msg[1] if d[2]]
+        assert finished == [f"r{i}" for i in range(n)]
+
+
+def test_an_engine_process_killed_while_the_server_waits_makes_the_engine_dead(demo_model):
+    """No request runs: the engine thread's idle looks find the child gone, so /health says so before any client
+    sends a request into a dead engine."""
+    eng = _engine(demo_model, True)
+    child = eng.engine._process
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+        wait_for(lambda: eng.is_dead, timeout=30, what="the engine dead")
+        assert isinstance(eng.error, ep.EngineProcessDied) and "exit code -9" in str(eng.error)
+    finally:
+        eng.shutdown()
 
 
 class _Scripted(_Chatty):
@@ -367,37 +388,6 @@ class _Scripted(_Chatty):
                         "the engine did not step while the grammar compiled"
                 return "G"
         return Compiler()
-
-
-@contextlib.contextmanager
-def _child(monkeypatch, engine_cls):
-    """``_serve`` on a thread over two pipes, with ``engine_cls`` as its LLMEngine: yields (commands, the
-    messages it sent so far (a list a thread fills), the engine) once it said "ready"."""
-    import engine.llm_engine
-    made, inbox = [], _Inbox()
-    engine_cls.inbox = inbox
-    monkeypatch.setattr(engine.llm_engine, "LLMEngine", lambda config: made.append(engine_cls(config)) or made[0])
-    monkeypatch.setattr(ep.signal, "signal", lambda *a: None)  # _serve runs in a thread here, not a process
-    monkeypatch.setattr(ep.queue, "SimpleQueue", lambda: inbox)
-    commands_in, commands = Pipe(duplex=False)
-    outputs, outputs_out = Pipe(duplex=False)
-    child = threading.Thread(target=ep._serve, args=(EngineConfig(model="m"), commands_in, outputs_out, 30),
-                             daemon=True)
-    child.start()
-    assert outputs.recv()[0] == "ready"
-    got: list[tuple] = []
-
-    def collect():
-        with contextlib.suppress(EOFError, OSError):
-            while True:
-                got.append(outputs.recv())
-    threading.Thread(target=collect, daemon=True).start()
-    try:
-        yield commands, got, made[0]
-    finally:
-        commands.send(("stop",))
-        child.join(10)
-        assert not child.is_alive()
 
 
 def test_a_failed_requests_held_output_never_reaches_a_new_request_of_its_id(monkeypatch):
