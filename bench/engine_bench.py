@@ -846,10 +846,11 @@ def http_rows(ctx: dict, make_row, device: str = "cuda", levels=HTTP_LEVELS) -> 
     ``python -m engine.server`` (a subprocess on a free port; 256 sequences, 1,024-token context, built-in plans),
     loaded by ``appliance bench``'s load generator (streamed completions, 128-token prompts), output tok/s per
     concurrency level against ``LLM.generate`` of the same prompts at once, same settings; TTFT, ITL and TPOT in
-    the note. Twice: the engine in a process of its own (the default on CUDA) and on the server's engine thread
-    (``--no-engine-process``). Needs the server's wheels on the GPU machine (fastapi, starlette, uvicorn,
-    sse-starlette, pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api, anyio,
-    typing-extensions, tomli-w, and whatever of click, h11, httpx, prometheus-client, psutil, rich it lacks: carried
+    the note. For each of :data:`HTTP_MODES`: the engine in a process of its own (the default on CUDA), the same
+    without uvloop and httptools, and on the server's engine thread (``--no-engine-process``). Needs the server's
+    wheels on the GPU machine (fastapi, starlette, uvicorn, uvloop, httptools, sse-starlette, pydantic,
+    pydantic-core, annotated-types, typing-inspection, opentelemetry-api, anyio, typing-extensions, tomli-w, and
+    whatever of click, h11, httpx, prometheus-client, psutil, rich it lacks: carried
     as ``.whl``, the device README's recipe). ``device``, ``levels``: for a smoke run on the CPU (a small model in
     ``ctx["model_7b"]``). The servers' logs: ``$OUT/http_server_*.log``."""
     model_dir = _model_7b(ctx)
@@ -864,8 +865,8 @@ def http_rows(ctx: dict, make_row, device: str = "cuda", levels=HTTP_LEVELS) -> 
     del llm
     _free()
     rows = []
-    for mode, flag in (("engine process", "--engine-process"), ("engine thread", "--no-engine-process")):
-        results = _serve_levels(model_dir, settings, device, flag, levels)
+    for mode, flag, plain in HTTP_MODES:
+        results = _serve_levels(model_dir, settings, device, flag, levels, plain)
         print(f"[http_rows] {mode} done at {time.strftime('%H:%M:%S')}", flush=True)
         for (conc, n, tokens), r in zip(levels, results):
             rows.append(make_row(f"OpenAI server over HTTP ({mode}) vs in process, {conc} concurrent",
@@ -879,9 +880,22 @@ def http_rows(ctx: dict, make_row, device: str = "cuda", levels=HTTP_LEVELS) -> 
     return rows
 
 
-def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels) -> list:
-    """``python -m engine.server`` over ``model_dir`` with ``flag`` on a free port, each level of ``levels`` run
-    against it once its shapes are compiled (a short run first); the load generator's results, in order."""
+#: The servers ``http_rows`` measures: (mode, engine flag, plain), where ``plain`` hides uvloop and httptools
+#: from the server so that uvicorn falls back to asyncio's loop and h11 (what it ran on before they were
+#: dependencies).
+HTTP_MODES = [("engine process", "--engine-process", False),
+              ("engine process, asyncio + h11", "--engine-process", True),
+              ("engine thread", "--no-engine-process", False)]
+
+#: ``python -c`` code that runs ``engine.server`` as ``-m`` would with uvloop and httptools unimportable
+_PLAIN_SERVER = ("import runpy, sys; sys.modules['uvloop'] = sys.modules['httptools'] = None; "
+                 "sys.argv[0] = 'engine.server'; runpy.run_module('engine.server', run_name='__main__')")
+
+
+def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels, plain: bool = False) -> list:
+    """``python -m engine.server`` over ``model_dir`` with ``flag`` on a free port (``plain``: see
+    :data:`HTTP_MODES`), each level of ``levels`` run against it once its shapes are compiled (a short run
+    first); the load generator's results, in order."""
     import asyncio
     import socket
     import subprocess
@@ -893,10 +907,10 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args = [sys.executable, "-m", "engine.server", "--model", model_dir, "--port", str(port), "--no-tune-kernels",
+    args = [sys.executable, *(["-c", _PLAIN_SERVER] if plain else ["-m", "engine.server"]), "--model", model_dir, "--port", str(port), "--no-tune-kernels",
             "--kernel-plans-dir", tempfile.mkdtemp(prefix="no-plans-"), "--log-level", "warning", "--device", device,
             flag, *(f"--{k.replace('_', '-')}={v}" for k, v in settings.items())]
-    log = Path(os.environ.get("OUT", "/tmp")) / f"http_server_{flag.strip('-')}.log"
+    log = Path(os.environ.get("OUT", "/tmp")) / f"http_server_{flag.strip('-')}{'_plain' if plain else ''}.log"
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
         server = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
