@@ -638,6 +638,15 @@ def test_malformed_json_and_unknown_routes(server):
     _error(r, 400, param="body", code="invalid_json")
     _error(httpx.get(f"{url}/v1/nothing-here"), 404)
     _error(httpx.post(f"{url}/v1/completions", json={"prompt": []}), 400, param="prompt")
+    form = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi"}',  # curl -d without -H: a form
+                      headers={"content-type": "application/x-www-form-urlencoded"})
+    assert _error(form, 400, param="body")["message"] == (
+        "body: send a JSON object with the header Content-Type: application/json (got "
+        "application/x-www-form-urlencoded)")
+    bare = _error(httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi"}'), 400, param="body")
+    assert bare["message"].endswith("(got no Content-Type)")
+    listed = _error(httpx.post(f"{url}/v1/completions", json=["hi"]), 400, param="body")  # JSON, not an object
+    assert "Content-Type" not in listed["message"]
 
 
 def test_unknown_model_is_404(server):

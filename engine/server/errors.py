@@ -101,8 +101,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = _validation_error(exc)
+        kind = request.headers.get("content-type", "")
+        if error.param == "body" and not kind.split(";")[0].strip().endswith("json"):  # curl -d without -H
+            error.message = (f"body: send a JSON object with the header Content-Type: application/json (got "
+                             f"{kind or 'no Content-Type'})")
+        return error.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
