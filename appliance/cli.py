@@ -25,8 +25,9 @@ from appliance.errors import ApplianceError
 app = typer.Typer(help="edge-appliance: quantize a model and serve it over an OpenAI-compatible API on this machine.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
-console = Console()
-err_console = Console(stderr=True)
+# Piped or logged output (no terminal) is not wrapped at rich's default 80 columns: paths stay whole on one line.
+console = Console(soft_wrap=not sys.stdout.isatty())
+err_console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
 
 
 def friendly(fn):

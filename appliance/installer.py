@@ -499,7 +499,7 @@ def start_service(opts: InstallOptions, console: Console, use_systemd: bool, sys
 
 def install(opts: InstallOptions, console: Console | None = None) -> dict:
     """Run the whole flow; return what was done (paths, plan, answer) for callers and tests."""
-    console = console or Console()
+    console = console or Console(soft_wrap=not sys.stdout.isatty())  # piped: paths stay on one line
     if opts.method not in METHODS:
         raise ApplianceError(f"--method must be one of {', '.join(METHODS)}, got {opts.method!r}", "use --method awq")
     if not 0 < opts.port < 65536:
