@@ -20,7 +20,8 @@ import time
 
 if os.environ.get("PLAIN"):
     sys.modules["uvloop"] = sys.modules["httptools"] = None  # uvicorn's "auto" falls back (ImportError)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # run as a script: the repository's packages, the test fakes
 
 import uvicorn  # noqa: E402
 

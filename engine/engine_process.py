@@ -109,7 +109,9 @@ class _Encoder:
             prev = self._sent.get(out.request_id) or [(0, 0, "")] * len(out.outputs)
             choices, state = [], []
             for c, (n_ids, n_lp, text) in zip(out.outputs, prev):
-                keep = len(os.path.commonprefix((text, c.text)))  # a stop string may take back text sent
+                # a stop string may take back text sent; commonprefix loops in Python over every character, so
+                # only then (as the only path it cost 13 ms a step at 256 streams of 2,000 characters)
+                keep = len(text) if c.text.startswith(text) else len(os.path.commonprefix((text, c.text)))
                 lps = None if c.logprobs is None else c.logprobs[n_lp:]
                 choices.append((c.index, c.token_ids[n_ids:], lps, keep, c.text[keep:], c.finish_reason,
                                 c.stop_reason))
