@@ -947,3 +947,36 @@ def test_add_request_cancelled_while_its_grammar_compiles_keeps_nothing():
     time.sleep(0.1)  # a step of the engine thread: the request must not reach it
     assert fake.params == []
     engine.shutdown()
+
+
+def test_a_lagging_reader_of_one_stream_gets_the_newest_output_only():
+    """``serving.merge`` reads a single request's stream directly, so outputs that piled up while the reader was
+    busy come as one (the newest, cumulative) and the client gets one chunk for them, as vLLM sends under load. With
+    several streams a task per stream forwards each output to one queue as it comes, so every one is read."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine.async_engine import RequestStream
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.server.serving import merge
+
+    def output(rid, k):
+        return RequestOutput(rid, None, [1], [CompletionOutput(0, "a" * k, [7] * k, "length" if k == 3 else None)],
+                             k == 3)
+
+    async def read(rids):
+        """The reader takes the first output, then is busy while outputs 2 and 3 arrive (the loop runs between)."""
+        engine = SimpleNamespace(_abort_stream=lambda stream: None)
+        streams = [RequestStream(engine, rid) for rid in rids]
+        outputs = merge(streams)
+        first = asyncio.ensure_future(outputs.__anext__())
+        for k in (1, 2, 3):
+            for stream in streams:
+                stream._queue.put_nowait(output(stream.request_id, k))
+            for _ in range(5):
+                await asyncio.sleep(0)
+        got = [await first] + [item async for item in outputs]
+        return [(i, len(out.outputs[0].token_ids)) for i, out in got]
+
+    assert asyncio.run(read(["r"])) == [(0, 1), (0, 3)]
+    assert sorted(asyncio.run(read(["r", "s"]))) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]

@@ -99,7 +99,18 @@ async def submit(ctx: ServingContext, prompts: list[str | list[int]], params: Sa
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield ``(prompt index, output)`` from all streams as they come; aborts unfinished ones on exit."""
+    """Yield ``(prompt index, output)`` from all streams as they come; aborts unfinished ones on exit.
+
+    One stream (one prompt, the usual request) is read directly: a consumer that lags then gets the newest
+    cumulative output only (``RequestStream``), so a busy event loop sends fewer, larger chunks; with several, a
+    task per stream feeds one queue."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()
+        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
