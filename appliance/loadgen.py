@@ -9,8 +9,11 @@ without text (as vLLM's benchmark counts them). Everything goes over HTTP: it me
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -129,9 +132,35 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming
     return timing
 
 
+def auto_processes(concurrency: int) -> int:
+    """Load-generator processes for a level: one per 64 streams, at most half the CPUs (one Python client parses
+    at most about 5-10k streamed chunks a second: bench/RESULTS.md, where one measured 180 µs of CPU per chunk)."""
+    return max(1, min(-(-concurrency // 64), (os.cpu_count() or 2) // 2))
+
+
 async def run_level(url: str, model: str, concurrency: int, requests: int, prompt_len: int,
-                    max_tokens: int, api_key: str | None = None) -> LevelResult:
-    """Run ``requests`` streamed completions with ``concurrency`` clients in flight; bounded by the count."""
+                    max_tokens: int, api_key: str | None = None, processes: int = 1) -> LevelResult:
+    """Run ``requests`` streamed completions with ``concurrency`` clients in flight; bounded by the count.
+    ``processes`` > 1 splits the clients and requests over that many processes (``python -m appliance.loadgen``,
+    started together at one wall-clock time), whose timings are summarized together; the duration runs from the
+    common start to the last one's end."""
+    processes = max(1, min(processes, concurrency, requests))
+    if processes == 1:
+        timings, errors, start, end = await _timings(url, model, concurrency, requests, prompt_len, max_tokens,
+                                                     api_key)
+    else:
+        timings, errors, start, end = await _timings_in_processes(url, model, concurrency, requests, prompt_len,
+                                                                  max_tokens, api_key, processes)
+    return LevelResult(concurrency, len(timings), errors, sum(t.input_tokens for t in timings),
+                       sum(t.output_tokens for t in timings), end - start, Summary.of([t.ttft for t in timings]),
+                       Summary.of([t.tpot for t in timings if t.tpot is not None]),
+                       Summary.of([x for t in timings for x in t.itl]), Summary.of([t.e2e for t in timings]))
+
+
+async def _timings(url: str, model: str, concurrency: int, requests: int, prompt_len: int, max_tokens: int,
+                   api_key: str | None, start_at: float | None = None) -> tuple[list[RequestTiming], int, float, float]:
+    """(timings, failed requests, start, end: ``time.time()`` seconds) of one process's share; it starts at the
+    wall-clock time ``start_at`` when given."""
     body = {"model": model, "prompt": "hello " * prompt_len, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -148,14 +177,53 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, promp
                 errors += 1  # unreachable, an HTTP error or error event, or a stream that is not one
 
     limits = httpx.Limits(max_connections=concurrency)
-    start = time.perf_counter()
     async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        start = time.time()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    duration = time.perf_counter() - start
-    return LevelResult(concurrency, len(timings), errors, sum(t.input_tokens for t in timings),
-                       sum(t.output_tokens for t in timings), duration, Summary.of([t.ttft for t in timings]),
-                       Summary.of([t.tpot for t in timings if t.tpot is not None]),
-                       Summary.of([x for t in timings for x in t.itl]), Summary.of([t.e2e for t in timings]))
+        end = time.time()
+    return timings, errors, start, end
+
+
+def _shares(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` near-equal positive counts (the first ones larger)."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+async def _timings_in_processes(url: str, model: str, concurrency: int, requests: int, prompt_len: int,
+                                max_tokens: int, api_key: str | None,
+                                processes: int) -> tuple[list[RequestTiming], int, float, float]:
+    """:func:`_timings` over ``processes`` child processes (their arguments on stdin, their timings as JSON on
+    stdout), all starting 2 s from now (interpreter start-up is not load). Raises RuntimeError when one fails."""
+    start_at = time.time() + 2.0
+    jobs = []
+    for conc, reqs in zip(_shares(concurrency, processes), _shares(requests, processes)):
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "appliance.loadgen",
+                                                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        args = dict(url=url, model=model, concurrency=conc, requests=reqs, prompt_len=prompt_len,
+                    max_tokens=max_tokens, api_key=api_key, start_at=start_at)
+        jobs.append((proc, json.dumps(args).encode()))
+    done = await asyncio.gather(*(proc.communicate(args) for proc, args in jobs))
+    timings, errors, starts, ends = [], 0, [], []
+    for (proc, _), (out, err) in zip(jobs, done):
+        if proc.returncode != 0:
+            raise RuntimeError(f"a load-generator process failed (exit {proc.returncode}): {err.decode()[-300:]}")
+        share = json.loads(out)
+        timings += [RequestTiming(**t) for t in share["timings"]]
+        errors += share["errors"]
+        starts.append(share["start"])
+        ends.append(share["end"])
+    return timings, errors, min(starts), max(ends)
+
+
+def _child() -> None:
+    """``python -m appliance.loadgen``: one process's share of a level (:func:`_timings_in_processes`)."""
+    args = json.loads(sys.stdin.read())
+    timings, errors, start, end = asyncio.run(_timings(**args))
+    json.dump({"timings": [dataclasses.asdict(t) for t in timings], "errors": errors, "start": start, "end": end},
+              sys.stdout)
 
 
 def served_model(url: str, api_key: str | None = None) -> str:
@@ -164,3 +232,7 @@ def served_model(url: str, api_key: str | None = None) -> str:
     resp = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
+
+
+if __name__ == "__main__":
+    _child()

@@ -876,8 +876,16 @@ def http_rows(ctx: dict, make_row, device: str = "cuda", levels=HTTP_LEVELS) -> 
                                  f"{r.output_tok_per_s:.0f} vs {offline[conc]:.0f} tok/s (µs per output token); "
                                  f"TTFT median {r.ttft.median * 1e3:.1f} ms, p99 {r.ttft.p99 * 1e3:.1f}; ITL median "
                                  f"{r.itl.median * 1e3:.2f} ms, p99 {r.itl.p99 * 1e3:.2f}; TPOT median "
-                                 f"{r.tpot.median * 1e3:.2f} ms; {r.errors} failed"))
+                                 f"{r.tpot.median * 1e3:.2f} ms; {r.errors} failed; {http_clients(conc)} client "
+                                 f"process(es)"))
     return rows
+
+
+def http_clients(concurrency: int) -> int:
+    """Load-generator processes for a level of ``http_rows``: one per 32 streams. One Python client takes about
+    180 µs of CPU per streamed chunk (``bench/server_cpu.py``), so a single one capped runs 88-92 near 9k tok/s,
+    below what the server sends."""
+    return max(1, concurrency // 32)
 
 
 #: The servers ``http_rows`` measures: (mode, engine flag, plain), where ``plain`` hides uvloop and httptools
@@ -928,7 +936,8 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
         results = []
         for conc, n, tokens in levels:
             asyncio.run(loadgen.run_level(url, name, conc, conc, 128, 8))  # the level's shapes compiled
-            results.append(asyncio.run(loadgen.run_level(url, name, conc, n, 128, tokens)))
+            results.append(asyncio.run(loadgen.run_level(url, name, conc, n, 128, tokens,
+                                                         processes=http_clients(conc))))
         return results
     finally:
         server.terminate()

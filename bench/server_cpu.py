@@ -71,18 +71,22 @@ def main() -> None:
             time.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
         before = resource.getrusage(resource.RUSAGE_SELF)
+        client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run([sys.executable, "-c", CLIENT, str(streams), str(tokens), f"http://127.0.0.1:{port}"],
                               capture_output=True, text=True, check=True)
         after = resource.getrusage(resource.RUSAGE_SELF)
+        client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
         server.should_exit = True
         thread.join(10)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime) - engine_cpu[0]
+    client = (client_after.ru_utime - client_before.ru_utime) + (client_after.ru_stime - client_before.ru_stime)
     chunks, seconds = done.stdout.split()
     total = streams * tokens
     loop = "asyncio + h11" if os.environ.get("PLAIN") else "uvloop + httptools where installed"
     print(f"{streams} streams x {tokens} tokens ({loop}): {total / float(seconds):.0f} tok/s at the client; "
           f"server CPU {cpu:.2f} s without the fake engine's {engine_cpu[0]:.2f} s = {cpu / total * 1e6:.0f} us per "
-          f"token, {cpu / int(chunks) * 1e6:.0f} us per chunk ({chunks} chunks)")
+          f"token, {cpu / int(chunks) * 1e6:.0f} us per chunk ({chunks} chunks); the client's CPU "
+          f"{client / total * 1e6:.0f} us per token")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -20,14 +21,16 @@ def test_percentile_interpolates():
     assert percentile(list(range(1001)), 99.9) == pytest.approx(999.0)  # numpy.percentile's value
 
 
-@pytest.mark.parametrize("concurrency", [1, 3])
-def test_level_counts_every_request_and_token(concurrency):
+@pytest.mark.parametrize("concurrency, processes", [(1, 1), (3, 1), (3, 2)])
+def test_level_counts_every_request_and_token(concurrency, processes):
+    """processes=2: clients 2 + 1 and requests 3 + 2 in two child processes, their timings summarized together."""
     fake = FakeEngine(max_num_seqs=4)
     engine = AsyncLLMEngine(lambda: fake, "fake-model")
     with ServerThread(build_app(engine)) as url:
         wait_for(lambda: engine.is_ready, what="engine ready")
         assert served_model(url) == "fake-model"
-        result = asyncio.run(run_level(url, "fake-model", concurrency, requests=5, prompt_len=4, max_tokens=6))
+        result = asyncio.run(run_level(url, "fake-model", concurrency, requests=5, prompt_len=4, max_tokens=6,
+                                       processes=processes))
     engine.shutdown()
     assert (result.concurrency, result.requests, result.errors, result.output_tokens) == (concurrency, 5, 0, 30)
     assert result.input_tokens == 5 * len(fake.tokenizer.encode("hello " * 4))
@@ -68,13 +71,23 @@ def test_json_keys_are_vllm_benchmark_serving_ones_in_ms():
         "mean_e2el_ms": 550.0, "median_e2el_ms": 500.0, "std_e2el_ms": 100.0, "p99_e2el_ms": 900.0})
 
 
-def test_level_counts_errors_for_an_unknown_model():
+@pytest.mark.parametrize("processes", [1, 2])
+def test_level_counts_errors_for_an_unknown_model(processes):
     engine = AsyncLLMEngine(lambda: FakeEngine(), "fake-model")
     with ServerThread(build_app(engine)) as url:
         wait_for(lambda: engine.is_ready, what="engine ready")
-        result = asyncio.run(run_level(url, "no-such-model", 2, requests=3, prompt_len=4, max_tokens=2))
+        result = asyncio.run(run_level(url, "no-such-model", 2, requests=3, prompt_len=4, max_tokens=2,
+                                       processes=processes))
     engine.shutdown()
     assert (result.requests, result.errors) == (0, 3)
+
+
+def test_clients_and_requests_split_evenly_over_processes():
+    from appliance.loadgen import _shares, auto_processes
+
+    assert _shares(5, 2) == [3, 2] and _shares(256, 8) == [32] * 8 and _shares(3, 3) == [1, 1, 1]
+    assert auto_processes(1) == 1 and auto_processes(64) == 1
+    assert auto_processes(256) == min(4, max(1, (os.cpu_count() or 2) // 2))
 
 
 def test_cli_bench_prints_a_row_per_level_and_rejects_bad_input():
