@@ -12,6 +12,7 @@ import queue
 import signal
 import threading
 from multiprocessing import Pipe
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -292,7 +293,7 @@ def _child(monkeypatch, engine_cls, collect: bool = True):
     engine_cls.inbox = inbox
     monkeypatch.setattr(engine.llm_engine, "LLMEngine", lambda config: made.append(engine_cls(config)) or made[0])
     monkeypatch.setattr(ep.signal, "signal", lambda *a: None)  # _serve runs in a thread here, not a process
-    monkeypatch.setattr(ep.queue, "SimpleQueue", lambda: inbox)
+    monkeypatch.setattr(ep, "queue", SimpleNamespace(SimpleQueue=lambda: inbox, Empty=queue.Empty))
     commands_in, commands = Pipe(duplex=False)
     outputs, outputs_out = Pipe(duplex=False)
     child = threading.Thread(target=ep._serve, args=(EngineConfig(model="m"), commands_in, outputs_out, 30),

@@ -647,6 +647,8 @@ def test_malformed_json_and_unknown_routes(server):
     assert bare["message"].endswith("(got no Content-Type)")
     listed = _error(httpx.post(f"{url}/v1/completions", json=["hi"]), 400, param="body")  # JSON, not an object
     assert "Content-Type" not in listed["message"]
+    upper = httpx.post(f"{url}/v1/completions", content=b'["hi"]', headers={"content-type": "Application/JSON"})
+    assert "Content-Type" not in _error(upper, 400, param="body")["message"]  # media types ignore case
 
 
 def test_unknown_model_is_404(server):
@@ -980,3 +982,15 @@ def test_a_lagging_reader_of_one_stream_gets_the_newest_output_only():
 
     assert asyncio.run(read(["r"])) == [(0, 1), (0, 3)]
     assert sorted(asyncio.run(read(["r", "s"]))) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+
+    async def leave_early():
+        """A reader that stops after the first output (a client gone): the request is aborted."""
+        aborted = []
+        stream = RequestStream(SimpleNamespace(_abort_stream=aborted.append), "r")
+        stream._queue.put_nowait(output("r", 1))
+        outputs = merge([stream])
+        await outputs.__anext__()
+        await outputs.aclose()
+        return aborted == [stream]
+
+    assert asyncio.run(leave_early())

@@ -104,7 +104,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         error = _validation_error(exc)
         kind = request.headers.get("content-type", "")
-        if error.param == "body" and not kind.split(";")[0].strip().endswith("json"):  # curl -d without -H
+        if error.param == "body" and not kind.split(";")[0].strip().lower().endswith("json"):  # curl -d, no -H
             error.message = (f"body: send a JSON object with the header Content-Type: application/json (got "
                              f"{kind or 'no Content-Type'})")
         return error.response()
