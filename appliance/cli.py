@@ -83,7 +83,10 @@ def install(
     eval_tokens: int = typer.Option(32768, "--eval-tokens", hidden=True, help="held-out tokens for perplexity"),
 ):
     """The guided flow: model -> quantize -> detect -> tune -> config -> service -> first answer."""
+    from appliance.environment import check_kernels_package
     from appliance.installer import InstallOptions
+
+    check_kernels_package()  # before minutes of conversion and quantization fail on it
     from appliance.installer import install as run_install
 
     run_install(InstallOptions(model=model, method=method, yes=yes, no_service=no_service, host=host, port=port,
@@ -196,6 +199,9 @@ def serve(
                                          "none, or auto (when the model's chat template writes <think>; the default)"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
+    from appliance.environment import check_kernels_package
+
+    check_kernels_package()
     if config is not None and not config.is_file():
         raise ApplianceError(f"config file {config} not found", "run `appliance install` or give --config PATH")
     conf = _config(config)
@@ -404,10 +410,17 @@ def uninstall(
 
 
 def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
-    """(ok, what, fix) for each check: driver, memory headroom, config, model files, unit/process, port."""
+    """(ok, what, fix) for each check: Python packages, driver, memory headroom, config, model files, unit/process,
+    port."""
     from appliance.installer import client_url, port_free
 
+    from appliance.environment import kernels_clash
+
     checks: list[tuple[bool, str, str]] = []
+    clash = kernels_clash()
+    checks.append((clash is None, "Python packages: " + (f"{clash} (it shadows this product's kernels/)" if clash
+                                                         else "this product's kernels/ package is the one imported"),
+                   "pip uninstall -y kernels && pip install 'transformers<5.25'"))
     hw = hardware.detect()
     if hw.kind == "cuda":
         g = hw.gpu

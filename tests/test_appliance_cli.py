@@ -258,3 +258,30 @@ def installer_free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_package_that_shadows_our_kernels_stops_install_serve_and_doctor_with_the_fix(monkeypatch, tmp_path):
+    """The Hugging Face ``kernels`` package (transformers >= 5.25 needs it) shares our kernels/ package's import
+    name; install and serve refuse to start on it, doctor names it. Here neither is the case, as checked first."""
+    import importlib.metadata
+    import importlib.util
+    from types import SimpleNamespace
+
+    from appliance import environment
+
+    assert environment.kernels_clash() is None  # this environment: ours is the one imported
+    real_version = importlib.metadata.version
+
+    def version(name):
+        return "0.11.0" if name == "kernels" else real_version(name)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert environment.kernels_clash() == "the Hugging Face `kernels` package 0.11.0 is installed"
+    for args in (["install", "--yes", "--no-service"], ["serve"]):
+        one_line_error(runner.invoke(app, args), "the Hugging Face `kernels` package 0.11.0 is installed",
+                       "pip uninstall -y kernels")
+    doctor = runner.invoke(app, ["doctor"])
+    assert doctor.exit_code == 1 and "FAIL Python packages: the Hugging Face `kernels`" in doctor.output
+    monkeypatch.setattr(importlib.metadata, "version", real_version)
+    elsewhere = SimpleNamespace(origin=str(tmp_path / "site" / "kernels" / "__init__.py"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: elsewhere if name == "kernels" else None)
+    assert environment.kernels_clash().startswith(f"`import kernels` finds {tmp_path / 'site' / 'kernels'}")
