@@ -69,14 +69,13 @@ class EngineInfo:
 
 
 def wanted(config: EngineConfig) -> bool:
-    """The default: a process of its own on CUDA (``device`` "cuda", or "auto" with a GPU), the engine thread on the
-    CPU (where the two processes would share the same few cores anyway)."""
-    if config.device == "cuda":
-        return True
-    if config.device == "cpu":
-        return False
-    import torch
-    return torch.cuda.is_available()
+    """The default: a process of its own on CUDA (``device`` "cuda" or "cuda:N", or "auto" where the engine takes
+    the GPU: ``model_runner.resolve_device``'s rule), the engine thread on the CPU (where the two processes would
+    share the same few cores anyway)."""
+    if config.device != "auto":
+        return config.device.startswith("cuda")
+    from engine.model_runner import resolve_device  # the parent imports it anyway (prompt_token_ids' module)
+    return resolve_device("auto").type == "cuda"
 
 
 def _portable(e: BaseException) -> BaseException:
