@@ -615,7 +615,7 @@ def bench(url: Optional[str] = UrlOpt,
     results = []
     for level in levels:
         n = requests or max(4, 2 * level)
-        procs = min(processes or loadgen.auto_processes(level), level, n)
+        procs = loadgen.client_processes(level, n, processes)
         if not as_json:
             by = f" from {procs} processes" if procs > 1 else ""
             console.print(f"concurrency {level}: {n} requests of {prompt_len} + {max_tokens} tokens{by} ...")

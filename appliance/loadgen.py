@@ -138,13 +138,20 @@ def auto_processes(concurrency: int) -> int:
     return max(1, min(-(-concurrency // 64), (os.cpu_count() or 2) // 2))
 
 
+def client_processes(concurrency: int, requests: int, processes: int = 0) -> int:
+    """The processes a level runs in: ``processes`` (0: :func:`auto_processes`), at most one per client and per
+    request."""
+    return max(1, min(processes or auto_processes(concurrency), concurrency, requests))
+
+
 async def run_level(url: str, model: str, concurrency: int, requests: int, prompt_len: int,
                     max_tokens: int, api_key: str | None = None, processes: int = 1) -> LevelResult:
     """Run ``requests`` streamed completions with ``concurrency`` clients in flight; bounded by the count.
-    ``processes`` > 1 splits the clients and requests over that many processes (``python -m appliance.loadgen``,
+    ``processes`` > 1 (0: :func:`auto_processes`; at most :func:`client_processes`) splits the clients and requests
+    over that many processes (``python -m appliance.loadgen``,
     started together at one wall-clock time), whose timings are summarized together; the duration runs from the
     common start to the last one's end."""
-    processes = max(1, min(processes, concurrency, requests))
+    processes = client_processes(concurrency, requests, processes)
     if processes == 1:
         timings, errors, start, end = await _timings(url, model, concurrency, requests, prompt_len, max_tokens,
                                                      api_key)
