@@ -63,6 +63,8 @@ GpuUtilOpt = typer.Option(None, "--gpu-memory-utilization", help="fraction of GP
 SeqsOpt = typer.Option(None, "--max-num-seqs", help="most sequences in one batch (default: tuned)")
 LenOpt = typer.Option(None, "--max-model-len", help="prompt + completion tokens per request (default: tuned)")
 KvOpt = typer.Option(None, "--kv-cache-dtype", help="auto, fp8 (Ada/Hopper GPUs) or int8 (no fp8 hardware needed) (default: auto)")
+DtypeOpt = typer.Option(None, "--dtype", help="compute dtype: auto, float32, bfloat16 or float16 (default: tuned; "
+                                              "bfloat16 on a GPU or a CPU with bfloat16 instructions, else float32)")
 
 
 @app.command()
@@ -79,6 +81,7 @@ def install(
     max_num_seqs: Optional[int] = SeqsOpt,
     max_model_len: Optional[int] = LenOpt,
     kv_cache_dtype: Optional[str] = KvOpt,
+    dtype: Optional[str] = DtypeOpt,
     health_timeout: float = typer.Option(600.0, "--health-timeout", hidden=True),
     eval_tokens: int = typer.Option(32768, "--eval-tokens", hidden=True, help="held-out tokens for perplexity"),
 ):
@@ -92,7 +95,7 @@ def install(
     run_install(InstallOptions(model=model, method=method, yes=yes, no_service=no_service, host=host, port=port,
                                api_key=api_key, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
-                               health_timeout=health_timeout, eval_tokens=eval_tokens), console)
+                               dtype=dtype, health_timeout=health_timeout, eval_tokens=eval_tokens), console)
 
 
 @app.command()
@@ -158,13 +161,15 @@ def tune(
     max_num_seqs: Optional[int] = SeqsOpt,
     max_model_len: Optional[int] = LenOpt,
     kv_cache_dtype: Optional[str] = KvOpt,
+    dtype: Optional[str] = DtypeOpt,
 ):
     """The serving plan for MODEL_DIR on this machine, with the reason for each value."""
     from appliance.installer import plan_table
 
     info = tuner.ModelInfo.from_dir(model_dir)
     plan = tuner.plan(info, hardware.detect(), gpu_memory_utilization=gpu_memory_utilization,
-                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
+                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+                      dtype=dtype)
     if as_json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -187,6 +192,7 @@ def serve(
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16"),
     swap_space: Optional[float] = typer.Option(None, "--swap-space",
                                                help="GiB of CPU memory for preempted requests' KV (0 = recompute)"),
     max_waiting: Optional[int] = typer.Option(None, "--max-waiting",
@@ -207,8 +213,8 @@ def serve(
     conf = _config(config)
     overrides = {"model": str(model_dir) if model_dir else None, "host": host, "port": port, "api_key": api_key,
                  "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
-                 "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "swap_space": swap_space,
-                 "max_waiting": max_waiting, "tool_call_parser": tool_call_parser,
+                 "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
+                 "swap_space": swap_space, "max_waiting": max_waiting, "tool_call_parser": tool_call_parser,
                  "reasoning_parser": reasoning_parser}
     for key, value in overrides.items():
         if value is not None:

@@ -60,6 +60,7 @@ class Config:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
+    dtype: str = "auto"  # compute dtype: auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16, float16
     swap_space: float = 0.0
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued beyond max_num_seqs before new ones get 503
     tune_kernels: bool = True  # measure the W4A16 kernel plans on this GPU at the first start (engine/kernel_plans.py)
@@ -84,6 +85,7 @@ class Config:
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=self.max_model_len,
                 kv_cache_dtype=self.kv_cache_dtype,
+                dtype=self.dtype,
                 swap_space=self.swap_space,
                 tune_kernels=self.tune_kernels,
                 kernel_plans_dir=str(Path(self.data_dir) / "kernel-plans") if self.data_dir else None,

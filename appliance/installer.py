@@ -47,6 +47,7 @@ class InstallOptions:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     kv_cache_dtype: str | None = None
+    dtype: str | None = None
     bits: int = 4
     group_size: int = 128
     health_timeout: float = 600.0
@@ -425,6 +426,7 @@ def plan_table(model: tuner.ModelInfo, plan: tuner.Plan) -> Table:
     table.add_column("why", overflow="fold")
     rows = [
         ("device", plan.device, ""),
+        ("dtype", plan.dtype, plan.reasons["dtype"]),
         ("gpu_memory_utilization", f"{plan.gpu_memory_utilization:.2f}", plan.reasons["gpu_memory_utilization"]),
         ("cpu_kv_cache_gib", f"{plan.cpu_kv_cache_gib:g}", plan.reasons["cpu_kv_cache_gib"]),
         ("max_model_len", str(plan.max_model_len), plan.reasons["max_model_len"]),
@@ -444,7 +446,8 @@ def detect_line(hw: hardware.Hardware) -> str:
         more = f" ({len(hw.gpus)} GPUs)" if len(hw.gpus) > 1 else ""
         return (f"{g.name}: {hardware.gib(g.total_memory)} total, {hardware.gib(g.free_memory)} free, compute "
                 f"capability {g.compute_capability}, driver {hw.driver}{more}")
-    return (f"cpu: {hw.cpu_name}, {hw.cpu_cores} cores, {hardware.gib(hw.available_memory)} of "
+    bf16 = "bfloat16 instructions" if hw.cpu_bf16 else "no bfloat16 instructions"
+    return (f"cpu: {hw.cpu_name}, {hw.cpu_cores} cores ({bf16}), {hardware.gib(hw.available_memory)} of "
             f"{hardware.gib(hw.total_memory)} RAM free; {hw.reason}")
 
 
@@ -520,7 +523,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     hw = hardware.detect()  # the flags are checked now, not after minutes of quantizing
     tuner.check_flags(tuner.ModelInfo.from_dir(source), hw, gpu_memory_utilization=opts.gpu_memory_utilization,
                       max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
-                      kv_cache_dtype=opts.kv_cache_dtype)
+                      kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype)
     console.print(f"Model: [bold]{name}[/bold] ({source})")
 
     # 2. quantize (or take the checkpoint as it is)
@@ -562,7 +565,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     console.print(f"Accelerator: {detect_line(hw)}")
     info = tuner.ModelInfo.from_dir(served_dir)
     plan = tuner.plan(info, hw, gpu_memory_utilization=opts.gpu_memory_utilization, max_num_seqs=opts.max_num_seqs,
-                      max_model_len=opts.max_model_len, kv_cache_dtype=opts.kv_cache_dtype)
+                      max_model_len=opts.max_model_len, kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype)
     console.print(plan_table(info, plan))
 
     # 6. config
@@ -574,7 +577,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
                          gpu_memory_utilization=plan.gpu_memory_utilization,
                          cpu_kv_cache_gib=plan.cpu_kv_cache_gib or cfgmod.Config.cpu_kv_cache_gib,
                          max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
-                         kv_cache_dtype=plan.kv_cache_dtype, data_dir=str(data_dir))
+                         kv_cache_dtype=plan.kv_cache_dtype, dtype=plan.dtype, data_dir=str(data_dir))
     cfgmod.save(conf, config_file)
     console.print(f"[green]✓[/green] Wrote {config_file}")
 

@@ -1,9 +1,12 @@
 """The serving plan: memory, context length, batch size and KV-cache size, from the model's config.json and the
 hardware, each value with the reason it was chosen. Flags given by the user win over the plan.
 
-KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size: for "auto" the engine's compute
-dtype (bfloat16 on a GPU, float32 on the CPU, where the engine runs its exact reference path), 1 for fp8, and
-for int8 1 per value plus a 4-byte scale per token and KV head (head dim + 4 bytes per head).
+The compute dtype (``dtype``): bfloat16 on a GPU (the engine's "auto"); on a CPU bfloat16 where the CPU multiplies
+it in hardware (``Hardware.cpu_bf16``: about twice float32's decode speed, half the bytes per weight read), else
+float32, the engine's exact reference path.
+KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size: for "auto" the compute dtype's
+(2 for bfloat16, 4 for float32), 1 for fp8, and for int8 1 per value plus a 4-byte scale per token and KV head
+(head dim + 4 bytes per head).
 On a GPU the KV pool is what the engine's own memory plan (``engine.memory.gpu_kv_budget``) leaves of
 ``gpu_memory_utilization`` x total memory (or of the free memory, if less) after the weights, the CUDA context, a
 step's activations and the sampler's buffers for ``max_num_seqs`` rows, less a margin, so that the engine gets at
@@ -35,6 +38,8 @@ CPU_MAX_MODEL_LEN = 4096  # a longer prompt takes minutes to prefill on a CPU
 CPU_KV_FRACTION = 0.10  # of the free RAM
 CPU_KV_MAX_GIB = 4.0
 CPU_KV_STEP_GIB = 0.25
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # engine.config.EngineConfig's
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class TuneError(ApplianceError):
@@ -87,21 +92,43 @@ class ModelInfo:
         except (KeyError, TypeError, ValueError) as exc:
             raise TuneError(f"{cfg_file} is not a usable model config ({exc})", "check the model folder") from None
 
-    def gpu_kv_bytes(self, total: int, free: int, utilization: float, max_num_seqs: int) -> int:
+    def gpu_kv_bytes(self, total: int, free: int, utilization: float, max_num_seqs: int, dtype: str = "auto") -> int:
         """KV-cache bytes the engine gets at least on a GPU of ``total`` bytes with ``free`` bytes free (NVML's, before
         the engine's CUDA context), at ``utilization`` and ``max_num_seqs``: ``engine.memory.gpu_kv_budget`` with
-        the engine's default step of chunked prefill and bf16 activations, the weights the files and
-        ``gpu_extra_bytes``, less ``PLAN_MARGIN_BYTES``."""
+        the engine's default step of chunked prefill and activations in ``dtype`` ("auto": bf16), the weights the
+        files and ``gpu_extra_bytes``, less ``PLAN_MARGIN_BYTES``."""
         step = default_step_tokens(max_num_seqs, 0)
+        element = ELEMENT_BYTES[compute_dtype(dtype, "cuda")]
         return int(gpu_kv_budget(total, free - CUDA_CONTEXT_BYTES, self.weight_bytes + self.gpu_extra_bytes,
-                                 utilization, step, self.hidden_size, 2, max_num_seqs, self.vocab_size)
+                                 utilization, step, self.hidden_size, element, max_num_seqs, self.vocab_size)
                    - PLAN_MARGIN_BYTES)
 
-    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", device: str = "cuda") -> int:
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", device: str = "cuda", dtype: str = "auto") -> int:
+        """Bytes of K and V per token in all layers; ``dtype`` (the compute dtype, "auto" = the engine's default on
+        ``device``) sizes an "auto" KV cache."""
         if kv_cache_dtype == "int8":  # int8 codes and one fp32 scale per token and KV head
             return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)
-        element = 1 if kv_cache_dtype == "fp8" else 2 if device == "cuda" else 4
+        element = 1 if kv_cache_dtype == "fp8" else ELEMENT_BYTES[compute_dtype(dtype, device)]
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def compute_dtype(dtype: str, device: str) -> str:
+    """The dtype the engine computes in for the setting ``dtype`` on ``device`` ("cuda" or "cpu"): "auto" is
+    bfloat16 on a GPU and float32 on a CPU (``engine.model_runner.resolve_dtype``)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def choose_dtype(hw: Hardware) -> tuple[str, str]:
+    """The serving dtype for ``hw`` and the reason: "auto" (bfloat16) on a GPU; on a CPU bfloat16 when it has
+    bfloat16 instructions (``Hardware.cpu_bf16``), else float32."""
+    if hw.kind == "cuda":
+        return "auto", "bfloat16, the engine's default on a GPU"
+    if hw.cpu_bf16:
+        return "bfloat16", ("the CPU has bfloat16 instructions: about 2x float32's decode speed; --dtype float32 for "
+                            "the exact reference path")
+    return "float32", "the CPU has no bfloat16 instructions (bfloat16 would be emulated, slower than float32)"
 
 
 def _gpu_extra_bytes(cfg: dict, quant: dict | None, head_dim: int, context: int) -> int:
@@ -139,6 +166,7 @@ class Plan:
     max_model_len: int
     max_num_seqs: int
     kv_cache_dtype: str
+    dtype: str
     block_size: int
     num_kv_blocks: int
     kv_bytes_per_token: int
@@ -156,9 +184,11 @@ class Plan:
 
 def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None = None,
                 max_num_seqs: int | None = None, max_model_len: int | None = None,
-                kv_cache_dtype: str | None = None) -> None:
+                kv_cache_dtype: str | None = None, dtype: str | None = None) -> None:
     """Raise TuneError for a flag no plan can take, whatever the memory: the installer asks before it quantizes
     (the model's config is the same before and after). :func:`plan` asks again."""
+    if dtype is not None and dtype not in DTYPES:
+        raise TuneError(f"--dtype must be {', '.join(DTYPES)}, got {dtype!r}", "pick one of those")
     if kv_cache_dtype is not None and kv_cache_dtype not in ("auto", "fp8", "int8"):
         raise TuneError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}", "pick one of those")
     if kv_cache_dtype == "fp8" and hw.kind == "cuda" and hw.gpu is not None and hw.gpu.capability < (8, 9):
@@ -178,19 +208,23 @@ def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float
 
 def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None = None,
          max_num_seqs: int | None = None, max_model_len: int | None = None,
-         kv_cache_dtype: str | None = None) -> Plan:
+         kv_cache_dtype: str | None = None, dtype: str | None = None) -> Plan:
     """Choose the serving settings for ``model`` on ``hw``; keyword arguments that are not None are kept as given.
     Raises TuneError for a flag :func:`check_flags` refuses, or settings the memory cannot take."""
     check_flags(model, hw, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
+                max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     reasons: dict[str, str] = {}
+    if dtype is None:
+        dtype, reasons["dtype"] = choose_dtype(hw)
+    else:
+        reasons["dtype"] = "set by --dtype"
     if kv_cache_dtype is None:
         kv_cache_dtype = "auto"
-        reasons["kv_cache_dtype"] = ("the engine's compute dtype (bfloat16 on a GPU, float32 on the CPU) keeps the "
-                                     "KV cache exact")
+        reasons["kv_cache_dtype"] = (f"the compute dtype ({compute_dtype(dtype, hw.kind)}) keeps the KV cache "
+                                     "exact")
     else:
         reasons["kv_cache_dtype"] = "set by --kv-cache-dtype"
-    bpt = model.kv_bytes_per_token(kv_cache_dtype, hw.kind)
+    bpt = model.kv_bytes_per_token(kv_cache_dtype, hw.kind, dtype)
     block_bytes = bpt * BLOCK_SIZE
     dims = f"({model.head_dim} dims + a 4-byte scale)" if kv_cache_dtype == "int8" else f"{model.head_dim} dims"
     reasons["num_kv_blocks"] = (f"{BLOCK_SIZE} tokens of {bpt:,} bytes per block ({model.num_layers} layers x "
@@ -210,7 +244,7 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
             reasons["gpu_memory_utilization"] = (f"the GPU is free: {util:.0%} of {gib(gpu.total_memory)}, "
                                                  "the rest spare")
         seqs = max_num_seqs or GPU_MAX_NUM_SEQS
-        kv_bytes = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs)
+        kv_bytes = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype)
         if kv_bytes < block_bytes:
             raise TuneError(f"the model ({gib(model.weight_bytes)}) does not fit in {util:.0%} of the "
                             f"{gib(gpu.total_memory)} GPU with room for a KV cache and {seqs} sequences' buffers",
@@ -264,7 +298,8 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
             f"the KV cache holds {TOKENS_PER_SEQUENCE_SLOT} tokens for only {slots} sequences")
         if hw.kind == "cuda" and hw.gpu is not None and max_num_seqs != seqs:  # fewer sampler rows: what the
             # engine will get (a little more KV; max_model_len and max_num_seqs stay as chosen)
-            num_blocks = model.gpu_kv_bytes(hw.gpu.total_memory, hw.gpu.free_memory, util, max_num_seqs) // block_bytes
+            num_blocks = (model.gpu_kv_bytes(hw.gpu.total_memory, hw.gpu.free_memory, util, max_num_seqs, dtype)
+                          // block_bytes)
             kv_tokens = num_blocks * BLOCK_SIZE
 
     per_request = min(max_model_len, TYPICAL_REQUEST_TOKENS)
@@ -273,6 +308,6 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
                                        f"tokens per request); {kv_tokens / max_model_len:.1f} requests at full "
                                        f"length ({max_model_len} tokens)")
     return Plan(device=hw.kind, gpu_memory_utilization=util, cpu_kv_cache_gib=cpu_gib, max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK_SIZE,
+                max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype, dtype=dtype, block_size=BLOCK_SIZE,
                 num_kv_blocks=num_blocks, kv_bytes_per_token=bpt, kv_cache_bytes=num_blocks * block_bytes,
                 expected_concurrency=expected, reasons=reasons)

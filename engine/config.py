@@ -108,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             raise ValueError(f"kv_cache_dtype: must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space: must be at least 0 GiB, got {self.swap_space}")
         if self.max_num_batched_tokens is not None:

@@ -89,13 +89,16 @@ def test_detect_json():
     assert (hw["kind"] == "cpu") == (hw["gpus"] == [])
 
 
-def test_tune_json_uses_flags(tmp_path):
+@pytest.mark.parametrize("dtype,element", [("float32", 4), ("bfloat16", 2)])
+def test_tune_json_uses_flags(tmp_path, dtype, element):
     result = runner.invoke(app, ["tune", str(make_model(tmp_path / "m")), "--json", "--max-num-seqs", "3",
-                                 "--max-model-len", "512"])
+                                 "--max-model-len", "512", "--dtype", dtype])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
-    assert (plan["max_num_seqs"], plan["max_model_len"], plan["kv_bytes_per_token"]) == (3, 512, 2 * 2 * 2 * 16 * 4)
+    assert (plan["max_num_seqs"], plan["max_model_len"], plan["kv_bytes_per_token"], plan["dtype"]) == \
+        (3, 512, 2 * 2 * 2 * 16 * element, dtype)
     assert plan["reasons"]["max_num_seqs"] == "set by --max-num-seqs"
+    assert plan["reasons"]["dtype"] == "set by --dtype"
 
 
 def test_doctor_reports_missing_config(tmp_path):
@@ -143,6 +146,7 @@ def test_install_checks_the_architecture_before_the_weights(tmp_path):
 
 @pytest.mark.parametrize("flag, value, needle", [
     ("--kv-cache-dtype", "fp16", "--kv-cache-dtype must be auto, fp8 or int8"),
+    ("--dtype", "bf16", "--dtype must be auto, float32, bfloat16, float16, got 'bf16'"),
     ("--gpu-memory-utilization", "1.5", "--gpu-memory-utilization must be in (0, 1]"),
     ("--max-num-seqs", "0", "--max-num-seqs must be at least 1"),
     ("--max-model-len", "4096", "--max-model-len 4096 is over the model's limit of 1024 tokens"),
@@ -193,6 +197,19 @@ def test_serve_passes_swap_space_to_the_engine(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert [(c.model, c.swap_space) for c in started] == [(model, 3.0)]
     one_line_error(runner.invoke(app, ["serve", model, "--swap-space", "-1"]), "swap_space: must be at least 0 GiB")
+
+
+def test_serve_passes_the_dtype_to_the_engine(tmp_path, monkeypatch):
+    from engine.server import api_server
+
+    started = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(config))
+    model = str(make_model(tmp_path / "m"))
+    assert runner.invoke(app, ["serve", model, "--dtype", "bfloat16"]).exit_code == 0
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    assert [c.dtype for c in started] == ["bfloat16", "auto"]
+    one_line_error(runner.invoke(app, ["serve", model, "--dtype", "half"]),
+                   "dtype: must be auto, float32, bfloat16 or float16, got 'half'")
 
 
 def test_serve_numbers_gpus_as_nvml_does(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ def test_round_trip_keeps_every_value(tmp_path):
     conf = Config(model="/models/x-awq", served_model_name="x", source_model="/src/x", quantization="awq",
                   host="0.0.0.0", port=8123, api_key="secret", device="cpu", gpu_memory_utilization=0.75,
                   cpu_kv_cache_gib=2.5, max_num_seqs=8, max_model_len=4096, kv_cache_dtype="fp8", swap_space=4.0,
-                  tune_kernels=False, data_dir="/d")
+                  dtype="bfloat16", tune_kernels=False, data_dir="/d")
     path = cfgmod.save(conf, tmp_path / "sub" / "config.toml")
     assert path == tmp_path / "sub" / "config.toml"
     assert cfgmod.load(path) == conf
@@ -106,6 +106,16 @@ def test_engine_config_carries_the_settings():
         ("/m", "m", "cpu", 4, 512, 0.5)
     with pytest.raises(ConfigError, match="max_num_seqs"):
         Config(model="/m", max_num_seqs=0).engine_config()
+
+
+def test_the_compute_dtype_reaches_the_engine_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    path = cfgmod.save(Config(model="/m", dtype="bfloat16"), tmp_path / "c.toml")
+    assert cfgmod.load(path).engine_config().dtype == "bfloat16"
+    assert Config(model="/m").engine_config().dtype == "auto"  # a config written before the key existed
+    monkeypatch.setenv("APPLIANCE_DTYPE", "bf16")
+    with pytest.raises(ConfigError, match="dtype: must be auto, float32, bfloat16 or float16, got 'bf16'"):
+        cfgmod.load(path).engine_config()
 
 
 def test_tune_kernels_reaches_the_engine_with_its_plan_folder(tmp_path, monkeypatch):

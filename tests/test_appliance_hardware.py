@@ -97,3 +97,32 @@ def test_gpu_older_than_ampere_is_cpu_with_the_reason():
     hw = hardware.detect(TuringNVML())
     assert hw.kind == "cpu" and hw.gpu.name == "Tesla T4"
     assert hw.reason == "Tesla T4 has compute capability 7.5; the engine's kernels need 8.0+ (Ampere or newer)"
+
+
+ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni
+processor\t: 1
+flags\t\t: fpu
+"""
+SKYLAKE = "model name\t: Intel(R) Xeon(R) Gold 6148\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n"
+SAPPHIRE_RAPIDS = "flags\t\t: avx512f amx_bf16 amx_tile amx_int8\n"
+GRAVITON3 = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\n"
+GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd aes crc32 atomics\n"
+
+
+def test_bf16_instructions_are_read_from_cpuinfo():
+    """Exact flag names only: avx512_vnni or a "bf16" inside another word is not bfloat16 support."""
+    assert hardware.cpu_bf16_flags(ZEN4) and hardware.cpu_bf16_flags(SAPPHIRE_RAPIDS)
+    assert hardware.cpu_bf16_flags(GRAVITON3)
+    assert not hardware.cpu_bf16_flags(SKYLAKE) and not hardware.cpu_bf16_flags(GRAVITON2)
+    assert not hardware.cpu_bf16_flags("flags\t\t: fpu avx512_bf16x\n")
+    assert not hardware.cpu_bf16_flags("")  # no /proc/cpuinfo
+
+
+def test_the_host_report_carries_the_cpus_bf16_support(monkeypatch):
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: ZEN4)
+    assert hardware.host()["cpu_bf16"] is True and hardware.host()["cpu_name"] == "AMD EPYC 9R14"
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: SKYLAKE)
+    assert hardware.host()["cpu_bf16"] is False

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from appliance import config as cfgmod
-from appliance import demo_model
+from appliance import demo_model, hardware
 
 
 def free_port() -> int:
@@ -58,6 +58,7 @@ def test_install_end_to_end_without_systemd(tmp_path):
         conf = cfgmod.load(conf_file, env=False)
         assert (conf.port, conf.device, conf.quantization, conf.served_model_name) == \
             (port, "cpu", "awq", "SmolLM2-135M-Instruct")
+        assert conf.dtype == ("bfloat16" if hardware.host()["cpu_bf16"] else "float32")  # the tuner's choice
         assert conf.model.startswith(str(home / ".local" / "share" / "appliance" / "models"))
         assert '"quant_method": "awq"' in open(os.path.join(conf.model, "config.json")).read().replace("'", '"')
         assert (home / ".local" / "share" / "appliance" / "run" / "appliance.pid").is_file()

@@ -23,8 +23,9 @@ def model_dir(tmp_path, cfg, weight_bytes):
     return tmp_path
 
 
-def cpu(cores=2, available=20 * GIB):
-    return Hardware(kind="cpu", cpu_cores=cores, total_memory=24 * GIB, available_memory=available, reason="test")
+def cpu(cores=2, available=20 * GIB, bf16=False):
+    return Hardware(kind="cpu", cpu_cores=cores, total_memory=24 * GIB, available_memory=available, cpu_bf16=bf16,
+                    reason="test")
 
 
 def gpu(total, free):
@@ -41,6 +42,8 @@ def test_model_info_from_config(tmp_path):
     assert info.kv_bytes_per_token("int8") == 2 * 32 * 8 * (128 + 4) == 67584  # codes + an fp32 scale per head
     assert info.kv_bytes_per_token("int8", device="cpu") == 67584
     assert info.kv_bytes_per_token(device="cpu") == 262144  # float32 on the CPU
+    assert info.kv_bytes_per_token(device="cpu", dtype="bfloat16") == 131072
+    assert info.kv_bytes_per_token(device="cuda", dtype="float32") == 262144
 
 
 def test_cpu_plan_for_the_demo_model(tmp_path):
@@ -53,9 +56,28 @@ def test_cpu_plan_for_the_demo_model(tmp_path):
     assert plan.max_num_seqs == 8  # 4 per core x 2 cores
     assert plan.expected_concurrency == 8
     assert plan.kv_cache_dtype == "auto"
+    assert plan.dtype == "float32"  # this CPU has no bfloat16 instructions
+    assert "no bfloat16 instructions" in plan.reasons["dtype"]
     assert set(plan.reasons) == {"gpu_memory_utilization", "cpu_kv_cache_gib", "max_model_len", "max_num_seqs",
-                                 "kv_cache_dtype", "num_kv_blocks", "expected_concurrency"}
+                                 "kv_cache_dtype", "dtype", "num_kv_blocks", "expected_concurrency"}
     assert all(plan.reasons.values())
+
+
+def test_cpu_plan_on_a_cpu_with_bf16_instructions(tmp_path):
+    """bfloat16 compute: the KV cache of "auto" takes 2 bytes a value, so the same RAM holds twice the blocks."""
+    plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, SMOLLM2, 100 * 2**20)), cpu(bf16=True))
+    assert plan.dtype == "bfloat16" and "bfloat16 instructions" in plan.reasons["dtype"]
+    assert plan.kv_bytes_per_token == 23040  # 2 x 30 layers x 3 heads x 64 dims x 2 bytes
+    assert plan.num_kv_blocks == 5825  # 2 GiB // (16 x 23040)
+    assert "(bfloat16)" in plan.reasons["kv_cache_dtype"]
+    forced = tuner.plan(ModelInfo.from_dir(tmp_path), cpu(bf16=True), dtype="float32")
+    assert forced.dtype == "float32" and forced.reasons["dtype"] == "set by --dtype"
+    assert forced.kv_bytes_per_token == 46080 and forced.num_kv_blocks == 2912
+
+
+def test_a_dtype_no_engine_takes_is_refused(tmp_path):
+    with pytest.raises(TuneError, match="--dtype must be auto, float32, bfloat16, float16, got 'int4'"):
+        tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, SMOLLM2, 1)), cpu(), dtype="int4")
 
 
 def test_cpu_plan_on_a_small_machine(tmp_path):
@@ -77,6 +99,7 @@ def test_gpu_plan_on_a_free_gpu(tmp_path):
     assert plan.max_num_seqs == 256
     assert plan.expected_concurrency == 256
     assert plan.cpu_kv_cache_gib == 0.0
+    assert plan.dtype == "auto" and plan.reasons["dtype"] == "bfloat16, the engine's default on a GPU"
 
 
 def test_gpu_plan_when_other_processes_hold_memory(tmp_path):

@@ -1,4 +1,5 @@
-"""Continuous batching changes nothing, and no KV block is ever leaked (CPU reference path, exact)."""
+"""Continuous batching changes nothing, and no KV block is ever leaked (CPU reference path, exact), in float32
+and in bfloat16 (what ``appliance install`` serves on a CPU with bfloat16 instructions)."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +10,9 @@ from engine_fixtures import demo_dir, prompts
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(demo_dir(), device="cpu", max_num_seqs=16)
+@pytest.fixture(scope="module", params=["auto", "bfloat16"])
+def llm(request):
+    return LLM(demo_dir(), device="cpu", max_num_seqs=16, dtype=request.param)
 
 
 def assert_all_blocks_free(engine):
