@@ -3,6 +3,8 @@ timed in the same run).
 
 * batch-1 decode of a Llama-2-7B-shaped random AWQ model, CUDA graphs on, against the bandwidth bound
   (bytes read per step / measured copy bandwidth), and against our own eager engine;
+* a prefill step (one 128- and one 2,048-token prompt; prefill steps run eagerly) against its kernels' GPU time:
+  how much of TTFT is host time, with a cProfile of it in the log (no target);
 * 256 concurrent requests (128 prompt / 512 output tokens) against transformers bf16 ``generate`` at batch 128
   on same-shaped random weights;
 * greedy agreement of CUDA graphs, eager Triton and the torch references on a small random model, and of the
@@ -330,6 +332,69 @@ def _batch_step_profile(llm: LLM, prompts: list, at_steps=(24, 470), steps: int 
     while engine.has_unfinished_requests():
         engine.step()
     return out
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prefill_step(llm: LLM, prompt_len: int, tag: str, device: str = "cuda") -> float:
+    """Wall µs of the engine step that prefills one new ``prompt_len``-token prompt (max_tokens 1; synchronized
+    before and after), the request then run to its end."""
+    engine = llm.engine
+    engine.add_request(tag, [3 + (i * 7919 + prompt_len) % 31000 for i in range(prompt_len)],
+                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    _sync(device)
+    start = time.perf_counter()
+    engine.step()
+    _sync(device)
+    wall = (time.perf_counter() - start) * 1e6
+    while engine.has_unfinished_requests():
+        engine.step()
+    return wall
+
+
+def prefill_host_rows(ctx: dict, make_row, lengths=(128, 2048), reps: int = 3, top: int = 20,
+                      device: str = "cuda") -> list:
+    """Where a prefill step's time goes (TTFT), 7B-shaped random AWQ model, graphs on (prefill steps run eagerly):
+    the step's wall time against the GPU time of its kernels (torch.profiler, summed), for a ``lengths`` prompt
+    each (prefix caching off: every prompt computed in full). The ratio is the share of the step the GPU is busy;
+    the rest is host time (Python, launches) that nothing overlaps. A cProfile of the steps, top ``top`` by own
+    time, goes to the log (``prefill_host_profile``). No target (issue 3 sets none). ``device="cpu"``: a smoke run
+    of this code (no GPU time: the ratio reads 0)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(_model_7b(ctx), device=device, **BUILT_IN, max_num_seqs=4, max_model_len=4096,
+              enable_prefix_caching=False, gpu_memory_utilization=0.3)
+    rows, text = [], io.StringIO()
+    for n in lengths:
+        _prefill_step(llm, n, f"warm{n}", device)  # compiles and tunes nothing inside the timed steps
+        wall = min(_prefill_step(llm, n, f"p{n}-{i}", device) for i in range(reps))
+        with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
+            _prefill_step(llm, n, f"gpu{n}", device)
+        kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+        gpu = sum(e.device_time_total for e in kernels)
+        launches = sum(e.count for e in kernels)
+        prof_c = cProfile.Profile()
+        prof_c.enable()
+        _prefill_step(llm, n, f"host{n}", device)
+        prof_c.disable()
+        text.write(f"--- prefill of {n} tokens\n")
+        pstats.Stats(prof_c, stream=text).sort_stats("tottime").print_stats(top)
+        rows.append(make_row("7B AWQ prefill step: GPU busy vs wall", f"one {n}-token prompt, eager step", wall,
+                             "the step's kernels' GPU time", gpu, None,
+                             f"{launches} kernel launches; {(wall - gpu) / max(launches, 1):.1f} µs of host time "
+                             f"per launch beyond the GPU's"))
+    ctx["log"]["prefill_host_profile"] = text.getvalue()
+    print(text.getvalue())
+    del llm
+    _free()
+    return rows
 
 
 def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 128, output_len: int = 512) -> list:
@@ -951,7 +1016,7 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
 #: the order given (an unknown name is an error).
 SUITE_ROWS = [cuda_path_rows, qwen_rows, sliding_window_rows, scaled_rope_rows, smollm2_rows, decode_rows,
-              measured_plan_rows, throughput_rows, http_rows]
+              prefill_host_rows, measured_plan_rows, throughput_rows, http_rows]
 if os.environ.get("ENGINE_ROWS"):
     _BY_NAME = {fn.__name__: fn for fn in SUITE_ROWS}
     _unknown = [n for n in os.environ["ENGINE_ROWS"].split(",") if n not in _BY_NAME]
