@@ -459,6 +459,11 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
             checks.append((ok, f"RAM: {hardware.gib(hw.available_memory)} free for about {hardware.gib(need)} "
                                "(weights dequantized at load + KV cache)",
                            "close other programs or lower cpu_kv_cache_gib"))
+            if conf.dtype == "bfloat16":  # chosen where the CPU had bfloat16 instructions: this one may not
+                checks.append((hw.cpu_bf16, "dtype bfloat16 on a CPU " + (
+                    "with bfloat16 instructions" if hw.cpu_bf16 else "without bfloat16 instructions (emulated: "
+                                                                   "slower than float32)"),
+                               'set dtype = "float32" in the config (or APPLIANCE_DTYPE=float32)'))
     mgr = _manager(conf)
     st = mgr.status()
     if isinstance(mgr, service.Systemd):

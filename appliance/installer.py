@@ -426,7 +426,8 @@ def plan_table(model: tuner.ModelInfo, plan: tuner.Plan) -> Table:
     table.add_column("why", overflow="fold")
     rows = [
         ("device", plan.device, ""),
-        ("dtype", plan.dtype, plan.reasons["dtype"]),
+        ("dtype", plan.dtype if plan.dtype != "auto" else f"auto ({tuner.compute_dtype('auto', plan.device)})",
+         plan.reasons["dtype"]),
         ("gpu_memory_utilization", f"{plan.gpu_memory_utilization:.2f}", plan.reasons["gpu_memory_utilization"]),
         ("cpu_kv_cache_gib", f"{plan.cpu_kv_cache_gib:g}", plan.reasons["cpu_kv_cache_gib"]),
         ("max_model_len", str(plan.max_model_len), plan.reasons["max_model_len"]),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from appliance.errors import ApplianceError
 from appliance.hardware import Hardware, gib
+from engine.config import DTYPES
 from engine.memory import CUDA_CONTEXT_BYTES, PLAN_MARGIN_BYTES, default_step_tokens, gpu_kv_budget
 from engine.models.context import max_context
 from engine.models.rope import RopeError
@@ -38,7 +39,6 @@ CPU_MAX_MODEL_LEN = 4096  # a longer prompt takes minutes to prefill on a CPU
 CPU_KV_FRACTION = 0.10  # of the free RAM
 CPU_KV_MAX_GIB = 4.0
 CPU_KV_STEP_GIB = 0.25
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # engine.config.EngineConfig's
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -126,8 +126,8 @@ def choose_dtype(hw: Hardware) -> tuple[str, str]:
     if hw.kind == "cuda":
         return "auto", "bfloat16, the engine's default on a GPU"
     if hw.cpu_bf16:
-        return "bfloat16", ("the CPU has bfloat16 instructions: about 2x float32's decode speed; --dtype float32 for "
-                            "the exact reference path")
+        return "bfloat16", ("the CPU has bfloat16 instructions: about 2x float32's decode speed (measured with "
+                            "AVX512-BF16); --dtype float32 for the exact reference path")
     return "float32", "the CPU has no bfloat16 instructions (bfloat16 would be emulated, slower than float32)"
 
 
@@ -188,7 +188,10 @@ def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float
     """Raise TuneError for a flag no plan can take, whatever the memory: the installer asks before it quantizes
     (the model's config is the same before and after). :func:`plan` asks again."""
     if dtype is not None and dtype not in DTYPES:
-        raise TuneError(f"--dtype must be {', '.join(DTYPES)}, got {dtype!r}", "pick one of those")
+        raise TuneError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", "pick one of those")
+    if dtype == "float32" and hw.kind == "cuda":  # the GPU plan counts 16-bit weights and activations
+        raise TuneError("--dtype float32 is the CPU's exact reference path; on a GPU the engine computes in 16 bits",
+                        "use --dtype auto (bfloat16) or float16")
     if kv_cache_dtype is not None and kv_cache_dtype not in ("auto", "fp8", "int8"):
         raise TuneError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}", "pick one of those")
     if kv_cache_dtype == "fp8" and hw.kind == "cuda" and hw.gpu is not None and hw.gpu.capability < (8, 9):

@@ -21,6 +21,10 @@ def field_docs(cls) -> dict[str, str]:
 MIN_CAPABILITY = (8, 0)
 
 
+#: ``EngineConfig.dtype``'s settings ("auto": float32 on CPU, bfloat16 on CUDA; ``model_runner.resolve_dtype``)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start.
@@ -108,7 +112,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             raise ValueError(f"kv_cache_dtype: must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space: must be at least 0 GiB, got {self.swap_space}")

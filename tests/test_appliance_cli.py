@@ -11,8 +11,9 @@ from appliance_testenv import isolate
 from rich.console import Console
 from typer.testing import CliRunner
 
-from appliance import installer, service
-from appliance.cli import app
+from appliance import config as cfgmod
+from appliance import hardware, installer, service
+from appliance.cli import app, doctor_checks
 from appliance.errors import ApplianceError
 
 runner = CliRunner()
@@ -87,6 +88,7 @@ def test_detect_json():
     hw = json.loads(result.output)
     assert hw["kind"] in ("cpu", "cuda") and hw["cpu_cores"] >= 1
     assert (hw["kind"] == "cpu") == (hw["gpus"] == [])
+    assert hw["cpu_bf16"] is hardware.host()["cpu_bf16"]
 
 
 @pytest.mark.parametrize("dtype,element", [("float32", 4), ("bfloat16", 2)])
@@ -99,6 +101,21 @@ def test_tune_json_uses_flags(tmp_path, dtype, element):
         (3, 512, 2 * 2 * 2 * 16 * element, dtype)
     assert plan["reasons"]["max_num_seqs"] == "set by --max-num-seqs"
     assert plan["reasons"]["dtype"] == "set by --dtype"
+
+
+def test_doctor_flags_a_bfloat16_config_on_a_cpu_without_bfloat16_instructions(tmp_path, monkeypatch):
+    """An install chose bfloat16 on another CPU (a moved image, a migrated VM): doctor names it and the fix."""
+    model = make_model(tmp_path / "m")
+    conf_path = cfgmod.save(cfgmod.Config(model=str(model), dtype="bfloat16", device="cpu"), tmp_path / "c.toml")
+    for bf16 in (True, False):
+        hw = hardware.Hardware(kind="cpu", cpu_cores=2, total_memory=8 << 30, available_memory=6 << 30,
+                               cpu_bf16=bf16, reason="test")
+        monkeypatch.setattr(hardware, "detect", lambda hw=hw: hw)
+        [check] = [c for c in doctor_checks(conf_path) if c[1].startswith("dtype bfloat16")]
+        assert check[0] is bf16 and ("without bfloat16 instructions" in check[1]) is not bf16
+        assert 'dtype = "float32"' in check[2]
+    cfgmod.save(cfgmod.Config(model=str(model), device="cpu"), conf_path)  # float32 ("auto"): nothing to say
+    assert not [c for c in doctor_checks(conf_path) if c[1].startswith("dtype")]
 
 
 def test_doctor_reports_missing_config(tmp_path):
@@ -146,7 +163,7 @@ def test_install_checks_the_architecture_before_the_weights(tmp_path):
 
 @pytest.mark.parametrize("flag, value, needle", [
     ("--kv-cache-dtype", "fp16", "--kv-cache-dtype must be auto, fp8 or int8"),
-    ("--dtype", "bf16", "--dtype must be auto, float32, bfloat16, float16, got 'bf16'"),
+    ("--dtype", "bf16", "--dtype must be auto, float32, bfloat16 or float16, got 'bf16'"),
     ("--gpu-memory-utilization", "1.5", "--gpu-memory-utilization must be in (0, 1]"),
     ("--max-num-seqs", "0", "--max-num-seqs must be at least 1"),
     ("--max-model-len", "4096", "--max-model-len 4096 is over the model's limit of 1024 tokens"),

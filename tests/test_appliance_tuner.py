@@ -76,8 +76,19 @@ def test_cpu_plan_on_a_cpu_with_bf16_instructions(tmp_path):
 
 
 def test_a_dtype_no_engine_takes_is_refused(tmp_path):
-    with pytest.raises(TuneError, match="--dtype must be auto, float32, bfloat16, float16, got 'int4'"):
+    with pytest.raises(TuneError, match="--dtype must be auto, float32, bfloat16 or float16, got 'int4'"):
         tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, SMOLLM2, 1)), cpu(), dtype="int4")
+
+
+def test_float32_is_refused_on_a_gpu_and_16_bit_dtypes_plan_alike(tmp_path):
+    """The GPU plan counts 16-bit weights and activations, which float32 would double: refused, with the fix."""
+    info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB))
+    with pytest.raises(TuneError, match="--dtype float32 is the CPU's exact reference path") as exc:
+        tuner.plan(info, gpu(80 * GIB, 80 * GIB), dtype="float32")
+    assert "--dtype auto" in exc.value.hint
+    plans = [tuner.plan(info, gpu(80 * GIB, 80 * GIB), dtype=d) for d in ("auto", "bfloat16", "float16")]
+    assert {(p.num_kv_blocks, p.kv_bytes_per_token) for p in plans} == {(33261, 131072)}
+    assert [p.dtype for p in plans] == ["auto", "bfloat16", "float16"]
 
 
 def test_cpu_plan_on_a_small_machine(tmp_path):

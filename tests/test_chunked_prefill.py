@@ -176,10 +176,11 @@ BUDGET = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)  # logprobs: bit-exact check
 
 
-@pytest.fixture(scope="module")
-def llm(demo_model):
+@pytest.fixture(scope="module", params=["auto", "bfloat16"])  # bfloat16: what the installer serves on such CPUs
+def llm(demo_model, request):
     from engine import LLM
-    return LLM(str(demo_model), device="cpu", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=BUDGET)
+    return LLM(str(demo_model), device="cpu", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=BUDGET,
+               dtype=request.param)
 
 
 def long_prompts(tokenizer) -> list[list[int]]:

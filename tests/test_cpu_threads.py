@@ -249,12 +249,13 @@ def test_read_cpu_times_sees_our_cpu_time_in_the_busy_time():
     assert own >= 0.3 and after.busy - before.busy >= 0.8 * own and after.wall > before.wall
 
 
-def test_greedy_output_does_not_depend_on_the_thread_count(monkeypatch):
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])  # bfloat16: what the installer serves on such CPUs
+def test_greedy_output_does_not_depend_on_the_thread_count(monkeypatch, dtype):
     """What lets the count change mid-request: 1 and 2 threads give the same tokens on the demo model. The engine
     step calls ``update`` and an engine out of work ``pause`` (held fixed here by OMP_NUM_THREADS so that the test
     sets the count itself)."""
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    llm = LLM(demo_dir(), device="cpu")
+    llm = LLM(demo_dir(), device="cpu", dtype=dtype)
     updates, pauses = [], []
     monkeypatch.setattr(llm.engine.cpu_threads, "update", lambda: updates.append(1) or 1)
     monkeypatch.setattr(llm.engine.cpu_threads, "pause", lambda: pauses.append(len(updates)))
