@@ -192,7 +192,8 @@ def serve(
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16 (default: the "
+                                                              "config's `dtype`, else auto)"),
     swap_space: Optional[float] = typer.Option(None, "--swap-space",
                                                help="GiB of CPU memory for preempted requests' KV (0 = recompute)"),
     max_waiting: Optional[int] = typer.Option(None, "--max-waiting",
@@ -339,6 +340,8 @@ def start(config: Optional[Path] = typer.Option(None, "--config")):
     if st.running:
         console.print(f"already running ({st.mode}): {st.detail}", highlight=False)
         return
+    if conf.model:
+        conf.engine_config()  # a bad setting (APPLIANCE_DTYPE=bf16, say) stops here, not in the server's log
     if not st.installed:
         raise ApplianceError(f"the service is not installed ({st.detail})", "run `appliance install` to set it up")
     if not port_free(conf.host, conf.port):  # the server would exit at once, after `started` was printed
@@ -440,6 +443,11 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
         return checks
     checks.append((conf_path.is_file(), f"config {conf_path}" + ("" if conf_path.is_file() else " is missing"),
                    "run `appliance install`"))
+    if conf.model:
+        try:
+            conf.engine_config()
+        except ApplianceError as exc:  # a value the engine refuses (APPLIANCE_DTYPE=bf16, say)
+            checks.append((False, f"config: {exc.message}", exc.hint or ""))
     model = Path(conf.model) if conf.model else None
     if model is None:
         checks.append((False, "no model configured", "run `appliance install`"))

@@ -92,7 +92,7 @@ class Config:
             )
         except ValueError as exc:
             raise ConfigError(f"invalid setting: {exc}",
-                              "fix it in the config file or the APPLIANCE_* variable") from None
+                              "fix it in the config file, the APPLIANCE_* variable or the command's flag") from None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

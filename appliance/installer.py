@@ -514,6 +514,8 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     config_file = cfgmod.config_path(system=system)
     install_log = service.state_dir(data_dir) / "install.log"  # what the quantizer's libraries print
 
+    tuner.check_choices(kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype)  # before minutes of conversion
+
     # 1. model
     if opts.model is None:
         from appliance.demo_model import DEMO_NAME

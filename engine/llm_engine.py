@@ -119,6 +119,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget,
                                    config.enable_chunked_prefill, self.swap_pool, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        logger.info("model %s on %s in %s, KV cache %s: %d blocks of %d tokens, max_model_len %d",
+                    self.model_name, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
+                    str(self.runner.kv_dtype).removeprefix("torch."), self.runner.num_blocks, config.block_size,
+                    self.max_model_len)
         #: the model's generation_config.json sampling values: what a request that leaves them out gets (vLLM)
         self.default_sampling = sampling_defaults(config.model)
         if self.default_sampling:

@@ -116,6 +116,18 @@ def test_doctor_flags_a_bfloat16_config_on_a_cpu_without_bfloat16_instructions(t
         assert 'dtype = "float32"' in check[2]
     cfgmod.save(cfgmod.Config(model=str(model), device="cpu"), conf_path)  # float32 ("auto"): nothing to say
     assert not [c for c in doctor_checks(conf_path) if c[1].startswith("dtype")]
+    monkeypatch.setenv("APPLIANCE_DTYPE", "bf16")  # a value the engine refuses: named, with the fix
+    [bad] = [c for c in doctor_checks(conf_path) if "must be auto, float32" in c[1]]
+    assert bad[0] is False and "APPLIANCE_* variable" in bad[2]
+
+
+def test_install_refuses_a_bad_dtype_before_looking_at_the_model(monkeypatch):
+    """No minutes of demo conversion before the flag's error."""
+    monkeypatch.setattr(installer, "resolve_model", lambda *a, **k: pytest.fail("resolved the model first"))
+    one_line_error(runner.invoke(app, ["install", "--yes", "--no-service", "--dtype", "bf16"]),
+                   "--dtype must be auto, float32, bfloat16 or float16, got 'bf16'")
+    one_line_error(runner.invoke(app, ["install", "--yes", "--no-service", "--kv-cache-dtype", "fp4"]),
+                   "--kv-cache-dtype must be auto, fp8 or int8")
 
 
 def test_doctor_reports_missing_config(tmp_path):

@@ -261,6 +261,17 @@ def test_start_refuses_a_port_another_program_holds(bg, tmp_path):
     assert not bg.status().running
 
 
+def test_start_refuses_a_setting_the_engine_would_refuse(bg, tmp_path, monkeypatch):
+    """A bad value (here from the environment) stops `appliance start` with the reason, instead of a server that
+    exits in its log after `started` was printed."""
+    (tmp_path / "config.toml").write_text('model = "/m"\nport = 8000\n')
+    monkeypatch.setenv("APPLIANCE_DTYPE", "bf16")
+    result = CliRunner().invoke(app, ["start"])
+    assert result.exit_code == 1, result.output
+    assert "dtype: must be auto, float32, bfloat16 or float16, got 'bf16'" in _flat(result)
+    assert "APPLIANCE_* variable" in _flat(result) and not bg.status().running
+
+
 def test_status_tells_loading_ready_and_failed_engines_apart(bg, tmp_path):
     """Behind the running process, /health decides: 503 while the engine loads ("starting", exit 0), 200
     ("running", exit 0), 503 with a dead engine ("failed", exit 1, the error shown)."""
