@@ -340,8 +340,9 @@ def start(config: Optional[Path] = typer.Option(None, "--config")):
     if st.running:
         console.print(f"already running ({st.mode}): {st.detail}", highlight=False)
         return
-    if conf.model:
-        conf.engine_config()  # a bad setting (APPLIANCE_DTYPE=bf16, say) stops here, not in the server's log
+    if conf.model and not isinstance(mgr, service.Systemd):  # the background server gets this environment (the
+        # unit reads its own file): a bad setting (APPLIANCE_DTYPE=bf16, say) stops here, not in the server's log
+        conf.engine_config()
     if not st.installed:
         raise ApplianceError(f"the service is not installed ({st.detail})", "run `appliance install` to set it up")
     if not port_free(conf.host, conf.port):  # the server would exit at once, after `started` was printed

@@ -198,8 +198,8 @@ def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float
     (the model's config is the same before and after). :func:`plan` asks again."""
     check_choices(kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     if dtype == "float32" and hw.kind == "cuda":  # the GPU plan counts 16-bit weights and activations
-        raise TuneError("--dtype float32 is the CPU's exact reference path; on a GPU the engine computes in 16 bits",
-                        "use --dtype auto (bfloat16) or float16")
+        raise TuneError("--dtype float32 is the CPU's exact reference path; a GPU plan counts 16-bit weights and "
+                        "activations", "use --dtype auto (bfloat16) or float16")
     if kv_cache_dtype == "fp8" and hw.kind == "cuda" and hw.gpu is not None and hw.gpu.capability < (8, 9):
         raise TuneError(f"--kv-cache-dtype fp8 needs compute capability 8.9+ (Ada or Hopper); {hw.gpu.name} has "
                         f"{hw.gpu.compute_capability}", "use --kv-cache-dtype int8 (any GPU) or auto")

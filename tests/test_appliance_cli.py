@@ -92,7 +92,9 @@ def test_detect_json():
 
 
 @pytest.mark.parametrize("dtype,element", [("float32", 4), ("bfloat16", 2)])
-def test_tune_json_uses_flags(tmp_path, dtype, element):
+def test_tune_json_uses_flags(tmp_path, monkeypatch, dtype, element):
+    cpu = hardware.Hardware(kind="cpu", cpu_cores=2, total_memory=8 << 30, available_memory=6 << 30, reason="test")
+    monkeypatch.setattr(hardware, "detect", lambda: cpu)  # a GPU host refuses float32 (tuner.check_flags)
     result = runner.invoke(app, ["tune", str(make_model(tmp_path / "m")), "--json", "--max-num-seqs", "3",
                                  "--max-model-len", "512", "--dtype", dtype])
     assert result.exit_code == 0, result.output
