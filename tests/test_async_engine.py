@@ -118,8 +118,18 @@ def test_requests_wait_for_loading_then_run():
 
 
 def test_idle_engine_thread_sleeps_instead_of_spinning(fake, engine):
+    """Once out of work the engine thread stops looking: no step and no ``has_unfinished_requests`` for 0.3 s.
+    The stats say idle one loop turn before the thread's last look (and a stream's clean-up may wake it once more),
+    so the count is taken once it has held still for 0.1 s; a spinning thread never gets there."""
     run(_collect(engine, "hello", SamplingParams(max_tokens=4), "r"))
     wait_for(lambda: engine.get_stats().num_running == 0, what="idle")
+    settled = []
+
+    def still() -> bool:
+        settled.append(fake.idle_checks)
+        time.sleep(0.1)
+        return fake.idle_checks == settled[-1]
+    wait_for(still, timeout=5, what="the engine thread's last look")
     before = (fake.steps, fake.idle_checks)
     time.sleep(0.3)
     assert (fake.steps, fake.idle_checks) == before
