@@ -28,6 +28,7 @@ from rich.text import Text
 from appliance import config as cfgmod
 from appliance import hardware, service, tuner
 from appliance.errors import ApplianceError
+from engine.config import compute_dtype
 
 METHODS = ("awq", "gptq", "auto", "none")
 QUESTION = "What is the capital of France?"
@@ -426,7 +427,7 @@ def plan_table(model: tuner.ModelInfo, plan: tuner.Plan) -> Table:
     table.add_column("why", overflow="fold")
     rows = [
         ("device", plan.device, ""),
-        ("dtype", plan.dtype if plan.dtype != "auto" else f"auto ({tuner.compute_dtype('auto', plan.device)})",
+        ("dtype", plan.dtype if plan.dtype != "auto" else f"auto ({compute_dtype('auto', plan.device)})",
          plan.reasons["dtype"]),
         ("gpu_memory_utilization", f"{plan.gpu_memory_utilization:.2f}", plan.reasons["gpu_memory_utilization"]),
         ("cpu_kv_cache_gib", f"{plan.cpu_kv_cache_gib:g}", plan.reasons["cpu_kv_cache_gib"]),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from appliance.errors import ApplianceError
 from appliance.hardware import Hardware, gib
-from engine.config import DTYPES
+from engine.config import DTYPES, KV_CACHE_DTYPES, compute_dtype
 from engine.memory import CUDA_CONTEXT_BYTES, PLAN_MARGIN_BYTES, default_step_tokens, gpu_kv_budget
 from engine.models.context import max_context
 from engine.models.rope import RopeError
@@ -112,14 +112,6 @@ class ModelInfo:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
-def compute_dtype(dtype: str, device: str) -> str:
-    """The dtype the engine computes in for the setting ``dtype`` on ``device`` ("cuda" or "cpu"): "auto" is
-    bfloat16 on a GPU and float32 on a CPU (``engine.model_runner.resolve_dtype``)."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device == "cuda" else "float32"
-
-
 def choose_dtype(hw: Hardware) -> tuple[str, str]:
     """The serving dtype for ``hw`` and the reason: "auto" (bfloat16) on a GPU; on a CPU bfloat16 when it has
     bfloat16 instructions (``Hardware.cpu_bf16``), else float32."""
@@ -185,7 +177,7 @@ class Plan:
 def check_choices(*, kv_cache_dtype: str | None = None, dtype: str | None = None) -> None:
     """Raise TuneError for a ``--kv-cache-dtype`` or ``--dtype`` that is none of its choices (the installer asks
     before anything else: no model needed)."""
-    if kv_cache_dtype is not None and kv_cache_dtype not in ("auto", "fp8", "int8"):
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise TuneError(f"--kv-cache-dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}", "pick one of those")
     if dtype is not None and dtype not in DTYPES:
         raise TuneError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", "pick one of those")

@@ -21,8 +21,17 @@ def field_docs(cls) -> dict[str, str]:
 MIN_CAPABILITY = (8, 0)
 
 
-#: ``EngineConfig.dtype``'s settings ("auto": float32 on CPU, bfloat16 on CUDA; ``model_runner.resolve_dtype``)
+#: ``EngineConfig.dtype``'s settings ("auto": :func:`compute_dtype`) and ``kv_cache_dtype``'s
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+
+
+def compute_dtype(dtype: str, device_type: str) -> str:
+    """The dtype name the engine computes in for the setting ``dtype`` on a ``device_type`` ("cuda" or "cpu") device:
+    "auto" is float32 on CPU (the exact reference path) and bfloat16 on CUDA; any other setting is itself."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if device_type == "cpu" else "bfloat16"
 
 
 @dataclass
@@ -110,7 +119,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -18,7 +18,7 @@ import torch
 
 from engine import kernel_plans
 from engine.attention import AttentionMetadata
-from engine.config import MIN_CAPABILITY, EngineConfig
+from engine.config import MIN_CAPABILITY, EngineConfig, compute_dtype
 from engine.memory import gpu_kv_budget
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import load_model
@@ -73,10 +73,9 @@ def int8_views(blocks: torch.Tensor, block_size: int, heads: int, head_dim: int)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" = float32 on CPU (exact reference path), bfloat16 on CUDA."""
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    """The torch dtype of ``config.compute_dtype``: "auto" = float32 on CPU (exact reference path), bfloat16 on
+    CUDA."""
+    return getattr(torch, compute_dtype(name, device.type))
 
 
 @dataclass
