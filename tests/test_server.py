@@ -914,7 +914,7 @@ def test_streamed_echo_sends_each_choices_prompt_logprobs_once():
     async def collect():
         return [c for chunk in [ch async for ch in _chunks(SimpleNamespace(model_name=MODEL), FakeTokenizer(), req,
                                                              [Stream()], "r", 0, ["ab"], False)]
-                for c in chunk["choices"]]
+                for c in json.loads(chunk)["choices"]]
 
     got = asyncio.run(collect())
     by_choice = {i: [(c["text"], c["logprobs"]["tokens"], c["logprobs"]["text_offset"]) for c in got

@@ -231,15 +231,16 @@ def usage(finals: list[RequestOutput | None]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def sse_response(chunks: AsyncIterator[dict]) -> EventSourceResponse:
-    """Frame chunks as ``data: {json}`` events and end with ``data: [DONE]``.
+def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
+    """Frame chunks (JSON texts, each a pydantic model's ``model_dump_json``: half the CPU of ``model_dump`` then
+    ``json.dumps``, and what vLLM sends) as ``data: {json}`` events and end with ``data: [DONE]``.
 
     An error after the stream started is sent as one ``data: {"error": ...}`` event before ``[DONE]``.
     """
     async def events() -> AsyncIterator[dict]:
         try:
             async for chunk in chunks:
-                yield {"data": json.dumps(chunk, ensure_ascii=False)}
+                yield {"data": chunk}
         except Exception as e:  # noqa: BLE001 - headers are sent; the error goes in the stream
             err = as_api_error(e)
             if not isinstance(err, APIError):

@@ -15,7 +15,7 @@ from engine.server.errors import APIError, bad_value
 from engine.server.logprobs import chat_logprobs, response_prompt_logprobs
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
-                                    TokenizeRequest, random_id)
+                                    TokenizeRequest, UsageInfo, random_id)
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
                                    submit, usage)
 from engine.server import reasoning, tool_parsers
@@ -173,16 +173,16 @@ def _logprobs(tokenizer: Any, req: ChatCompletionRequest, choice: CompletionOutp
 
 
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionRequest, streams: list[RequestStream],
-                  request_id: str, parser: str | None = None, open_: bool | None = None) -> AsyncIterator[dict]:
-    """``chat.completion.chunk`` dicts: per choice first a delta with only the role (content ""), as vLLM sends
+                  request_id: str, parser: str | None = None, open_: bool | None = None) -> AsyncIterator[str]:
+    """``chat.completion.chunk`` JSON texts: per choice first a delta with only the role (content ""), as vLLM sends
     before any token, then text or tool-call deltas (:func:`_delta`), the last one with its ``finish_reason``
     ("tool_calls" where "auto" made calls); with ``include_usage`` every chunk has ``usage: null`` and one final
     chunk has ``choices: []`` and the usage."""
     created, tracker, final = int(time.time()), DeltaTracker(req.n), None
 
-    def chunk(choices: list[ChatStreamChoice]) -> dict:
-        body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices)
-        return body.model_dump(exclude=None if req.include_usage else {"usage"})
+    def chunk(choices: list[ChatStreamChoice], counts: UsageInfo | None = None) -> str:
+        body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=counts)
+        return body.model_dump_json(exclude=None if req.include_usage else {"usage"})
 
     states = [tool_parsers.StreamState(parser) if parser else None for _ in range(req.n)]
     splits = [reasoning.StreamSplit(open_) if open_ is not None else None for _ in range(req.n)]
@@ -202,4 +202,4 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
                                           stop_reason=d.choice.stop_reason if d.finish_reason else None,
                                           logprobs=_logprobs(tokenizer, req, d.choice, start))])
     if req.include_usage:
-        yield {**chunk([]), "usage": usage([final]).model_dump()}
+        yield chunk([], usage([final]))

@@ -12,7 +12,7 @@ from engine.async_engine import RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
 from engine.server.logprobs import completion_logprobs, response_prompt_logprobs
-from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
+from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, random_id
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
                                    submit, usage)
 
@@ -101,15 +101,15 @@ def _logprobs(tokenizer: Any, req: CompletionRequest, choice: CompletionOutput, 
 
 
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, streams: list[RequestStream],
-                  request_id: str, created: int, echo: list[str], echo_only: bool) -> AsyncIterator[dict]:
-    """``text_completion`` chunk dicts, one choice each: text deltas (the first prefixed by the echoed prompt, and
+                  request_id: str, created: int, echo: list[str], echo_only: bool) -> AsyncIterator[str]:
+    """``text_completion`` chunk JSON texts, one choice each: text deltas (the first prefixed by the echoed prompt, and
     its logprobs by the prompt's), the last one with its ``finish_reason``; usage as in chat."""
     tracker = DeltaTracker(req.n)
     finals: list[Any] = [None] * len(streams)
 
-    def chunk(choices: list[CompletionChoice]) -> dict:
-        body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices)
-        return body.model_dump(exclude=None if req.include_usage else {"usage"})
+    def chunk(choices: list[CompletionChoice], counts: UsageInfo | None = None) -> str:
+        body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=counts)
+        return body.model_dump_json(exclude=None if req.include_usage else {"usage"})
 
     prompt_parts: dict[int, dict | None] = {}  # per prompt, made at its first output
     async for i, out in merge(streams):
@@ -126,4 +126,4 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, s
                                               stop_reason=d.choice.stop_reason if d.finish_reason else None,
                                               logprobs=logprobs)])
     if req.include_usage:
-        yield {**chunk([]), "usage": usage(finals).model_dump()}
+        yield chunk([], usage(finals))
