@@ -371,3 +371,50 @@ def test_decode_int8_small_values(v_size):
     out = pa.paged_attention_decode(q, kc, vc, tables, ctx, 0.125, ks, vs).float()
     ref = pa.paged_attention_decode_ref(q.float(), kc, vc, tables, ctx, 0.125, ks, vs)
     torch.testing.assert_close(out / v_size, ref / v_size, rtol=2e-2, atol=2e-2)
+
+
+def _attention_f64(q, k, v, scale, window=0):
+    """Plain causal attention of the last len(q) positions of a len(k) context in float64 (the references' truth)."""
+    q_len, kv_len, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    pos, key = torch.arange(kv_len - q_len, kv_len)[:, None], torch.arange(kv_len)[None, :]
+    hidden = (key > pos) | (key <= pos - window) if window else key > pos
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(hidden, -torch.inf), dim=-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix,new,q_heads,kv_heads,window", [
+    (0, 1, 2, 1, 0),      # one token
+    (0, 37, 4, 2, 0),     # row groups (of 8): whole ones, one partial
+    (13, 20, 6, 2, 0),    # a prefix inside a row group; GQA group 3
+    (16, 16, 3, 3, 0),    # a prefix and a chunk on row-group boundaries; no GQA
+    (33, 50, 3, 1, 7),    # a window shorter than a row group
+    (5, 60, 9, 3, 20),    # a window across row groups
+])
+def test_reference_rows_equal_decode_and_chunks_bit_for_bit(dtype, prefix, new, q_heads, kv_heads, window):
+    """The CPU reference: each new position's row equals, bit for bit, what a decode of that position computes
+    (its context only) and what any chunking of the new tokens computes; all are plain attention in float64 within
+    the dtype's rounding."""
+    kv_len = prefix + new
+    q = torch.randn(new, q_heads, 32).to(dtype)
+    k, v = (torch.randn(kv_len, kv_heads, 32).to(dtype) for _ in range(2))
+    out = pa._attend(q, k, v, 0.2, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), _attention_f64(q, k, v, 0.2, window), rtol=tol, atol=tol)
+    for i in range(new):
+        p = prefix + i + 1
+        assert torch.equal(pa._attend(q[i:i + 1], k[:p], v[:p], 0.2, window)[0], out[i]), f"row {i}"
+    cut = new // 3 + 1  # a chunk boundary inside a row group
+    first = pa._attend(q[:cut], k[:prefix + cut], v[:prefix + cut], 0.2, window)
+    assert torch.equal(torch.cat([first, pa._attend(q[cut:], k, v, 0.2, window)]) if cut < new else first, out)
+
+
+def test_reference_keys_past_a_row_get_no_weight_whatever_they_hold():
+    """Keys after a row's position (a prefill's later tokens) weigh exactly 0, however large: the row equals its
+    decode. (Not NaN: 0 x NaN is NaN; the engine's K/V past a context are zeros or finite tokens.)"""
+    q, k, v = torch.randn(1, 2, 32), torch.randn(20, 1, 32), torch.randn(20, 1, 32)
+    want = pa._attend(q, k[:5], v[:5], 0.2)
+    k[5:], v[5:] = 1e30, -3e38  # scores overflow to +-inf before the mask; 0 x -3e38 = -0
+    qs = torch.cat([torch.zeros(4, 2, 32), q, torch.zeros(15, 2, 32)])  # the row at position 4 of a 20-token prefill
+    assert torch.equal(pa._attend(qs, k, v, 0.2)[4], want[0])
