@@ -7,18 +7,16 @@ comes with fp32 scales [num_blocks, num_kv_heads, block_size], applied to the sc
 in the kernels, so that K and V tiles convert from int8 exactly). Grouped-query
 attention: query head h reads KV head ``h // (num_q_heads // num_kv_heads)``. Sliding-window attention (Mistral
 7B v0.1; Jiang et al., 2023): with ``window`` W > 0 a query at position p sees keys p - W + 1 .. p only
-(transformers' mask, ``kv_idx > q_idx - sliding_window``). Sequences are computed one at a
-time with exact lengths (no padding), so a sequence's result does not depend on the rest of the batch; the
-references also compute a query row in a call whose shapes depend on its position alone (``ROW_GROUP`` positions
-a call), so a row's result does not depend on how many rows of its sequence are computed together (prefill =
-decode, bit for bit, on CPU).
+(transformers' mask, ``kv_idx > q_idx - sliding_window``). The references compute
+sequences one at a time (a sequence's result does not depend on the rest of the batch), and within a sequence
+``ROW_GROUP`` positions a call, in calls whose shapes and strides depend on the positions alone, so a row's result
+does not depend on how many rows of its sequence are computed together (prefill = decode, bit for bit, on CPU).
 """
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from .kv_cache import check_int8_scales, dequantize_int8_ref, scale_args
 from ._triton import (cdiv, device_fn, dot_f32, early_trigger, hopper, jit, next_pow2, num_sms, pdl, pdl_trigger,
@@ -59,10 +57,10 @@ def _group_keys(g: int, window: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _future_keys(group: int, device: torch.device) -> torch.Tensor:
-    """bool [ROW_GROUP * group, ROW_GROUP]: which of a row group's own keys each of its rows (position r, one of
-    ``group`` query heads) must not see: those past r."""
-    pos = torch.arange(ROW_GROUP, device=device)
+def _future_keys(rows: int, group: int, device: torch.device) -> torch.Tensor:
+    """bool [rows * group, rows]: which of a row group's own keys each of its rows (position r, one of ``group``
+    query heads) must not see: those past r. ``rows``: ``ROW_GROUP``."""
+    pos = torch.arange(rows, device=device)
     return (pos[None, :] > pos[:, None]).repeat_interleave(group, dim=0)
 
 
@@ -80,12 +78,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, win
     0..p (``window`` W > 0: max(0, p - W + 1)..p). Returns [q_len, Hq, D].
 
     Row-invariant on purpose: position p is computed in the call of its row group g = p // ROW_GROUP, whose shapes
-    (ROW_GROUP positions x the query heads of a KV head, against the keys of :func:`_group_keys`) depend on g alone;
-    rows and keys that are absent (not in this chunk, not written yet) are zeros, and the keys past p get weight
-    exactly 0. A GEMM, a masked fill and a softmax over the last dim compute each output element from its own row
-    and column in an order fixed by the shapes, so a token recomputed by a prefill (after a preemption, or after a
-    prefix-cache hit) matches, bit for bit, the decode that first produced it. (One SDPA call per row did the
-    same, at 5-7x the time of a long prefill on the CPU.)
+    and strides (ROW_GROUP positions x the query heads of a KV head, against the keys of :func:`_group_keys`)
+    depend on g alone, its operands 64-byte aligned whenever Hkv * D is even; rows and keys that are absent (not in
+    this chunk, not written yet) are zeros, and the keys past p get weight exactly 0 (so they must be finite: 0 x
+    inf is NaN; the engine's K/V are). A GEMM, a masked fill and a softmax over the last dim compute each output
+    element from its own row and column in an order fixed by the shapes, so a token recomputed by a prefill (after
+    a preemption, or after a prefix-cache hit) matches, bit for bit, the decode that first produced it (checked
+    with MKL at 1 and 2 threads, and across them). One SDPA call per row did the same at 5-7x the time of a long
+    prefill on the CPU.
 
     16-bit inputs are computed in float32 (an exact upcast; the result is rounded to q's dtype once).
     """
@@ -96,9 +96,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, win
     g0, g1 = start // ROW_GROUP, (kv_len - 1) // ROW_GROUP
     end = (g1 + 1) * ROW_GROUP
     dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
-    # K and V of positions 0 .. end - 1 (zeros from kv_len), each [Hkv, end, D] (strides independent of end)
-    kv = torch.zeros(2, end, kv_heads, dim, dtype=dtype, device=q.device)
-    kv[0, :kv_len], kv[1, :kv_len] = k, v
+    base = _group_keys(g0, window)[0]  # the first key any call reads (0 without a window)
+    # K and V of positions base .. end - 1 (zeros from kv_len), each [Hkv, end - base, D] (strides independent of
+    # base and end)
+    kv = torch.zeros(2, end - base, kv_heads, dim, dtype=dtype, device=q.device)
+    kv[0, :kv_len - base], kv[1, :kv_len - base] = k[base:], v[base:]
     keys, values = kv.transpose(1, 2)
     # per row group, a KV head's query heads side by side: [Hkv, ROW_GROUP, group, D], each group's block contiguous
     rows = torch.zeros(g1 - g0 + 1, kv_heads, ROW_GROUP, group, dim, dtype=dtype, device=q.device)
@@ -110,11 +112,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, win
     rows.mul_(scale)
     for g in range(g0, g1 + 1):
         lo, hi = _group_keys(g, window)
-        scores = torch.matmul(rows[g - g0].view(kv_heads, -1, dim), keys[:, lo:hi].transpose(1, 2))
-        scores[..., -ROW_GROUP:].masked_fill_(_future_keys(group, q.device), -torch.inf)  # the group's own keys
+        scores = torch.matmul(rows[g - g0].view(kv_heads, -1, dim), keys[:, lo - base:hi - base].transpose(1, 2))
+        own = scores[..., -ROW_GROUP:]  # the group's own keys
+        own.masked_fill_(_future_keys(ROW_GROUP, group, q.device), -torch.inf)
         if window:
             scores.masked_fill_(_window_hidden(lo - g * ROW_GROUP, hi - lo, group, window, q.device), -torch.inf)
-        attended = torch.matmul(torch.softmax(scores, dim=-1), values[:, lo:hi])  # [Hkv, ROW_GROUP * group, D]
+        # [Hkv, ROW_GROUP * group, D]
+        attended = torch.matmul(torch.softmax(scores, dim=-1), values[:, lo - base:hi - base])
         out[g - g0] = attended.view(kv_heads, ROW_GROUP, group, dim).transpose(0, 1)
     first = start - g0 * ROW_GROUP
     return out.view(-1, heads, dim)[first:first + q_len].to(q.dtype)

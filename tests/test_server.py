@@ -994,3 +994,30 @@ def test_a_lagging_reader_of_one_stream_gets_the_newest_output_only():
         return aborted == [stream]
 
     assert asyncio.run(leave_early())
+
+
+def test_a_chunk_that_does_not_serialize_is_a_500_event_not_the_clients_fault(caplog):
+    """pydantic's serialization error is a ValueError; mid-stream it is still reported as a server bug (500,
+    logged), after the chunks sent before it."""
+    import asyncio
+
+    from engine.server.protocol import CompletionChoice, CompletionResponse
+    from engine.server.serving import sse_response
+
+    def chunk(logprobs) -> str:
+        return CompletionResponse(id="c", created=0, model=MODEL,
+                                  choices=[CompletionChoice(index=0, text="a", logprobs=logprobs)]).model_dump_json()
+
+    async def chunks():
+        yield chunk(None)
+        yield chunk(object())
+
+    async def read() -> list[str]:
+        return [e["data"] async for e in sse_response(chunks()).body_iterator]
+
+    events = asyncio.run(read())
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    error = json.loads(events[1])["error"]
+    assert error["type"] == "server_error" and error["message"].startswith("Internal server error")
+    assert events[2] == "[DONE]"
+    assert "error while streaming (a bug)" in caplog.text

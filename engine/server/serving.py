@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple
 
 from fastapi import Request
+from pydantic_core import PydanticSerializationError
 from sse_starlette import EventSourceResponse
 
 from engine.async_engine import AsyncLLMEngine, RequestStream
@@ -242,7 +243,8 @@ def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
             async for chunk in chunks:
                 yield {"data": chunk}
         except Exception as e:  # noqa: BLE001 - headers are sent; the error goes in the stream
-            err = as_api_error(e)
+            # a chunk that does not serialize is a bug, not the client's ValueError
+            err = e if isinstance(e, PydanticSerializationError) else as_api_error(e)
             if not isinstance(err, APIError):
                 logger.exception("error while streaming (a bug)", exc_info=e)
                 err = APIError(500, f"Internal server error: {e!r}")
