@@ -228,7 +228,7 @@ def test_start_after_stop_runs_serve_with_the_config(bg, tmp_path, monkeypatch):
     runner = CliRunner()
     result = runner.invoke(app, ["start"])
     assert result.exit_code == 1 and "no config at" in _flat(result) and "appliance install" in _flat(result)
-    (tmp_path / "config.toml").write_text('port = 8000\n')
+    (tmp_path / "config.toml").write_text(f'port = {_free_port()}\n')  # not 8000: a user's own server may hold it
     started = []
     real_start = service.Background.start
     monkeypatch.setattr(service.Background, "start",
@@ -264,7 +264,7 @@ def test_start_refuses_a_port_another_program_holds(bg, tmp_path):
 def test_start_refuses_a_setting_the_engine_would_refuse(bg, tmp_path, monkeypatch):
     """A bad value (here from the environment) stops `appliance start` with the reason, instead of a server that
     exits in its log after `started` was printed."""
-    (tmp_path / "config.toml").write_text('model = "/m"\nport = 8000\n')
+    (tmp_path / "config.toml").write_text(f'model = "/m"\nport = {_free_port()}\n')
     monkeypatch.setenv("APPLIANCE_DTYPE", "bf16")
     result = CliRunner().invoke(app, ["start"])
     assert result.exit_code == 1, result.output
