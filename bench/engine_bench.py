@@ -74,7 +74,8 @@ def _weight_bytes(llm: LLM) -> int:
     return total + head.numel() * head.element_size()
 
 
-def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int, warm_steps: int = 4, **params) -> float:
+def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int, warm_steps: int = 4, device: str = "cuda",
+                        **params) -> float:
     """Output tokens per second of ``batch`` sequences decoding together, summed: ``steps`` engine steps timed
     after ``warm_steps`` (the prefills, then every sequence decoding); the requests are aborted afterwards.
     ``params``: more SamplingParams fields (greedy by default)."""
@@ -86,11 +87,11 @@ def _batch_decode_tok_s(llm: LLM, batch: int, prompt_len: int, steps: int, warm_
                                              **params}))
     for _ in range(warm_steps):
         engine.step()
-    torch.cuda.synchronize()
+    _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    _sync(device)
     elapsed = time.perf_counter() - start
     for rid in ids:
         engine.abort_request(rid)

@@ -109,10 +109,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, win
         first, last = max(start, g * ROW_GROUP), min(kv_len, (g + 1) * ROW_GROUP)  # this group's positions in q
         rows[g - g0, :, first - g * ROW_GROUP:last - g * ROW_GROUP] = (
             q[first - start:last - start].reshape(-1, kv_heads, group, dim).transpose(0, 1))
-    rows.mul_(scale)
-    for g in range(g0, g1 + 1):
         lo, hi = _group_keys(g, window)
-        scores = torch.matmul(rows[g - g0].view(kv_heads, -1, dim), keys[:, lo - base:hi - base].transpose(1, 2))
+        scaled = rows[g - g0].view(kv_heads, -1, dim).mul_(scale)
+        scores = torch.matmul(scaled, keys[:, lo - base:hi - base].transpose(1, 2))
         own = scores[..., -ROW_GROUP:]  # the group's own keys
         own.masked_fill_(_future_keys(ROW_GROUP, group, q.device), -torch.inf)
         if window:
