@@ -3,8 +3,9 @@ timed in the same run).
 
 * batch-1 decode of a Llama-2-7B-shaped random AWQ model, CUDA graphs on, against the bandwidth bound
   (bytes read per step / measured copy bandwidth), and against our own eager engine;
-* a prefill step (one 128- and one 2,048-token prompt; prefill steps run eagerly) against its kernels' GPU time:
-  how much of TTFT is host time, with a cProfile of it in the log (no target);
+* a prefill step (one 32-, 128- and 2,048-token prompt), run eagerly, against its kernels' GPU time: how much of
+  TTFT is host time, with a cProfile of it in the log; and, up to 256 tokens, replayed from its prefill CUDA graph
+  against the eager step (no target);
 * 256 concurrent requests (128 prompt / 512 output tokens) against transformers bf16 ``generate`` at batch 128
   on same-shaped random weights;
 * greedy agreement of CUDA graphs, eager Triton and the torch references on a small random model, and of the
@@ -356,14 +357,15 @@ def _prefill_step(llm: LLM, prompt_len: int, tag: str, device: str = "cuda") -> 
     return wall
 
 
-def prefill_host_rows(ctx: dict, make_row, lengths=(128, 2048), reps: int = 3, top: int = 20,
+def prefill_host_rows(ctx: dict, make_row, lengths=(32, 128, 2048), reps: int = 3, top: int = 20,
                       device: str = "cuda") -> list:
-    """Where a prefill step's time goes (TTFT), 7B-shaped random AWQ model, graphs on (prefill steps run eagerly):
-    the step's wall time against the GPU time of its kernels (torch.profiler, summed), for a ``lengths`` prompt
-    each (prefix caching off: every prompt computed in full). The ratio is the share of the step the GPU is busy;
-    the rest is host time (Python, launches) that nothing overlaps. A cProfile of the steps, top ``top`` by own
-    time, goes to the log (``prefill_host_profile``). No target (issue 3 sets none). ``device="cpu"``: a smoke run
-    of this code (no GPU time: the ratio reads 0)."""
+    """Where a prefill step's time goes (TTFT), 7B-shaped random AWQ model, for a ``lengths`` prompt each (prefix
+    caching off: every prompt computed in full). Per length: the eager step's wall time against the GPU time of its
+    kernels (torch.profiler, summed; the ratio is the share of the step the GPU is busy, the rest host time that
+    nothing overlaps), and, where a prefill graph holds the prompt (``cuda_graphs.PREFILL_TOKEN_BUCKETS``), the
+    step replayed from its graph against the eager one. A cProfile of the eager steps, top ``top`` by own time,
+    goes to the log (``prefill_host_profile``). No target (issue 3 sets none). ``device="cpu"``: a smoke run of
+    this code (no GPU time: the ratio reads 0; no graphs)."""
     import cProfile
     import io
     import pstats
@@ -372,8 +374,12 @@ def prefill_host_rows(ctx: dict, make_row, lengths=(128, 2048), reps: int = 3, t
 
     llm = LLM(_model_7b(ctx), device=device, **BUILT_IN, max_num_seqs=4, max_model_len=4096,
               enable_prefix_caching=False, gpu_memory_utilization=0.3)
+    graphs = llm.engine.runner.graphs
+    buckets = graphs.prefill_buckets if graphs is not None else ()
     rows, text = [], io.StringIO()
     for n in lengths:
+        if graphs is not None:
+            graphs.prefill_buckets = ()  # eager prefill steps
         _prefill_step(llm, n, f"warm{n}", device)  # compiles and tunes nothing inside the timed steps
         wall = min(_prefill_step(llm, n, f"p{n}-{i}", device) for i in range(reps))
         with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
@@ -391,6 +397,17 @@ def prefill_host_rows(ctx: dict, make_row, lengths=(128, 2048), reps: int = 3, t
                              "the step's kernels' GPU time", gpu, None,
                              f"{launches} kernel launches; {(wall - gpu) / max(launches, 1):.1f} µs of host time "
                              f"per launch beyond the GPU's"))
+        if graphs is not None and n <= max(buckets, default=0):
+            graphs.prefill_buckets = buckets
+            _prefill_step(llm, n, f"gwarm{n}", device)
+            replayed = min(_prefill_step(llm, n, f"g{n}-{i}", device) for i in range(reps))
+            rows.append(make_row("7B AWQ prefill step: graph vs eager", f"one {n}-token prompt", replayed,
+                                 "the same step eager", wall, None,
+                                 f"{wall / 1e3:.1f} -> {replayed / 1e3:.1f} ms; kernels {gpu / 1e3:.1f} ms eager; "
+                                 f"{len(graphs.graphs)} graphs captured in {graphs.capture_s:.1f} s, "
+                                 f"{graphs.pool_bytes / 2**20:.0f} MiB"))
+    if graphs is not None:
+        graphs.prefill_buckets = buckets
     ctx["log"]["prefill_host_profile"] = text.getvalue()
     print(text.getvalue())
     del llm
@@ -637,7 +654,7 @@ def _launches_without_sync(model_dir: str, steps: int = 4) -> int:
               SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, logprobs=3)]
     for i, p in enumerate(params):
         engine.add_request(f"sync{i}", list(range(3, 23 + i)), p)
-    engine.step()  # the prefill (eager)
+    engine.step()  # the prefill
     engine.step()
     launch, clean = engine.runner.launch, []
 

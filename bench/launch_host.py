@@ -1,5 +1,6 @@
 """Host time per launch (µs, no sync in the loop) on a GPU: Triton's JIT dispatch, our ``Kernel`` wrapper, a
-direct ``CompiledKernel`` launch, and torch ops, for a 4-argument kernel: ``python3 bench/launch_host.py``.
+direct ``CompiledKernel`` launch, and torch ops, for a 4-argument kernel; then two of our ops whole (allocation,
+checks, launch): ``python3 bench/launch_host.py``.
 Not yet run (bench/RESULTS.md, session of 2026-12-05: a 7B prefill step of 128 tokens spends about 50 µs of host
 time per launch)."""
 import os
@@ -11,6 +12,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+from kernels import ops  # noqa: E402 - real kernels: host µs of a whole op call (allocation, checks, launch)
 from kernels._triton import Kernel  # noqa: E402
 
 
@@ -55,5 +57,12 @@ try:
     print("direct launch correct:", torch.equal(out, x + y))
 except Exception as e:  # noqa: BLE001 - Triton's internals differ between versions: say which
     print("direct launch failed:", repr(e))
+
+h = torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+g = torch.randn(128, 2 * 11008, device="cuda", dtype=torch.bfloat16)
+for rep in range(2):
+    res.setdefault("ops.rms_norm 128x4096 (+residual)", []).append(t(lambda: ops.rms_norm(h, w, 1e-5, h)))
+    res.setdefault("ops.silu_and_mul 128x11008", []).append(t(lambda: ops.silu_and_mul(g)))
 for k, v in res.items():
     print(f"{k:36s} " + " / ".join(f"{u:.1f}" for u in v) + " us")

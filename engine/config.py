@@ -63,7 +63,7 @@ class EngineConfig:
     max(max_model_len, 2048); at least ``max_num_seqs`` (every running sequence can decode in one step). Given,
     at least ``max_num_seqs``, and without chunked prefill at least ``max_model_len`` (every prompt fits one
     step). The KV budget keeps a step's activations free (``engine.memory``).
-    ``enforce_eager``: no CUDA graphs: every decode step launches its kernels one by one.
+    ``enforce_eager``: no CUDA graphs: every step launches its kernels one by one.
     ``enable_chunked_prefill``: decodes first, then prefills split into chunks that fit the rest of the budget,
     in one mixed step (vLLM V1); False: prefill-only or decode-only steps, whole prompts (scheduler.py).
     ``enable_prefix_caching``: reuse the K/V of full blocks whose whole prefix matches (block_manager.py).

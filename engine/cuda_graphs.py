@@ -1,20 +1,52 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed over persistent input buffers.
+"""CUDA graphs for decode steps and short prefill steps, replayed over persistent input buffers.
 
-A decode step launches hundreds of small kernels; replaying a captured graph removes the launch gaps
-(vLLM's ``CUDAGraphRunner``). Invariants: the captured kernels never sync with the host and never autotune
-(they are warmed up once per bucket before capture); the buffers below are the only inputs (besides the W4A16
-GEMV's split-K counters, which every replay leaves at 0, and the model runner's ``last_tokens``, the previous
-step's sampled ids on the device) and ``hidden`` the only output, so a step copies its inputs in (one
-host-to-device copy of the bucket's part), replays, and reads ``hidden[:n]``. A row whose input token is still
-pending on the device (async scheduling) reads it from ``last_tokens[prev_rows[row]]`` inside the graph.
-Padding rows of a bucket write to slot -1 (skipped) and read one token of a block they held before (or block
-0), so they change no live KV and their outputs are dropped.
+A step launches hundreds of small kernels; replaying a captured graph removes the launch gaps (vLLM's
+``CUDAGraphRunner``; vLLM V1 also captures steps with prefill rows up to a token count). Two kinds of graph:
+
+- decode, one per batch-size bucket (:func:`batch_buckets`): B sequences, one new token each;
+- prefill, one per token bucket (:func:`prefill_buckets`: :data:`PREFILL_TOKEN_BUCKETS`, the W4A16 kernels' M
+  buckets, so a padded step runs the plans an eager step of its length runs): up to T new tokens of up to
+  ``prefill_seqs`` sequences (prompts, chunks, decode rows of a mixed step), always launched as that many
+  sequences, those past the step's with no new tokens and an empty context.
+
+Invariants: the captured kernels never sync with the host and never autotune (each graph is warmed up before its
+capture); the buffers below are the only inputs (besides the W4A16 GEMV's split-K counters, which every replay
+leaves at 0, and the model runner's ``last_tokens``, the previous step's sampled ids on the device) and ``hidden``
+the only output, so a step copies its inputs in (one host-to-device copy), replays, and reads ``hidden[:T]``. A
+token whose id is still pending on the device (async scheduling) is read from ``last_tokens[prev_rows[i]]`` inside
+the graph. Padding tokens write to slot -1 (skipped) and belong to no sequence (a prefill's) or to a padding row
+that reads one token of a block it held before, or block 0 (a decode's); either way they change no live KV and
+their outputs are dropped.
+
+``capture=False`` (the CPU, tests): nothing is captured; a replay runs the same forward pass eagerly over the same
+buffers, so the padding above is checked where no graph can be.
 """
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 
 from engine.attention import AttentionMetadata
+from kernels.w4a16 import M_BUCKETS
+
+logger = logging.getLogger(__name__)
+
+#: Prefill graphs' token counts: a step of up to 256 new tokens is padded to the first of these >= its count.
+#: Above that a step's kernels keep the GPU busier than their launches keep the host (H200, 7B shape, bench/RESULTS.md
+#: run 94: a 2,048-token step 0.95 busy, a 128-token one 0.26).
+PREFILL_TOKEN_BUCKETS = M_BUCKETS
+#: Sequences a prefill graph launches at most (a step with more runs eagerly): each absent one costs the attention
+#: grid one more query tile per query head, whose programs find no tokens and return.
+PREFILL_GRAPH_SEQS = 16
+
+
+def prefill_buckets(token_budget: int) -> tuple[int, ...]:
+    """Prefill graphs' token counts for steps of at most ``token_budget`` tokens: :data:`PREFILL_TOKEN_BUCKETS`
+    up to the first that holds the budget."""
+    bigger = [t for t in PREFILL_TOKEN_BUCKETS if t >= token_budget]
+    return tuple(t for t in PREFILL_TOKEN_BUCKETS if t < token_budget) + tuple(bigger[:1])
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -24,93 +56,163 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(buckets))
 
 
-class DecodeGraphs:
-    """Captured decode graphs of ``model`` for every bucket, sharing one memory pool and one set of buffers.
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
 
-    Buffers (on the model's device, views of one byte buffer ``staging`` with a pinned host mirror): input_ids
-    int64 [B], prev_rows int64 [B] (-1, or the row of ``last_tokens`` that holds the row's input token),
-    positions int64 [B], slot_mapping int64 [B], context_lens int32 [B], block_tables int32 [B, max_blocks]; and
-    hidden [B, hidden_size] in the model dtype, where B is the largest bucket. ``last_tokens``: int64 [>= B],
-    owned by the model runner.
+
+class StepGraphs:
+    """Captured decode and prefill graphs of ``model``, sharing one memory pool and one set of buffers.
+
+    Graph keys: ("decode", B), B in ``buckets`` (:func:`batch_buckets` of ``max_num_seqs``), and ("prefill", T),
+    T in ``prefill_buckets`` (:func:`prefill_buckets` of ``token_budget``, the most tokens a step computes), each
+    launched with ``prefill_seqs`` = min(:data:`PREFILL_GRAPH_SEQS`, ``max_num_seqs``) sequences.
+
+    Buffers (on the model's device, views of one byte buffer ``staging`` with a host mirror, pinned on CUDA), with
+    N tokens the largest key and R rows the largest decode bucket or ``prefill_seqs`` (each rounded up to 4
+    entries, so that every view starts 16-byte aligned): input_ids, prev_rows (-1, or the row of ``last_tokens``
+    holding the token), positions, slot_mapping: int64 [N]; context_lens int32 [R]; cu_seqlens int32 [R + 1];
+    block_tables int32 [R, max_blocks]; and the output, hidden [N, hidden_size] in the model dtype.
+    ``last_tokens``: int64 [>= largest decode bucket], owned by the model runner.
     """
 
-    def __init__(self, model, max_num_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, last_tokens: torch.Tensor):
+    def __init__(self, model, max_num_seqs: int, token_budget: int, max_blocks: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device, last_tokens: torch.Tensor, capture: bool = True):
         self.model = model
         self.last_tokens = last_tokens
         self.buckets = batch_buckets(max_num_seqs)
-        b = self.buckets[-1]
+        self.prefill_buckets = prefill_buckets(token_budget)
+        self.prefill_seqs = min(PREFILL_GRAPH_SEQS, max_num_seqs)
+        tokens = _round4(max(self.buckets[-1], max(self.prefill_buckets)))
+        seqs = _round4(max(self.buckets[-1], self.prefill_seqs))
         self.max_blocks = max_blocks
-        # every input of a step in one byte buffer, mirrored in pinned host memory: a step fills the host copy
-        # and moves it with one copy (int64 ids, previous rows, positions, slots; int32 context lens, block tables)
-        sizes = [(torch.int64, b)] * 4 + [(torch.int32, b), (torch.int32, b * max_blocks)]
-        nbytes = sum(dt.itemsize * n for dt, n in sizes)
-        self.head_bytes = 36 * b  # ids, prev rows, positions, slots, context lens; then block-table rows
-        self.staging = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        # every input of a step in one byte buffer, mirrored on the host: a step fills the host copy and moves it
+        # with one copy (the per-token and per-sequence arrays, then the block-table rows the step uses)
+        sizes = [(torch.int64, tokens)] * 4 + [(torch.int32, seqs), (torch.int32, seqs + 4),
+                                               (torch.int32, seqs * max_blocks)]
+        self.head_bytes = sum(dt.itemsize * n for dt, n in sizes[:-1])
+        pinned = device.type == "cuda"
+        self.staging = torch.zeros(self.head_bytes + 4 * seqs * max_blocks, dtype=torch.uint8, device=device)
+        self.host = torch.zeros(self.staging.shape[0], dtype=torch.uint8, pin_memory=pinned)
         views, host_views, offset = [], [], 0
         for dt, n in sizes:
             views.append(self.staging[offset:offset + dt.itemsize * n].view(dt))
             host_views.append(self.host[offset:offset + dt.itemsize * n].view(dt).numpy())
             offset += dt.itemsize * n
-        self.input_ids, self.prev_rows, self.positions, self.slot_mapping, self.context_lens, tables = views
-        self.block_tables = tables.view(b, max_blocks)
-        self._h_ids, self._h_prev, self._h_pos, self._h_slots, self._h_ctx, h_tables = host_views
-        self._h_tables = h_tables.reshape(b, max_blocks)
+        self.input_ids, self.prev_rows, self.positions, self.slot_mapping, self.context_lens, self.cu_seqlens, \
+            tables = views
+        self.block_tables = tables.view(seqs, max_blocks)
+        self._h_ids, self._h_prev, self._h_pos, self._h_slots, self._h_ctx, self._h_cu, h_tables = host_views
+        self._h_tables = h_tables.reshape(seqs, max_blocks)
         self._h_slots[:] = -1
         self._h_prev[:] = -1
         self._h_ctx[:] = 1
         self.staging.copy_(self.host)
-        self.copied = torch.cuda.Event()  # the last step's host-to-device copy: wait before refilling the host side
-        self.copied.record()
-        self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture_all()
+        # the last step's host-to-device copy: wait for it before refilling the host side
+        self.copied = torch.cuda.Event() if pinned else None
+        if self.copied is not None:
+            self.copied.record()
+        self.hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0  # seconds the warm-ups and captures took (start-up time)
+        self.pool_bytes = 0  # GPU memory the captures reserved (the graphs' pool: their activations)
+        if capture:
+            self._capture_all()
 
-    def _meta(self, n: int) -> AttentionMetadata:
-        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:n],
-                                 block_tables=self.block_tables[:n], context_lens=self.context_lens[:n])
+    def _meta(self, key: tuple[str, int]) -> AttentionMetadata:
+        """The attention metadata of ``key``'s graph: views of the buffers, as many rows as the graph launches."""
+        kind, n = key
+        if kind == "decode":
+            return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:n],
+                                     block_tables=self.block_tables[:n], context_lens=self.context_lens[:n])
+        s = self.prefill_seqs
+        return AttentionMetadata(is_prefill=True, slot_mapping=self.slot_mapping[:n],
+                                 block_tables=self.block_tables[:s], context_lens=self.context_lens[:s],
+                                 cu_seqlens_q=self.cu_seqlens[:s + 1])
 
-    def _run(self, n: int) -> None:
+    def _run(self, key: tuple[str, int]) -> None:
+        """``key``'s forward pass over the buffers (what its graph captures): the first ``key[1]`` tokens, each
+        token's id from ``last_tokens`` where its ``prev_rows`` entry says so; writes ``hidden[:key[1]]``."""
+        n = key[1]
         prev = self.prev_rows[:n]
         ids = torch.where(prev >= 0, self.last_tokens[prev.clamp(min=0)], self.input_ids[:n])
-        self.hidden[:n] = self.model(ids, self.positions[:n], self._meta(n))
+        self.hidden[:n] = self.model(ids, self.positions[:n], self._meta(key))
+
+    def keys(self) -> list[tuple[str, int]]:
+        """Every graph's key, largest first (captured in this order, so smaller graphs reuse its memory)."""
+        keys = [("decode", b) for b in self.buckets] + [("prefill", t) for t in self.prefill_buckets]
+        return sorted(keys, key=lambda k: (-k[1], k[0]))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """Capture every bucket on a stream of the engine's own, warmed up on that same stream first: whatever
+        """Capture every graph on a stream of the engine's own, warmed up on that same stream first: whatever
         a kernel keeps per stream (the split-K GEMV's arrival counters, ``w4a16._locks``) is then allocated and
         zeroed outside the capture, in ordinary memory. Allocated inside a capture it would come from the graphs'
-        shared pool (maybe a block a larger bucket's graph still writes on replay) and be zeroed only when that
-        one graph replays (``w4a16._locks`` now refuses)."""
-        pool = None
+        shared pool (maybe a block a larger graph still writes on replay) and be zeroed only when that one graph
+        replays (``w4a16._locks`` now refuses). The buffers hold padding while capturing (prefill: no sequence
+        has tokens), so the warm-up writes no KV and reads none."""
+        pool, start = None, time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.hidden.device)
         self.stream = torch.cuda.Stream(self.hidden.device)
         self.stream.wait_stream(torch.cuda.current_stream())
-        for n in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
+        for key in self.keys():
             with torch.cuda.stream(self.stream):
-                self._run(n)  # warm up: compiles and autotunes every kernel for this shape outside the capture
+                self._run(key)  # warm up: compiles and autotunes every kernel for this shape outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                self._run(n)
+                self._run(key)
             pool = pool or graph.pool()
-            self.graphs[n] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - start
+        self.pool_bytes = torch.cuda.memory_reserved(self.hidden.device) - reserved
+        logger.info("captured %d decode and %d prefill CUDA graphs in %.1f s (%.0f MiB)", len(self.buckets),
+                    len(self.prefill_buckets), self.capture_s, self.pool_bytes / 2**20)
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size >= n, or None when n exceeds every bucket."""
         return next((b for b in self.buckets if b >= n), None)
 
-    @torch.inference_mode()
+    def prefill_bucket_for(self, tokens: int, seqs: int) -> int | None:
+        """The smallest prefill token bucket >= ``tokens``, or None (no graph: more tokens than the largest
+        bucket, or more than ``prefill_seqs`` sequences)."""
+        if seqs > self.prefill_seqs:
+            return None
+        return next((t for t in self.prefill_buckets if t >= tokens), None)
+
+    def _fill_tables(self, block_tables: list[list[int]]) -> None:
+        """Write each sequence's block ids into its host row; entries past a table's length keep what earlier
+        steps left (no kernel reads a block past a sequence's context length)."""
+        for row, table in zip(self._h_tables, block_tables):
+            row[:len(table)] = table
+
+    def _launch(self, key: tuple[str, int], table_rows: int) -> torch.Tensor:
+        """Copy the head and ``table_rows`` block-table rows to the device in one copy, then run ``key``'s graph
+        (on the CPU, uncaptured, its forward pass); returns ``hidden``. RuntimeError for a key not captured on
+        CUDA."""
+        used = self.head_bytes + table_rows * self.max_blocks * 4
+        cuda = self.copied is not None
+        if cuda and key not in self.graphs:
+            raise RuntimeError(f"no CUDA graph was captured for {key}")
+        self.staging[:used].copy_(self.host[:used], non_blocking=cuda)
+        if cuda:
+            self.copied.record()
+            self.graphs[key].replay()
+        else:
+            with torch.inference_mode():
+                self._run(key)
+        return self.hidden
+
     def replay(self, ids: list[int], prev_rows: list[int], positions: list[int], slots: list[int],
                context_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Run one decode step of n = len(ids) sequences through the bucket's graph (n <= the largest bucket;
         each block table at most ``max_blocks`` long); returns hidden [n, hidden_size]. ``prev_rows[i]`` >= 0:
-        row i's input is ``last_tokens[prev_rows[i]]`` instead of ``ids[i]``. The inputs reach the GPU in one
-        host-to-device copy; padding rows get slot -1 and context length 1."""
+        row i's input is ``last_tokens[prev_rows[i]]`` instead of ``ids[i]``. Padding rows get slot -1 and
+        context length 1."""
         n = len(ids)
         bucket = self.bucket_for(n)
-        self.copied.synchronize()  # the previous step's copy: it ran when the step before that one ended
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy: it ran when the step before that one ended
         self._h_ids[:n] = ids
         self._h_prev[:n] = prev_rows
         self._h_prev[n:bucket] = -1
@@ -119,10 +221,33 @@ class DecodeGraphs:
         self._h_slots[n:bucket] = -1
         self._h_ctx[:n] = context_lens
         self._h_ctx[n:bucket] = 1
-        for row, table in zip(self._h_tables, block_tables):
-            row[:len(table)] = table
-        used = self.head_bytes + bucket * self.max_blocks * 4
-        self.staging[:used].copy_(self.host[:used], non_blocking=True)
-        self.copied.record()
-        self.graphs[bucket].replay()
-        return self.hidden[:n]
+        self._fill_tables(block_tables)
+        return self._launch(("decode", bucket), bucket)[:n]
+
+    def replay_prefill(self, ids: list[int], prev_rows: list[int], positions: list[int], slots: list[int],
+                       cu_seqlens: list[int], context_lens: list[int],
+                       block_tables: list[list[int]]) -> torch.Tensor:
+        """Run one prefill step through the graph of the smallest token bucket >= T = len(ids): the new tokens of
+        S = len(context_lens) <= ``prefill_seqs`` sequences, packed (``cu_seqlens`` [S + 1], as
+        ``AttentionMetadata``; ``prev_rows`` as in :meth:`replay`, per token); returns hidden [T, hidden_size].
+        Raises ValueError when no graph holds the step (:meth:`prefill_bucket_for`)."""
+        tokens, seqs = len(ids), len(context_lens)
+        bucket = self.prefill_bucket_for(tokens, seqs)
+        if bucket is None:
+            raise ValueError(f"no prefill graph for {tokens} tokens of {seqs} sequences")
+        if self.copied is not None:
+            self.copied.synchronize()
+        self._h_ids[:tokens] = ids
+        self._h_ids[tokens:bucket] = 0
+        self._h_prev[:tokens] = prev_rows
+        self._h_prev[tokens:bucket] = -1
+        self._h_pos[:tokens] = positions
+        self._h_pos[tokens:bucket] = 0
+        self._h_slots[:tokens] = slots
+        self._h_slots[tokens:bucket] = -1
+        self._h_cu[:seqs + 1] = cu_seqlens
+        self._h_cu[seqs + 1:self.prefill_seqs + 1] = tokens  # absent sequences: no new tokens ...
+        self._h_ctx[:seqs] = context_lens
+        self._h_ctx[seqs:self.prefill_seqs] = 0  # ... and no context
+        self._fill_tables(block_tables)
+        return self._launch(("prefill", bucket), seqs)[:tokens]

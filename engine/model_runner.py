@@ -2,8 +2,9 @@
 one step.
 
 The scheduler hands it a ``ScheduledBatch`` (sequences, tokens per sequence, block pairs to swap); it hands the
-model only token ids, positions, slot mappings and block tables. A pure decode step may replay a CUDA graph; a
-step with prefill rows (whole prompts, chunks, or a mix of decode rows and chunks) runs eagerly.
+model only token ids, positions, slot mappings and block tables. On CUDA a decode step, and a step with prefill rows
+(whole prompts, chunks, or a mix of decode rows and chunks) of up to 256 tokens of up to 16 sequences, replays a
+CUDA graph (``cuda_graphs.py``); a larger one runs eagerly.
 
 ``launch`` queues a step (swaps, forward pass, sampling) and returns before the device is done; the sampled ids
 come back through :class:`LaunchedStep`. They also stay on the device, in ``last_tokens``, where the next step
@@ -20,7 +21,7 @@ from engine import kernel_plans
 from engine.attention import AttentionMetadata
 from engine.config import MIN_CAPABILITY, EngineConfig, compute_dtype
 from engine.memory import gpu_kv_budget
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import StepGraphs
 from engine.models.llama import load_model
 from engine.prompt_logprobs import PromptChunk, launch as launch_prompt_logprobs, rows_to_launch
 from engine.sampler import StepLogprobs, penalised_pending, sample_tokens, step_logprobs, to_device
@@ -130,11 +131,15 @@ class ModelRunner:
         self._rows: dict[int, int] = {}
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_model_len // self.block_size),
-                                       self.model.config["hidden_size"], self.dtype, self.device,
-                                       self.last_tokens)
+            self.graphs = self.step_graphs(max_model_len)
         if self.device.type == "cuda":
             self.warm_up_prefill(max_model_len)
+
+    def step_graphs(self, max_model_len: int, capture: bool = True) -> StepGraphs:
+        """This engine's CUDA graphs (``capture=False``: uncaptured, as the CPU tests check their buffers)."""
+        return StepGraphs(self.model, self.config.max_num_seqs, self.config.token_budget(max_model_len),
+                          -(-max_model_len // self.block_size), self.model.config["hidden_size"], self.dtype,
+                          self.device, self.last_tokens, capture)
 
     #: Prompt lengths of the start-up prefills: in each W4A16 plan bucket (``w4a16.M_BUCKETS``: 1, <= 8, <= 16,
     #: <= 64, <= 128, <= 256, above) a count that is a multiple of 16 and one that is not (Triton specializes
@@ -247,27 +252,35 @@ class ModelRunner:
             out[at] = self.last_tokens[rows]
         return out
 
+    def _prefill_lists(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        """Host lists of a prefill step: (ids, prev_rows, positions, slots, cu_seqlens, context_lens) for tokens
+        ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence; a pending token's id is 0 and its
+        ``prev_rows`` entry the row of ``last_tokens`` that holds it (else -1)."""
+        ids, prev, positions, slots, cu = [], [], [], [], [0]
+        for seq, n in zip(seqs, num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids += seq.token_ids[start:end]
+            prev += [-1] * (len(ids) - len(prev))
+            if end > len(seq.token_ids):  # the last one is pending
+                ids.append(0)
+                prev.append(self._prev_row(seq))
+            positions += range(start, end)
+            slots += [self._slot(seq, p) for p in range(start, end)]
+            cu.append(len(ids))
+        return ids, prev, positions, slots, cu, [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)]
+
     def prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]):
         """Inputs for tokens ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence: its prompt, a
         chunk of it, prompt + output after a recompute preemption, or one decode token in a mixed step (whose
         token may be pending: see :meth:`_input_ids`)."""
-        ids, positions, slots, cu, pending = [], [], [], [0], []
-        for seq, n in zip(seqs, num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids += seq.token_ids[start:end]
-            if end > len(seq.token_ids):  # the last one is pending
-                pending.append((len(ids), self._prev_row(seq)))
-                ids.append(0)
-            positions += range(start, end)
-            slots += [self._slot(seq, p) for p in range(start, end)]
-            cu.append(len(ids))
+        ids, prev, positions, slots, cu, context_lens = self._prefill_lists(seqs, num_new_tokens)
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=to_device(slots, torch.int64, self.device),
             block_tables=self._block_tables(seqs),
-            context_lens=to_device([s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)], torch.int32,
-                                   self.device),
+            context_lens=to_device(context_lens, torch.int32, self.device),
             cu_seqlens_q=to_device(cu, torch.int32, self.device))
+        pending = [(i, row) for i, row in enumerate(prev) if row >= 0]
         return self._input_ids(ids, pending), positions, meta, [c - 1 for c in cu[1:]]
 
     def prepare_decode(self, seqs: list[Sequence]):
@@ -291,11 +304,19 @@ class ModelRunner:
         seqs = batch.seqs
         if not seqs:
             return LaunchedStep([])
-        if self.graphs is not None and not batch.is_prefill and self.graphs.bucket_for(len(seqs)) is not None:
-            hidden = self.graphs.replay([s.last_token_id for s in seqs], [self._prev_row(s) for s in seqs],
-                                        [len(s) - 1 for s in seqs], [self._slot(s, len(s) - 1) for s in seqs],
-                                        [len(s) for s in seqs], [s.block_table for s in seqs])
+        graphs, graphed = self.graphs, False  # graphed: a prefill graph holds this step
+        if graphs is not None and batch.is_prefill:
+            graphed = graphs.prefill_bucket_for(sum(batch.num_new_tokens), len(seqs)) is not None
+        if graphs is not None and not batch.is_prefill and graphs.bucket_for(len(seqs)) is not None:
+            hidden = graphs.replay([s.last_token_id for s in seqs], [self._prev_row(s) for s in seqs],
+                                   [len(s) - 1 for s in seqs], [self._slot(s, len(s) - 1) for s in seqs],
+                                   [len(s) for s in seqs], [s.block_table for s in seqs])
             last = list(range(len(seqs)))
+        elif graphed:
+            ids, prev, positions, slots, cu, context_lens = self._prefill_lists(seqs, batch.num_new_tokens)
+            hidden = graphs.replay_prefill(ids, prev, positions, slots, cu, context_lens,
+                                           [s.block_table for s in seqs])
+            last = [c - 1 for c in cu[1:]]
         else:
             if batch.is_prefill:
                 ids, positions, meta, last = self.prepare_prefill(seqs, batch.num_new_tokens)

@@ -706,7 +706,7 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
     touches them only after its PDL wait, when the kernel before it has finished. Never reallocated (captured
     CUDA graphs keep its address). Allocated, and zeroed, on a stream's first call, which must not be inside a
     graph capture: there the allocation comes from the graph's private pool (a block that graphs sharing the pool
-    may still write on replay: the decode graphs share one, captured largest bucket first), and the zeroing is
+    may still write on replay: the engine's graphs share one, captured largest first), and the zeroing is
     only recorded, run when that one graph replays. Counters that start as garbage break the last-program
     detection: wrong sums, and split-K GEMVs that timed 8.6 against 14.3 us (H200, thirteenth session). Capturers
     warm up on their capture stream first (``engine.cuda_graphs``, ``w4a16_tune.time_graph``). Raises

@@ -233,6 +233,25 @@ def test_prefill_settings_per_device_and_unknown_ones_refused(monkeypatch):
         pa.prefill_with(q, None, None, None, None, None, 1.0, chunk=64)
 
 
+@pytest.mark.parametrize("mask_free, window", [(True, 0), (False, 0), (True, 5)])
+def test_prefill_padded_as_a_cuda_graph_launches_it(mask_free, window):
+    """A prefill graph launches more tokens and sequences than its step has (``engine.cuda_graphs``): padding
+    tokens past the last sequence's (NaN queries here), absent sequences with no new tokens, context 0 and block
+    table rows left from an earlier step. The real tokens' rows equal the unpadded launch's bit for bit."""
+    q, k_cache, v_cache, tables, cu, ctx = _prefill_batch()
+    tokens, seqs = q.shape[0], tables.shape[0]
+    padded_q = torch.full((tokens + 30, *q.shape[1:]), float("nan"), dtype=q.dtype)
+    padded_q[:tokens] = q
+    padded_tables = torch.full((seqs + 3, tables.shape[1] + 2), 2**30, dtype=torch.int32)  # stale block ids
+    padded_tables[:seqs, :tables.shape[1]] = tables
+    padded_cu = torch.cat([cu, torch.full((3,), tokens, dtype=torch.int32)])
+    padded_ctx = torch.cat([ctx, torch.zeros(3, dtype=torch.int32)])
+    settings = dict(block_m=32, block_n=16, mask_free=mask_free, window=window)
+    want = pa.prefill_with(q, k_cache, v_cache, tables, cu, ctx, 32 ** -0.5, **settings)
+    got = pa.prefill_with(padded_q, k_cache, v_cache, padded_tables, padded_cu, padded_ctx, 32 ** -0.5, **settings)
+    assert _same_bits(got[:tokens], want)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 40])
 def test_decode_sliding_window(window):
     """With a sliding window each sequence attends over its last ``window`` tokens only (a context shorter than the

@@ -1,5 +1,6 @@
 """On a GPU (``KERNEL_TEST_DEVICE=cuda``, as bench/gpu_suite.py runs the kernel tests): the decode CUDA graphs of a
-small random AWQ model give the eager engine's greedy tokens when batches of different sizes follow each other.
+small random AWQ model (decode and prefill graphs) give the eager engine's greedy tokens when batches of different
+sizes follow each other.
 
 The regression this guards: the split-K GEMV's arrival counters (``w4a16._locks``) were allocated inside the first
 decode-graph capture that needed them, from the graphs' shared pool (a block a larger bucket's graph may write on

@@ -1,0 +1,100 @@
+"""The CUDA graphs' inputs (``engine.cuda_graphs.StepGraphs``) checked on the CPU path, where nothing is captured:
+uncaptured, a replay runs the same forward pass over the graphs' padded buffers (padding tokens, absent
+sequences, pending tokens read from ``last_tokens``, block-table rows left from earlier steps). The CPU path is
+batch invariant, so every request must get exactly the tokens, text and logprobs of the engine without graphs.
+On a GPU, bench/gpu_suite.py's CUDA-path rows compare captured graphs against the eager engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.attention import AttentionMetadata
+from engine.cuda_graphs import PREFILL_GRAPH_SEQS, PREFILL_TOKEN_BUCKETS, prefill_buckets
+from test_async_scheduling import SMALL, expected, mixed_params, run, texts  # noqa: F401 - fixtures
+
+
+def with_uncaptured_graphs(llm: LLM, buckets=None, prefill_seqs=None) -> dict:
+    """Give ``llm``'s runner its uncaptured graphs (prefill token ``buckets`` and ``prefill_seqs`` overridden
+    where given); returns the count of each kind of step: through a decode graph, a prefill graph, eagerly."""
+    runner, counts = llm.engine.runner, {"decode": 0, "prefill": 0, "eager": 0}
+    graphs = runner.step_graphs(llm.engine.max_model_len, capture=False)
+    graphs.prefill_buckets = buckets or graphs.prefill_buckets
+    graphs.prefill_seqs = prefill_seqs or graphs.prefill_seqs
+    for owner, name, kind in ((graphs, "replay", "decode"), (graphs, "replay_prefill", "prefill"),
+                              (runner, "prepare_prefill", "eager"), (runner, "prepare_decode", "eager")):
+        method = getattr(owner, name)
+
+        def counted(*args, method=method, kind=kind):
+            counts[kind] += 1
+            return method(*args)
+        setattr(owner, name, counted)
+    runner.graphs = graphs
+    return counts
+
+
+@pytest.mark.parametrize("extra, buckets, prefill_seqs, eager", [
+    # the 9 sequences' prompts (33 to 41 tokens each) in one 256-token graph, then decode graphs
+    ({}, None, None, False),
+    # mixed steps of 20 tokens at most: chunks, decode rows, pending tokens read from last_tokens
+    ({"async_scheduling": True, "max_num_batched_tokens": 20}, None, None, False),
+    # preemption by recompute (single prompts of up to 64 tokens: graphs); the first step (9 sequences > 4) eager
+    ({"async_scheduling": True, "num_kv_blocks": 10}, (1, 8, 16, 64), 4, True),
+], ids=["roomy", "async-chunked", "async-recompute-eager-fallback"])
+def test_graph_buffers_give_the_tokens_of_the_engine_without_graphs(demo_model, texts, expected, extra, buckets,
+                                                                    prefill_seqs, eager):
+    llm = LLM(str(demo_model), **SMALL, **extra)
+    counts = with_uncaptured_graphs(llm, buckets, prefill_seqs)
+    got, _ = run(llm, texts, mixed_params())
+    assert got == expected
+    assert counts["decode"] > 10 and counts["prefill"] >= 1 and (counts["eager"] > 0) == eager
+
+
+def test_a_padded_prefill_writes_the_eager_kv_and_hidden_rows(demo_model):
+    """Two sequences' 5 new tokens (one with 3 cached tokens before them) through the 8-token graph, after a
+    3-sequence 8-token step left its values in every buffer: the same KV cache and hidden rows as the eager step;
+    the 3 padding tokens write nothing."""
+    llm = LLM(str(demo_model), **SMALL)
+    runner = llm.engine.runner
+    with_uncaptured_graphs(llm)
+    runner.graphs.replay_prefill([5] * 8, [-1] * 8, list(range(8)), list(range(80, 88)), [0, 2, 5, 8], [2, 3, 3],
+                                 [[10, 11, 12], [13], [14, 15]])
+    tables = [[3, 5], [7]]
+    ids, positions, slots = [11, 12, 13, 14, 15], [3, 4, 5, 0, 1], [27, 28, 29, 56, 57]
+    cu, context_lens = [0, 3, 5], [6, 2]
+    for kv in runner.kv_caches:
+        kv.normal_()
+    before = [kv.clone() for kv in runner.kv_caches]
+    hidden = runner.graphs.replay_prefill(ids, [-1] * 5, positions, slots, cu, context_lens, tables).clone()
+    graph_kv = [kv.clone() for kv in runner.kv_caches]
+    for kv, old in zip(runner.kv_caches, before):
+        kv.copy_(old)
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.tensor(slots),
+                             block_tables=torch.tensor(tables[:1] + [[7, -1]], dtype=torch.int32),
+                             context_lens=torch.tensor(context_lens, dtype=torch.int32),
+                             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    with torch.inference_mode():
+        eager = runner.model(torch.tensor(ids), torch.tensor(positions), meta)
+    assert hidden.shape == eager.shape and torch.equal(hidden, eager)
+    assert all(torch.equal(a, b) for a, b in zip(graph_kv, runner.kv_caches))
+    changed = sum(int((a != b).any(dim=-1).any(dim=-1).sum()) for a, b in zip(graph_kv, before))
+    assert changed == 5 * 2 * len(before)  # K and V of the 5 real tokens in every layer, no padding slot
+
+
+def test_prefill_buckets_stop_at_the_first_that_holds_the_step_budget():
+    assert prefill_buckets(2048) == PREFILL_TOKEN_BUCKETS == (1, 8, 16, 64, 128, 256)
+    assert prefill_buckets(256) == PREFILL_TOKEN_BUCKETS
+    assert prefill_buckets(20) == (1, 8, 16, 64) and prefill_buckets(16) == (1, 8, 16) and prefill_buckets(1) == (1,)
+
+
+def test_a_step_past_the_buckets_or_the_sequences_has_no_prefill_graph(demo_model):
+    llm = LLM(str(demo_model), **SMALL)
+    with_uncaptured_graphs(llm)
+    graphs = llm.engine.runner.graphs
+    assert graphs.prefill_seqs == PREFILL_GRAPH_SEQS == SMALL["max_num_seqs"]
+    assert graphs.prefill_bucket_for(5, 2) == 8 and graphs.prefill_bucket_for(65, 1) == 128
+    assert graphs.prefill_bucket_for(256, PREFILL_GRAPH_SEQS) == 256
+    assert graphs.prefill_bucket_for(257, 1) is None
+    assert graphs.prefill_bucket_for(20, PREFILL_GRAPH_SEQS + 1) is None
+    with pytest.raises(ValueError, match="no prefill graph for 257 tokens"):
+        graphs.replay_prefill([1] * 257, [-1] * 257, list(range(257)), [-1] * 257, [0, 257], [257], [[0]])
