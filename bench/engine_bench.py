@@ -3,7 +3,7 @@ timed in the same run).
 
 * batch-1 decode of a Llama-2-7B-shaped random AWQ model, CUDA graphs on, against the bandwidth bound
   (bytes read per step / measured copy bandwidth), and against our own eager engine;
-* a prefill step (one 32-, 128- and 2,048-token prompt), run eagerly, against its kernels' GPU time: how much of
+* a prefill step (one 32-, 128-, 512- and 2,048-token prompt), run eagerly, against its kernels' GPU time: how much of
   TTFT is host time, with a cProfile of it in the log; and, up to 256 tokens, replayed from its prefill CUDA graph
   against the eager step (no target);
 * 256 concurrent requests (128 prompt / 512 output tokens) against transformers bf16 ``generate`` at batch 128
@@ -357,7 +357,7 @@ def _prefill_step(llm: LLM, prompt_len: int, tag: str, device: str = "cuda") -> 
     return wall
 
 
-def prefill_host_rows(ctx: dict, make_row, lengths=(32, 128, 2048), reps: int = 3, top: int = 20,
+def prefill_host_rows(ctx: dict, make_row, lengths=(32, 128, 512, 2048), reps: int = 3, top: int = 20,
                       device: str = "cuda") -> list:
     """Where a prefill step's time goes (TTFT), 7B-shaped random AWQ model, for a ``lengths`` prompt each (prefix
     caching off: every prompt computed in full). Per length: the eager step's wall time against the GPU time of its

@@ -18,7 +18,9 @@ SAMPLER_BUFFERS = 10
 #: the same for a prompt-logprobs pass (logits, log-softmax, top-k) of :data:`PROMPT_LOGPROBS_ROWS` rows
 PROMPT_LOGPROBS_BUFFERS = 3
 PROMPT_LOGPROBS_ROWS = 256
-#: memory outside torch's allocator: the CUDA context, cuBLAS workspaces, compiled kernels, CUDA graphs
+#: memory the budget does not count otherwise: the CUDA context, cuBLAS workspaces and compiled kernels (outside
+#: torch's allocator), and the CUDA graphs' pool (torch memory, but held apart from the eager steps': activations of
+#: a decode batch or of a prefill step of at most 256 tokens; ``StepGraphs.pool_bytes``)
 NON_TORCH_BYTES = GIB // 2
 #: the tuner's estimates of what the engine measures and it cannot: the CUDA context the engine makes before it
 #: reads the free memory, and a margin for allocator rounding and other processes' memory moving meanwhile, kept

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import PREFILL_GRAPH_SEQS, PREFILL_TOKEN_BUCKETS, prefill_buckets
 from test_async_scheduling import SMALL, expected, mixed_params, run, texts  # noqa: F401 - fixtures
@@ -34,7 +34,7 @@ def with_uncaptured_graphs(llm: LLM, buckets=None, prefill_seqs=None) -> dict:
 
 
 @pytest.mark.parametrize("extra, buckets, prefill_seqs, eager", [
-    # the 9 sequences' prompts (33 to 41 tokens each) in one 256-token graph, then decode graphs
+    # the 9 sequences' prompts (1 to 38 tokens each) in one 256-token graph, then decode graphs
     ({}, None, None, False),
     # mixed steps of 20 tokens at most: chunks, decode rows, pending tokens read from last_tokens
     ({"async_scheduling": True, "max_num_batched_tokens": 20}, None, None, False),
@@ -98,3 +98,19 @@ def test_a_step_past_the_buckets_or_the_sequences_has_no_prefill_graph(demo_mode
     assert graphs.prefill_bucket_for(20, PREFILL_GRAPH_SEQS + 1) is None
     with pytest.raises(ValueError, match="no prefill graph for 257 tokens"):
         graphs.replay_prefill([1] * 257, [-1] * 257, list(range(257)), [-1] * 257, [0, 257], [257], [[0]])
+
+
+def test_prompt_logprobs_from_graph_rows_equal_the_engine_without_graphs(demo_model, texts):
+    """Prompt logprobs read the hidden rows a prefill graph returns (prompts of 18, 37 and 38 tokens in chunks of
+    at most 20 tokens, two prompts sharing a step): every prompt token's entries equal those of the engine without
+    graphs."""
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    prompts = [texts[2], texts[6], texts[7]]
+    plain = LLM(str(demo_model), **SMALL, max_num_batched_tokens=20).generate(prompts, params)
+    llm = LLM(str(demo_model), **SMALL, max_num_batched_tokens=20)
+    counts = with_uncaptured_graphs(llm)
+    graphed = llm.generate(prompts, params)
+    assert counts["prefill"] >= 5 and counts["eager"] == 0
+    assert [o.prompt_logprobs for o in graphed] == [o.prompt_logprobs for o in plain]
+    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in plain]
+    assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in graphed)
