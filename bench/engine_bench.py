@@ -36,6 +36,21 @@ BUILT_IN = dict(tune_kernels=False, kernel_plans_dir=tempfile.mkdtemp(prefix="no
 
 
 @contextlib.contextmanager
+def _prefill_graphs():
+    """While it lasts, engines built capture prefill graphs (``APPLIANCE_PREFILL_GRAPHS=1``; off by default until
+    measured: ``engine.cuda_graphs.prefill_graphs_on``)."""
+    before = os.environ.get("APPLIANCE_PREFILL_GRAPHS")
+    os.environ["APPLIANCE_PREFILL_GRAPHS"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["APPLIANCE_PREFILL_GRAPHS"]
+        else:
+            os.environ["APPLIANCE_PREFILL_GRAPHS"] = before
+
+
+@contextlib.contextmanager
 def _torch_references():
     """While it lasts, engines built run the torch reference ops instead of the Triton kernels
     (``APPLIANCE_KERNELS=torch``)."""
@@ -372,8 +387,9 @@ def prefill_host_rows(ctx: dict, make_row, lengths=(32, 128, 512, 2048), reps: i
 
     from torch.profiler import ProfilerActivity, profile
 
-    llm = LLM(_model_7b(ctx), device=device, **BUILT_IN, max_num_seqs=4, max_model_len=4096,
-              enable_prefix_caching=False, gpu_memory_utilization=0.3)
+    with _prefill_graphs():
+        llm = LLM(_model_7b(ctx), device=device, **BUILT_IN, max_num_seqs=4, max_model_len=4096,
+                  enable_prefix_caching=False, gpu_memory_utilization=0.3)
     graphs = llm.engine.runner.graphs
     buckets = graphs.prefill_buckets if graphs is not None else ()
     rows, text = [], io.StringIO()
@@ -784,6 +800,8 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                                        vocab_size=4096, max_position_embeddings=2048))
     lp = dict(logprobs=3)
     graphs = _small_model_tokens(small, lp, outputs=True)
+    with _prefill_graphs():
+        prefill_graphed = _small_model_tokens(small, lp, outputs=True)
     unoverlapped = _small_model_tokens(small, lp, async_scheduling=False, outputs=True)
     eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
     fp8 = _small_model_tokens(small, lp, kv_cache_dtype="fp8", outputs=True)
@@ -805,6 +823,10 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
     return [make_row("engine greedy: CUDA graphs = eager (counts, not µs)", "random 4-layer AWQ, 6 prompts", n,
                      "sequences identical", sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0,
                      f"{distinct} distinct tokens; top-3 logprobs at most {_largest_gap(graphs, eager):.4f} apart"),
+            make_row("engine greedy: prefill graphs too = eager (counts, not µs)", "same, 179 prompt tokens in one "
+                     "256-token graph", n, "sequences identical",
+                     sum(a[0] == b[0] for a, b in zip(prefill_graphed, eager)), 1.0,
+                     f"top-3 logprobs at most {_largest_gap(prefill_graphed, eager):.4f} apart"),
             make_row("engine greedy: async scheduling = not (counts, not µs)", "same, graphs on", n,
                      "sequences identical", sum(a == b for a, b in zip(graphs, unoverlapped)), 1.0, ""),
             make_row("engine greedy: Triton = torch reference (counts, not µs)", "same", n,

@@ -24,6 +24,7 @@ buffers, so the padding above is checked where no graph can be.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -40,6 +41,13 @@ PREFILL_TOKEN_BUCKETS = M_BUCKETS
 #: Sequences a prefill graph launches at most (a step with more runs eagerly): each absent one costs the attention
 #: grid one more query tile per query head, whose programs find no tokens and return.
 PREFILL_GRAPH_SEQS = 16
+
+
+def prefill_graphs_on() -> bool:
+    """Whether the engine captures prefill graphs: only with ``APPLIANCE_PREFILL_GRAPHS=1`` until they have run on
+    a GPU (bench/RESULTS.md, session of 2026-12-05 afternoon: no GPU was lent); the CPU tests and the GPU
+    benchmark's prefill rows turn them on."""
+    return os.environ.get("APPLIANCE_PREFILL_GRAPHS", "0") == "1"
 
 
 def prefill_buckets(token_budget: int) -> tuple[int, ...]:
@@ -64,8 +72,9 @@ class StepGraphs:
     """Captured decode and prefill graphs of ``model``, sharing one memory pool and one set of buffers.
 
     Graph keys: ("decode", B), B in ``buckets`` (:func:`batch_buckets` of ``max_num_seqs``), and ("prefill", T),
-    T in ``prefill_buckets`` (:func:`prefill_buckets` of ``token_budget``, the most tokens a step computes), each
-    launched with ``prefill_seqs`` = min(:data:`PREFILL_GRAPH_SEQS`, ``max_num_seqs``) sequences.
+    T in ``prefill_buckets`` (:func:`prefill_buckets` of ``token_budget``, the most tokens a step computes; none
+    without ``prefill``), each launched with ``prefill_seqs`` = min(:data:`PREFILL_GRAPH_SEQS`, ``max_num_seqs``)
+    sequences.
 
     Buffers (on the model's device, views of one byte buffer ``staging`` with a host mirror, pinned on CUDA), with
     N tokens the largest key and R rows the largest decode bucket or ``prefill_seqs`` (each rounded up to 4
@@ -76,13 +85,14 @@ class StepGraphs:
     """
 
     def __init__(self, model, max_num_seqs: int, token_budget: int, max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, last_tokens: torch.Tensor, capture: bool = True):
+                 dtype: torch.dtype, device: torch.device, last_tokens: torch.Tensor, capture: bool = True,
+                 prefill: bool = True):
         self.model = model
         self.last_tokens = last_tokens
         self.buckets = batch_buckets(max_num_seqs)
-        self.prefill_buckets = prefill_buckets(token_budget)
+        self.prefill_buckets = prefill_buckets(token_budget) if prefill else ()
         self.prefill_seqs = min(PREFILL_GRAPH_SEQS, max_num_seqs)
-        tokens = _round4(max(self.buckets[-1], max(self.prefill_buckets)))
+        tokens = _round4(max(self.buckets[-1], max(self.prefill_buckets, default=0)))
         seqs = _round4(max(self.buckets[-1], self.prefill_seqs))
         self.max_blocks = max_blocks
         # every input of a step in one byte buffer, mirrored on the host: a step fills the host copy and moves it

@@ -2,9 +2,9 @@
 one step.
 
 The scheduler hands it a ``ScheduledBatch`` (sequences, tokens per sequence, block pairs to swap); it hands the
-model only token ids, positions, slot mappings and block tables. On CUDA a decode step, and a step with prefill rows
-(whole prompts, chunks, or a mix of decode rows and chunks) of up to 256 tokens of up to 16 sequences, replays a
-CUDA graph (``cuda_graphs.py``); a larger one runs eagerly.
+model only token ids, positions, slot mappings and block tables. On CUDA a decode step replays a CUDA graph
+(``cuda_graphs.py``), and so, with ``APPLIANCE_PREFILL_GRAPHS=1``, does a step with prefill rows (whole prompts,
+chunks, or a mix of decode rows and chunks) of up to 256 tokens of up to 16 sequences; other steps run eagerly.
 
 ``launch`` queues a step (swaps, forward pass, sampling) and returns before the device is done; the sampled ids
 come back through :class:`LaunchedStep`. They also stay on the device, in ``last_tokens``, where the next step
@@ -21,7 +21,7 @@ from engine import kernel_plans
 from engine.attention import AttentionMetadata
 from engine.config import MIN_CAPABILITY, EngineConfig, compute_dtype
 from engine.memory import gpu_kv_budget
-from engine.cuda_graphs import StepGraphs
+from engine.cuda_graphs import StepGraphs, prefill_graphs_on
 from engine.models.llama import load_model
 from engine.prompt_logprobs import PromptChunk, launch as launch_prompt_logprobs, rows_to_launch
 from engine.sampler import StepLogprobs, penalised_pending, sample_tokens, step_logprobs, to_device
@@ -135,11 +135,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up_prefill(max_model_len)
 
-    def step_graphs(self, max_model_len: int, capture: bool = True) -> StepGraphs:
-        """This engine's CUDA graphs (``capture=False``: uncaptured, as the CPU tests check their buffers)."""
+    def step_graphs(self, max_model_len: int, capture: bool = True, prefill: bool | None = None) -> StepGraphs:
+        """This engine's CUDA graphs (``capture=False``: uncaptured, as the CPU tests check their buffers;
+        ``prefill`` None: prefill graphs as :func:`cuda_graphs.prefill_graphs_on` says)."""
         return StepGraphs(self.model, self.config.max_num_seqs, self.config.token_budget(max_model_len),
                           -(-max_model_len // self.block_size), self.model.config["hidden_size"], self.dtype,
-                          self.device, self.last_tokens, capture)
+                          self.device, self.last_tokens, capture, prefill_graphs_on() if prefill is None else prefill)
 
     #: Prompt lengths of the start-up prefills: in each W4A16 plan bucket (``w4a16.M_BUCKETS``: 1, <= 8, <= 16,
     #: <= 64, <= 128, <= 256, above) a count that is a multiple of 16 and one that is not (Triton specializes

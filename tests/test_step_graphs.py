@@ -18,7 +18,7 @@ def with_uncaptured_graphs(llm: LLM, buckets=None, prefill_seqs=None) -> dict:
     """Give ``llm``'s runner its uncaptured graphs (prefill token ``buckets`` and ``prefill_seqs`` overridden
     where given); returns the count of each kind of step: through a decode graph, a prefill graph, eagerly."""
     runner, counts = llm.engine.runner, {"decode": 0, "prefill": 0, "eager": 0}
-    graphs = runner.step_graphs(llm.engine.max_model_len, capture=False)
+    graphs = runner.step_graphs(llm.engine.max_model_len, capture=False, prefill=True)
     graphs.prefill_buckets = buckets or graphs.prefill_buckets
     graphs.prefill_seqs = prefill_seqs or graphs.prefill_seqs
     for owner, name, kind in ((graphs, "replay", "decode"), (graphs, "replay_prefill", "prefill"),
@@ -114,3 +114,14 @@ def test_prompt_logprobs_from_graph_rows_equal_the_engine_without_graphs(demo_mo
     assert [o.prompt_logprobs for o in graphed] == [o.prompt_logprobs for o in plain]
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in plain]
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in graphed)
+
+
+def test_prefill_graphs_only_when_asked(demo_model, monkeypatch):
+    """Off by default (not yet run on a GPU); ``APPLIANCE_PREFILL_GRAPHS=1`` turns them on."""
+    llm = LLM(str(demo_model), **SMALL)
+    runner = llm.engine.runner
+    monkeypatch.delenv("APPLIANCE_PREFILL_GRAPHS", raising=False)
+    graphs = runner.step_graphs(llm.engine.max_model_len, capture=False)
+    assert graphs.prefill_buckets == () and graphs.prefill_bucket_for(5, 1) is None
+    monkeypatch.setenv("APPLIANCE_PREFILL_GRAPHS", "1")
+    assert runner.step_graphs(llm.engine.max_model_len, capture=False).prefill_buckets == PREFILL_TOKEN_BUCKETS
