@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps and short prefill steps, replayed over persistent input buffers.
+"""CUDA graphs for decode steps and (opt-in, :func:`prefill_graphs_on`) short prefill steps, replayed over persistent
+input buffers.
 
 A step launches hundreds of small kernels; replaying a captured graph removes the launch gaps (vLLM's
 ``CUDAGraphRunner``; vLLM V1 also captures steps with prefill rows up to a token count). Two kinds of graph:
@@ -19,7 +20,9 @@ that reads one token of a block it held before, or block 0 (a decode's); either 
 their outputs are dropped.
 
 ``capture=False`` (the CPU, tests): nothing is captured; a replay runs the same forward pass eagerly over the same
-buffers, so the padding above is checked where no graph can be.
+buffers, so the padding above is checked where no graph can be (through the torch reference ops, with a blocking
+copy: the Triton prefill kernel's padded launch has a test of its own, and the non-blocking copy, its event and the
+replay run only on a GPU).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import time
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.memory import NON_TORCH_BYTES
 from kernels.w4a16 import M_BUCKETS
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 def _round4(n: int) -> int:
+    """``n`` rounded up to a multiple of 4."""
     return -(-n // 4) * 4
 
 
@@ -124,7 +129,7 @@ class StepGraphs:
         self.hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0  # seconds the warm-ups and captures took (start-up time)
-        self.pool_bytes = 0  # GPU memory the captures reserved (the graphs' pool: their activations)
+        self.pool_bytes = 0  # GPU memory the warm-ups and captures reserved (mostly the graphs' pool)
         if capture:
             self._capture_all()
 
@@ -158,8 +163,9 @@ class StepGraphs:
         a kernel keeps per stream (the split-K GEMV's arrival counters, ``w4a16._locks``) is then allocated and
         zeroed outside the capture, in ordinary memory. Allocated inside a capture it would come from the graphs'
         shared pool (maybe a block a larger graph still writes on replay) and be zeroed only when that one graph
-        replays (``w4a16._locks`` now refuses). The buffers hold padding while capturing (prefill: no sequence
-        has tokens), so the warm-up writes no KV and reads none."""
+        replays (``w4a16._locks`` now refuses). The buffers hold padding while capturing (every slot -1; prefill:
+        no sequence has new tokens, so no query reads a key), so the warm-up writes no KV and reads none. Warns when
+        the pool takes over half of ``memory.NON_TORCH_BYTES``, the margin the KV budget leaves it."""
         pool, start = None, time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.hidden.device)
         self.stream = torch.cuda.Stream(self.hidden.device)
@@ -178,6 +184,10 @@ class StepGraphs:
         self.pool_bytes = torch.cuda.memory_reserved(self.hidden.device) - reserved
         logger.info("captured %d decode and %d prefill CUDA graphs in %.1f s (%.0f MiB)", len(self.buckets),
                     len(self.prefill_buckets), self.capture_s, self.pool_bytes / 2**20)
+        if self.pool_bytes > NON_TORCH_BYTES // 2:
+            logger.warning("the CUDA graphs reserved %.0f MiB, over half the %.0f MiB the KV cache budget leaves "
+                           "them; lower gpu_memory_utilization if the GPU runs out of memory",
+                           self.pool_bytes / 2**20, NON_TORCH_BYTES / 2**20)
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size >= n, or None when n exceeds every bucket."""
@@ -216,7 +226,9 @@ class StepGraphs:
     def replay(self, ids: list[int], prev_rows: list[int], positions: list[int], slots: list[int],
                context_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Run one decode step of n = len(ids) sequences through the bucket's graph (n <= the largest bucket;
-        each block table at most ``max_blocks`` long); returns hidden [n, hidden_size]. ``prev_rows[i]`` >= 0:
+        each block table at most ``max_blocks`` long); ids, positions and slots become int64, context lengths and
+        block ids int32. Returns hidden [n, hidden_size], a view of the persistent output that the next replay
+        overwrites (use it within the step). ``prev_rows[i]`` >= 0:
         row i's input is ``last_tokens[prev_rows[i]]`` instead of ``ids[i]``. Padding rows get slot -1 and
         context length 1."""
         n = len(ids)
@@ -239,7 +251,8 @@ class StepGraphs:
                        block_tables: list[list[int]]) -> torch.Tensor:
         """Run one prefill step through the graph of the smallest token bucket >= T = len(ids): the new tokens of
         S = len(context_lens) <= ``prefill_seqs`` sequences, packed (``cu_seqlens`` [S + 1], as
-        ``AttentionMetadata``; ``prev_rows`` as in :meth:`replay`, per token); returns hidden [T, hidden_size].
+        ``AttentionMetadata``; ``prev_rows`` as in :meth:`replay`, per token; dtypes as there, ``cu_seqlens``
+        int32); returns hidden [T, hidden_size], a view that the next replay overwrites.
         Raises ValueError when no graph holds the step (:meth:`prefill_bucket_for`)."""
         tokens, seqs = len(ids), len(context_lens)
         bucket = self.prefill_bucket_for(tokens, seqs)

@@ -254,9 +254,10 @@ class ModelRunner:
         return out
 
     def _prefill_lists(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        """Host lists of a prefill step: (ids, prev_rows, positions, slots, cu_seqlens, context_lens) for tokens
-        ``[num_computed_tokens, num_computed_tokens + n)`` of each sequence; a pending token's id is 0 and its
-        ``prev_rows`` entry the row of ``last_tokens`` that holds it (else -1)."""
+        """Host lists of a prefill step: (ids, prev_rows, positions, slots: T entries each; cu_seqlens: S + 1;
+        context_lens: S) for tokens ``[num_computed_tokens, num_computed_tokens + n)`` of each of the S sequences,
+        T tokens in all; a pending token's id is 0 and its ``prev_rows`` entry the row of ``last_tokens`` that holds
+        it (else -1)."""
         ids, prev, positions, slots, cu = [], [], [], [], [0]
         for seq, n in zip(seqs, num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -297,6 +298,27 @@ class ModelRunner:
         return ids, positions, meta, list(range(len(seqs)))
 
     @torch.inference_mode()
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """The batch's forward pass, queued: from a decode or prefill CUDA graph where one holds the step, else
+        eagerly. Returns (hidden [T, hidden_size], valid until the next step; each sequence's last row in it)."""
+        seqs, graphs = batch.seqs, self.graphs
+        if graphs is not None and not batch.is_prefill and graphs.bucket_for(len(seqs)) is not None:
+            hidden = graphs.replay([s.last_token_id for s in seqs], [self._prev_row(s) for s in seqs],
+                                   [len(s) - 1 for s in seqs], [self._slot(s, len(s) - 1) for s in seqs],
+                                   [len(s) for s in seqs], [s.block_table for s in seqs])
+            return hidden, list(range(len(seqs)))
+        if graphs is not None and batch.is_prefill and \
+                graphs.prefill_bucket_for(sum(batch.num_new_tokens), len(seqs)) is not None:
+            ids, prev, positions, slots, cu, context_lens = self._prefill_lists(seqs, batch.num_new_tokens)
+            hidden = graphs.replay_prefill(ids, prev, positions, slots, cu, context_lens,
+                                           [s.block_table for s in seqs])
+            return hidden, [c - 1 for c in cu[1:]]
+        if batch.is_prefill:
+            ids, positions, meta, last = self.prepare_prefill(seqs, batch.num_new_tokens)
+        else:
+            ids, positions, meta, last = self.prepare_decode(seqs)
+        return self.model(ids, to_device(list(positions), torch.int64, self.device), meta), last
+
     def launch(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> LaunchedStep:
         """Swap the batch's blocks, then one forward pass over its sequences and the sampling, queued on the
         device; the step's tokens: one per sequence whose ``batch.samples`` entry is True, in batch order (none
@@ -305,25 +327,7 @@ class ModelRunner:
         seqs = batch.seqs
         if not seqs:
             return LaunchedStep([])
-        graphs, graphed = self.graphs, False  # graphed: a prefill graph holds this step
-        if graphs is not None and batch.is_prefill:
-            graphed = graphs.prefill_bucket_for(sum(batch.num_new_tokens), len(seqs)) is not None
-        if graphs is not None and not batch.is_prefill and graphs.bucket_for(len(seqs)) is not None:
-            hidden = graphs.replay([s.last_token_id for s in seqs], [self._prev_row(s) for s in seqs],
-                                   [len(s) - 1 for s in seqs], [self._slot(s, len(s) - 1) for s in seqs],
-                                   [len(s) for s in seqs], [s.block_table for s in seqs])
-            last = list(range(len(seqs)))
-        elif graphed:
-            ids, prev, positions, slots, cu, context_lens = self._prefill_lists(seqs, batch.num_new_tokens)
-            hidden = graphs.replay_prefill(ids, prev, positions, slots, cu, context_lens,
-                                           [s.block_table for s in seqs])
-            last = [c - 1 for c in cu[1:]]
-        else:
-            if batch.is_prefill:
-                ids, positions, meta, last = self.prepare_prefill(seqs, batch.num_new_tokens)
-            else:
-                ids, positions, meta, last = self.prepare_decode(seqs)
-            hidden = self.model(ids, to_device(list(positions), torch.int64, self.device), meta)
+        hidden, last = self._forward(batch)
         plan = rows_to_launch(seqs, batch.num_new_tokens) if batch.is_prefill else []
         prompt = launch_prompt_logprobs(self.model, hidden, plan) if plan else []
         sampling = [i for i, samples in enumerate(batch.samples) if samples]

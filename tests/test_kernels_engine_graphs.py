@@ -1,6 +1,6 @@
-"""On a GPU (``KERNEL_TEST_DEVICE=cuda``, as bench/gpu_suite.py runs the kernel tests): the decode CUDA graphs of a
-small random AWQ model (decode and prefill graphs) give the eager engine's greedy tokens when batches of different
-sizes follow each other.
+"""On a GPU (``KERNEL_TEST_DEVICE=cuda``, as bench/gpu_suite.py runs the kernel tests): the CUDA graphs of a small
+random AWQ model (decode graphs, and prefill graphs when turned on) give the eager engine's greedy tokens when batches
+of different sizes follow each other.
 
 The regression this guards: the split-K GEMV's arrival counters (``w4a16._locks``) were allocated inside the first
 decode-graph capture that needed them, from the graphs' shared pool (a block a larger bucket's graph may write on
@@ -28,9 +28,13 @@ def _tokens(model_dir: str, plans_dir: str, batches: list, **kw) -> list:
     return out
 
 
-def test_small_batches_after_large_ones_replay_the_eager_tokens(tmp_path):
+@pytest.mark.parametrize("prefill_graphs", ["0", "1"])
+def test_small_batches_after_large_ones_replay_the_eager_tokens(tmp_path, monkeypatch, prefill_graphs):
+    """Batches of 3 prompts (111 tokens: a 128-token prefill graph), 32 (eager: more than 16), 3, 20, 1 (37
+    tokens: 64), with prefill graphs off and on."""
     from bench.random_model import write_random_awq_model
 
+    monkeypatch.setenv("APPLIANCE_PREFILL_GRAPHS", prefill_graphs)
     model = str(write_random_awq_model(tmp_path / "model", hidden_size=1024, intermediate_size=2816,
                                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                                        vocab_size=4096, max_position_embeddings=512))

@@ -16,8 +16,9 @@ from test_async_scheduling import SMALL, expected, mixed_params, run, texts  # n
 
 def with_uncaptured_graphs(llm: LLM, buckets=None, prefill_seqs=None) -> dict:
     """Give ``llm``'s runner its uncaptured graphs (prefill token ``buckets`` and ``prefill_seqs`` overridden
-    where given); returns the count of each kind of step: through a decode graph, a prefill graph, eagerly."""
-    runner, counts = llm.engine.runner, {"decode": 0, "prefill": 0, "eager": 0}
+    where given); returns the count of each kind of step: through a decode graph, a prefill graph, eagerly, and
+    of prefill-graph steps with a pending token ("pending")."""
+    runner, counts = llm.engine.runner, {"decode": 0, "prefill": 0, "eager": 0, "pending": 0}
     graphs = runner.step_graphs(llm.engine.max_model_len, capture=False, prefill=True)
     graphs.prefill_buckets = buckets or graphs.prefill_buckets
     graphs.prefill_seqs = prefill_seqs or graphs.prefill_seqs
@@ -27,27 +28,29 @@ def with_uncaptured_graphs(llm: LLM, buckets=None, prefill_seqs=None) -> dict:
 
         def counted(*args, method=method, kind=kind):
             counts[kind] += 1
+            counts["pending"] += kind == "prefill" and max(args[1]) >= 0  # args[1]: prev_rows
             return method(*args)
         setattr(owner, name, counted)
     runner.graphs = graphs
     return counts
 
 
-@pytest.mark.parametrize("extra, buckets, prefill_seqs, eager", [
-    # the 9 sequences' prompts (1 to 38 tokens each) in one 256-token graph, then decode graphs
-    ({}, None, None, False),
+@pytest.mark.parametrize("extra, buckets, prefill_seqs, eager, pending, preempted", [
+    # the 9 sequences' prompts (1 to 38 tokens each, 118 in all) in one 128-token graph, then decode graphs
+    ({}, None, None, False, False, False),
     # mixed steps of 20 tokens at most: chunks, decode rows, pending tokens read from last_tokens
-    ({"async_scheduling": True, "max_num_batched_tokens": 20}, None, None, False),
+    ({"async_scheduling": True, "max_num_batched_tokens": 20}, None, None, False, True, False),
     # preemption by recompute (single prompts of up to 64 tokens: graphs); the first step (9 sequences > 4) eager
-    ({"async_scheduling": True, "num_kv_blocks": 10}, (1, 8, 16, 64), 4, True),
+    ({"async_scheduling": True, "num_kv_blocks": 10}, (1, 8, 16, 64), 4, True, True, True),
 ], ids=["roomy", "async-chunked", "async-recompute-eager-fallback"])
 def test_graph_buffers_give_the_tokens_of_the_engine_without_graphs(demo_model, texts, expected, extra, buckets,
-                                                                    prefill_seqs, eager):
+                                                                    prefill_seqs, eager, pending, preempted):
     llm = LLM(str(demo_model), **SMALL, **extra)
     counts = with_uncaptured_graphs(llm, buckets, prefill_seqs)
     got, _ = run(llm, texts, mixed_params())
     assert got == expected
     assert counts["decode"] > 10 and counts["prefill"] >= 1 and (counts["eager"] > 0) == eager
+    assert (counts["pending"] > 0) == pending and (llm.engine.scheduler.num_preemptions > 0) == preempted
 
 
 def test_a_padded_prefill_writes_the_eager_kv_and_hidden_rows(demo_model):
