@@ -297,7 +297,6 @@ class ModelRunner:
             context_lens=to_device([len(s) for s in seqs], torch.int32, self.device))
         return ids, positions, meta, list(range(len(seqs)))
 
-    @torch.inference_mode()
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """The batch's forward pass, queued: from a decode or prefill CUDA graph where one holds the step, else
         eagerly. Returns (hidden [T, hidden_size], valid until the next step; each sequence's last row in it)."""
@@ -319,6 +318,7 @@ class ModelRunner:
             ids, positions, meta, last = self.prepare_decode(seqs)
         return self.model(ids, to_device(list(positions), torch.int64, self.device), meta), last
 
+    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> LaunchedStep:
         """Swap the batch's blocks, then one forward pass over its sequences and the sampling, queued on the
         device; the step's tokens: one per sequence whose ``batch.samples`` entry is True, in batch order (none
