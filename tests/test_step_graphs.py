@@ -128,3 +128,19 @@ def test_prefill_graphs_only_when_asked(demo_model, monkeypatch):
     assert graphs.prefill_buckets == () and graphs.prefill_bucket_for(5, 1) is None
     monkeypatch.setenv("APPLIANCE_PREFILL_GRAPHS", "1")
     assert runner.step_graphs(llm.engine.max_model_len, capture=False).prefill_buckets == PREFILL_TOKEN_BUCKETS
+
+
+def test_a_step_samples_in_inference_mode(demo_model, monkeypatch):
+    """``launch`` runs the forward pass and the sampling under ``torch.inference_mode`` (no autograd records)."""
+    from engine import model_runner
+
+    seen, sample = [], model_runner.sample_tokens
+
+    def recording(*args, **kwargs):
+        seen.append(torch.is_inference_mode_enabled())
+        return sample(*args, **kwargs)
+    monkeypatch.setattr(model_runner, "sample_tokens", recording)
+    llm = LLM(str(demo_model), **SMALL)
+    with_uncaptured_graphs(llm)
+    llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3))
+    assert seen == [True] * 3
