@@ -20,6 +20,7 @@ import math
 import os
 import tempfile
 import time
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -35,19 +36,10 @@ from kernels._triton import pdl, without_early_trigger, without_pdl
 BUILT_IN = dict(tune_kernels=False, kernel_plans_dir=tempfile.mkdtemp(prefix="no-plans-"))
 
 
-@contextlib.contextmanager
 def _prefill_graphs():
     """While it lasts, engines built capture prefill graphs (``APPLIANCE_PREFILL_GRAPHS=1``; off by default until
     measured: ``engine.cuda_graphs.prefill_graphs_on``)."""
-    before = os.environ.get("APPLIANCE_PREFILL_GRAPHS")
-    os.environ["APPLIANCE_PREFILL_GRAPHS"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["APPLIANCE_PREFILL_GRAPHS"]
-        else:
-            os.environ["APPLIANCE_PREFILL_GRAPHS"] = before
+    return mock.patch.dict(os.environ, {"APPLIANCE_PREFILL_GRAPHS": "1"})
 
 
 @contextlib.contextmanager
