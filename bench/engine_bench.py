@@ -36,10 +36,10 @@ from kernels._triton import pdl, without_early_trigger, without_pdl
 BUILT_IN = dict(tune_kernels=False, kernel_plans_dir=tempfile.mkdtemp(prefix="no-plans-"))
 
 
-def _prefill_graphs():
-    """While it lasts, engines built capture prefill graphs (``APPLIANCE_PREFILL_GRAPHS=1``; off by default until
-    measured: ``engine.cuda_graphs.prefill_graphs_on``)."""
-    return mock.patch.dict(os.environ, {"APPLIANCE_PREFILL_GRAPHS": "1"})
+def _prefill_graphs(on: bool):
+    """While it lasts, engines built capture prefill graphs or not (``APPLIANCE_PREFILL_GRAPHS``, read by
+    ``engine.cuda_graphs.prefill_graphs_on``; on by default), whatever the caller's environment says."""
+    return mock.patch.dict(os.environ, {"APPLIANCE_PREFILL_GRAPHS": "1" if on else "0"})
 
 
 @contextlib.contextmanager
@@ -379,7 +379,7 @@ def prefill_host_rows(ctx: dict, make_row, lengths=(32, 128, 512, 2048), reps: i
 
     from torch.profiler import ProfilerActivity, profile
 
-    with _prefill_graphs():
+    with _prefill_graphs(True):
         llm = LLM(_model_7b(ctx), device=device, **BUILT_IN, max_num_seqs=4, max_model_len=4096,
                   enable_prefix_caching=False, gpu_memory_utilization=0.3)
     graphs = llm.engine.runner.graphs
@@ -791,8 +791,9 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                                        vocab_size=4096, max_position_embeddings=2048))
     lp = dict(logprobs=3)
-    graphs = _small_model_tokens(small, lp, outputs=True)
-    with _prefill_graphs():
+    with _prefill_graphs(False):
+        graphs = _small_model_tokens(small, lp, outputs=True)
+    with _prefill_graphs(True):
         prefill_graphed = _small_model_tokens(small, lp, outputs=True)
     unoverlapped = _small_model_tokens(small, lp, async_scheduling=False, outputs=True)
     eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
@@ -812,7 +813,8 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
     ties = {kv: tie_report(got, want) for kv, got, want in (("bf16", eager, ref), ("fp8", fp8, ref_fp8),
                                                             ("int8", int8, ref_int8))}
     distinct = len({t for tokens, _ in ref for t in tokens})
-    return [make_row("engine greedy: CUDA graphs = eager (counts, not µs)", "random 4-layer AWQ, 6 prompts", n,
+    return [make_row("engine greedy: CUDA graphs = eager (counts, not µs)",
+                     "random 4-layer AWQ, 6 prompts, decode graphs only", n,
                      "sequences identical", sum(a[0] == b[0] for a, b in zip(graphs, eager)), 1.0,
                      f"{distinct} distinct tokens; top-3 logprobs at most {_largest_gap(graphs, eager):.4f} apart"),
             make_row("engine greedy: prefill graphs too = eager (counts, not µs)", "same, 179 prompt tokens in one "

@@ -1,8 +1,9 @@
 """Host time per launch (µs, no sync in the loop) on a GPU: Triton's JIT dispatch, our ``Kernel`` wrapper, a
 direct ``CompiledKernel`` launch, and torch ops, for a 4-argument kernel; then two of our ops whole (allocation,
 checks, launch): ``python3 bench/launch_host.py``.
-Not yet run (bench/RESULTS.md, session of 2026-12-05: a 7B prefill step of 128 tokens spends about 50 µs of host
-time per launch)."""
+H200, run 95 (bench/RESULTS.md): triton.jit 11 µs, our wrapper 12.7, a direct CompiledKernel launch 7.2,
+``torch.add(out=)`` 5.4; ``ops.rms_norm`` 31 µs and ``ops.silu_and_mul`` 28 µs whole, against the eager 7B prefill
+step's 38-44 µs of host time per launch."""
 import os
 import sys
 import time

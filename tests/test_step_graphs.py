@@ -119,15 +119,15 @@ def test_prompt_logprobs_from_graph_rows_equal_the_engine_without_graphs(demo_mo
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in graphed)
 
 
-def test_prefill_graphs_only_when_asked(demo_model, monkeypatch):
-    """Off by default (not yet run on a GPU); ``APPLIANCE_PREFILL_GRAPHS=1`` turns them on."""
+def test_prefill_graphs_unless_turned_off(demo_model, monkeypatch):
+    """On by default; ``APPLIANCE_PREFILL_GRAPHS=0`` turns them off."""
     llm = LLM(str(demo_model), **SMALL)
     runner = llm.engine.runner
     monkeypatch.delenv("APPLIANCE_PREFILL_GRAPHS", raising=False)
+    assert runner.step_graphs(llm.engine.max_model_len, capture=False).prefill_buckets == PREFILL_TOKEN_BUCKETS
+    monkeypatch.setenv("APPLIANCE_PREFILL_GRAPHS", "0")
     graphs = runner.step_graphs(llm.engine.max_model_len, capture=False)
     assert graphs.prefill_buckets == () and graphs.prefill_bucket_for(5, 1) is None
-    monkeypatch.setenv("APPLIANCE_PREFILL_GRAPHS", "1")
-    assert runner.step_graphs(llm.engine.max_model_len, capture=False).prefill_buckets == PREFILL_TOKEN_BUCKETS
 
 
 def test_a_step_samples_in_inference_mode(demo_model, monkeypatch):
