@@ -1,9 +1,9 @@
 """Host time per launch (µs, no sync in the loop) on a GPU: Triton's JIT dispatch, our ``Kernel`` wrapper, a
 direct ``CompiledKernel`` launch, and torch ops, for a 4-argument kernel; then two of our ops whole (allocation,
 checks, launch): ``python3 bench/launch_host.py``.
-H200, run 95 (bench/RESULTS.md): triton.jit 11 µs, our wrapper 12.7, a direct CompiledKernel launch 7.2,
-``torch.add(out=)`` 5.4; ``ops.rms_norm`` 31 µs and ``ops.silu_and_mul`` 28 µs whole, against the eager 7B prefill
-step's 38-44 µs of host time per launch."""
+H200, run 95 (bench/RESULTS.md; two rounds): triton.jit 10.9-11.3 µs, our wrapper 12.6-12.7, a direct
+CompiledKernel launch 7.1-7.2, ``torch.add(out=)`` 4.9-5.4; ``ops.rms_norm`` 30-31 and ``ops.silu_and_mul`` 27-28
+whole, against the eager 7B prefill step's 38-44 µs of host time per launch."""
 import os
 import sys
 import time

@@ -39,8 +39,8 @@ from kernels.w4a16 import M_BUCKETS
 logger = logging.getLogger(__name__)
 
 #: Prefill graphs' token counts: a step of up to 256 new tokens is padded to the first of these >= its count.
-#: Above that a step's kernels keep the GPU busier than their launches keep the host (H200, 7B shape, bench/RESULTS.md
-#: run 94: a 2,048-token step 0.95 busy, a 128-token one 0.26).
+#: Above that a step's kernels keep the GPU busier than their launches keep the host (H200, 7B shape, eager steps,
+#: bench/RESULTS.md run 95: 2,048 tokens 0.99 busy, 512 tokens 0.78, 128 tokens 0.31).
 PREFILL_TOKEN_BUCKETS = M_BUCKETS
 #: Sequences a prefill graph launches at most (a step with more runs eagerly): each absent one costs the attention
 #: grid one more query tile per query head, whose programs find no tokens and return.
@@ -48,11 +48,11 @@ PREFILL_GRAPH_SEQS = 16
 
 
 def prefill_graphs_on() -> bool:
-    """Whether the engine captures prefill graphs: yes unless ``APPLIANCE_PREFILL_GRAPHS=0`` (``enforce_eager``
-    turns every graph off). H200, 7B shape, random AWQ (bench/RESULTS.md run 95): a 128-token prefill step 20.3 ms
-    eager, 6.3 ms replayed; 32 tokens 20.0 and 4.1 ms; the graphs of a 256-token budget cost 11.7 s of capture
-    and 80 MiB with the decode graphs."""
-    return os.environ.get("APPLIANCE_PREFILL_GRAPHS", "1") != "0"
+    """Whether the engine captures prefill graphs: yes unless ``APPLIANCE_PREFILL_GRAPHS`` is 0, false, no or off
+    (``enforce_eager`` turns every graph off). H200, 7B shape, random AWQ (bench/RESULTS.md run 95): a 128-token
+    prefill step 20.3 ms eager, 6.3 ms replayed; 32 tokens 20.0 and 4.1 ms; a 4-sequence engine's 3 decode and 6
+    prefill graphs took 11.7 s of warm-ups and captures (compiles included) and 80 MiB."""
+    return os.environ.get("APPLIANCE_PREFILL_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def prefill_buckets(token_budget: int) -> tuple[int, ...]:

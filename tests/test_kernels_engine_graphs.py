@@ -1,5 +1,5 @@
 """On a GPU (``KERNEL_TEST_DEVICE=cuda``, as bench/gpu_suite.py runs the kernel tests): the CUDA graphs of a small
-random AWQ model (decode graphs, and prefill graphs when turned on) give the eager engine's greedy tokens when batches
+random AWQ model (with prefill graphs off and on: ``APPLIANCE_PREFILL_GRAPHS`` 0 / 1) give the eager engine's greedy tokens when batches
 of different sizes follow each other.
 
 The regression this guards: the split-K GEMV's arrival counters (``w4a16._locks``) were allocated inside the first

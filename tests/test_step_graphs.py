@@ -120,14 +120,15 @@ def test_prompt_logprobs_from_graph_rows_equal_the_engine_without_graphs(demo_mo
 
 
 def test_prefill_graphs_unless_turned_off(demo_model, monkeypatch):
-    """On by default; ``APPLIANCE_PREFILL_GRAPHS=0`` turns them off."""
+    """On by default; ``APPLIANCE_PREFILL_GRAPHS`` 0 / false / off (any case) turns them off."""
     llm = LLM(str(demo_model), **SMALL)
     runner = llm.engine.runner
     monkeypatch.delenv("APPLIANCE_PREFILL_GRAPHS", raising=False)
     assert runner.step_graphs(llm.engine.max_model_len, capture=False).prefill_buckets == PREFILL_TOKEN_BUCKETS
-    monkeypatch.setenv("APPLIANCE_PREFILL_GRAPHS", "0")
-    graphs = runner.step_graphs(llm.engine.max_model_len, capture=False)
-    assert graphs.prefill_buckets == () and graphs.prefill_bucket_for(5, 1) is None
+    for off in ("0", "false", "Off"):
+        monkeypatch.setenv("APPLIANCE_PREFILL_GRAPHS", off)
+        graphs = runner.step_graphs(llm.engine.max_model_len, capture=False)
+        assert graphs.prefill_buckets == () and graphs.prefill_bucket_for(5, 1) is None
 
 
 def test_a_step_samples_in_inference_mode(demo_model, monkeypatch):
