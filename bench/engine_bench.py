@@ -423,6 +423,70 @@ def prefill_host_rows(ctx: dict, make_row, lengths=(32, 128, 512, 2048), reps: i
     return rows
 
 
+def _mixed_step(llm: LLM, running: int, prompt_len: int, tag: str, device: str = "cuda") -> tuple[float, tuple]:
+    """Wall µs of the engine step that decodes ``running`` sequences (16-token prompts, already past their
+    prefill) and prefills one new ``prompt_len``-token prompt with them (synchronized before and after), and the
+    (sequences, tokens) of each batch launched in that step (to check that it was that step); every request then
+    run to its end."""
+    engine, launched = llm.engine, []
+    quick = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i in range(running):
+        engine.add_request(f"{tag}-r{i}", [3 + (i * 31 + j) % 31000 for j in range(16)], quick)
+    for _ in range(2):  # the running sequences' prefill, then a decode step: all of them decoding
+        engine.step()
+    launch = engine.runner.launch
+
+    def recording(batch, *args):
+        launched.append((len(batch.seqs), batch.num_batched_tokens))
+        return launch(batch, *args)
+
+    with mock.patch.object(engine.runner, "launch", recording):
+        wall = _prefill_step(llm, prompt_len, tag, device)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return wall, tuple(launched[:1])
+
+
+def mixed_step_rows(ctx: dict, make_row, seqs=(16, 64), running=(0, 15, 47), prompt_len: int = 128,
+                    reps: int = 3, device: str = "cuda", model_dir: str | None = None) -> list:
+    """How many sequences a prefill graph should launch (``cuda_graphs.PREFILL_GRAPH_SEQS``): 7B-shaped random AWQ
+    model, ``max_num_seqs`` 64, one engine per value in ``seqs``; per engine, the step that prefills one
+    ``prompt_len``-token prompt beside ``running`` decoding sequences, from its graph where one holds the step
+    (at most that many sequences) and eagerly (prefill graphs set aside). The graph's absent sequences cost the
+    prefill attention one query tile per head each, which find no tokens and return; a step with more sequences
+    than the graph launches runs eagerly. No target."""
+    from engine import cuda_graphs
+
+    rows = []
+    for s in seqs:
+        with mock.patch.object(cuda_graphs, "PREFILL_GRAPH_SEQS", s), _prefill_graphs(True):
+            llm = LLM(model_dir or _model_7b(ctx), device=device, **BUILT_IN, max_num_seqs=64, max_model_len=1024,
+                      enable_prefix_caching=False, gpu_memory_utilization=0.3)
+        graphs = llm.engine.runner.graphs
+        buckets = graphs.prefill_buckets if graphs is not None else ()
+        for r in running:
+            tag = f"s{s}r{r}"
+            if graphs is not None:
+                graphs.prefill_buckets = ()
+            _mixed_step(llm, r, prompt_len, f"{tag}w", device)
+            eager, steps = min(_mixed_step(llm, r, prompt_len, f"{tag}e{i}", device) for i in range(reps))
+            if graphs is not None:
+                graphs.prefill_buckets = buckets
+            held = graphs is not None and graphs.prefill_bucket_for(prompt_len + r, r + 1) is not None
+            _mixed_step(llm, r, prompt_len, f"{tag}gw", device)
+            replayed, _ = min(_mixed_step(llm, r, prompt_len, f"{tag}g{i}", device) for i in range(reps))
+            how = "no graphs" if graphs is None else "graphed" if held else "eager: too many sequences"
+            rows.append(make_row(f"7B AWQ step, {prompt_len}-token prompt + {r} decodes: graphs of {s} sequences vs "
+                                 "eager", f"max_num_seqs 64, {how}", replayed, "the same step, prefill graphs set "
+                                 "aside", eager, None,
+                                 f"{eager / 1e3:.1f} -> {replayed / 1e3:.1f} ms; launched (seqs, tokens) {steps}"
+                                 + (f"; {len(graphs.graphs)} graphs in {graphs.capture_s:.1f} s, "
+                                    f"{graphs.pool_bytes / 2**20:.0f} MiB" if graphs is not None else "")))
+        del llm, graphs
+        _free()
+    return rows
+
+
 def throughput_rows(ctx: dict, make_row, requests: int = 256, prompt_len: int = 128, output_len: int = 512) -> list:
     """256 concurrent requests through ``LLM.generate`` vs transformers bf16 ``generate`` at batch 128, the same
     prompt and output lengths."""
@@ -1051,7 +1115,7 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
 #: the order given (an unknown name is an error).
 SUITE_ROWS = [cuda_path_rows, qwen_rows, sliding_window_rows, scaled_rope_rows, smollm2_rows, decode_rows,
-              prefill_host_rows, measured_plan_rows, throughput_rows, http_rows]
+              prefill_host_rows, mixed_step_rows, measured_plan_rows, throughput_rows, http_rows]
 if os.environ.get("ENGINE_ROWS"):
     _BY_NAME = {fn.__name__: fn for fn in SUITE_ROWS}
     _unknown = [n for n in os.environ["ENGINE_ROWS"].split(",") if n not in _BY_NAME]
