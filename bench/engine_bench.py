@@ -423,43 +423,56 @@ def prefill_host_rows(ctx: dict, make_row, lengths=(32, 128, 512, 2048), reps: i
     return rows
 
 
-def _mixed_step(llm: LLM, running: int, prompt_len: int, tag: str, device: str = "cuda") -> tuple[float, tuple]:
+def _mixed_step(llm: LLM, running: int, prompt_len: int, tag: str, device: str = "cuda") -> tuple[float, tuple, list]:
     """Wall µs of the engine step that decodes ``running`` sequences (16-token prompts, already past their
-    prefill) and prefills one new ``prompt_len``-token prompt with them (synchronized before and after), and the
-    (sequences, tokens) of each batch launched in that step (to check that it was that step); every request then
-    run to its end."""
-    engine, launched = llm.engine, []
+    prefill) and prefills one new ``prompt_len``-token prompt with them (synchronized before and after), the
+    (sequences, tokens) of each batch launched in that step (to check that it was that step), and every
+    request's greedy tokens, in the order the requests were added; every request run to its end."""
+    engine, launched, tokens = llm.engine, [], {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+
     quick = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for i in range(running):
-        engine.add_request(f"{tag}-r{i}", [3 + (i * 31 + j) % 31000 for j in range(16)], quick)
+    order = [f"{tag}-r{i}" for i in range(running)] + [tag]
+    for rid in order[:-1]:
+        engine.add_request(rid, [3 + (int(rid.rsplit("r", 1)[1]) * 31 + j) % 31000 for j in range(16)], quick)
     for _ in range(2):  # the running sequences' prefill, then a decode step: all of them decoding
-        engine.step()
+        step()
+    engine.add_request(tag, [3 + (i * 7919 + prompt_len) % 31000 for i in range(prompt_len)],
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     launch = engine.runner.launch
 
     def recording(batch, *args):
         launched.append((len(batch.seqs), batch.num_batched_tokens))
         return launch(batch, *args)
 
+    _sync(device)
+    start = time.perf_counter()
     with mock.patch.object(engine.runner, "launch", recording):
-        wall = _prefill_step(llm, prompt_len, tag, device)
+        step()
+        _sync(device)
+    wall = (time.perf_counter() - start) * 1e6
     while engine.has_unfinished_requests():
-        engine.step()
-    return wall, tuple(launched[:1])
+        step()
+    return wall, tuple(launched[:1]), [tokens[rid] for rid in order]
 
 
-def mixed_step_rows(ctx: dict, make_row, seqs=(16, 64), running=(0, 15, 47), prompt_len: int = 128,
-                    reps: int = 3, device: str = "cuda", model_dir: str | None = None) -> list:
-    """How many sequences a prefill graph should launch (``cuda_graphs.PREFILL_GRAPH_SEQS``): 7B-shaped random AWQ
-    model, ``max_num_seqs`` 64, one engine per value in ``seqs``; per engine, the step that prefills one
-    ``prompt_len``-token prompt beside ``running`` decoding sequences, from its graph where one holds the step
-    (at most that many sequences) and eagerly (prefill graphs set aside). The graph's absent sequences cost the
-    prefill attention one query tile per head each, which find no tokens and return; a step with more sequences
-    than the graph launches runs eagerly. No target."""
+def mixed_step_rows(ctx: dict, make_row, classes=((16,), (64,), (16, 64)), running=(0, 15, 47),
+                    prompt_len: int = 128, reps: int = 3, device: str = "cuda", model_dir: str | None = None) -> list:
+    """How many sequences prefill graphs should launch (``cuda_graphs.PREFILL_SEQ_CLASSES``, the last of
+    ``classes`` the default): 7B-shaped random AWQ model, ``max_num_seqs`` 64, one engine per entry of ``classes``;
+    per engine, the step that prefills one ``prompt_len``-token prompt beside ``running`` decoding sequences, from
+    a graph where one holds the step (the smallest class that holds its sequences) and eagerly (prefill graphs set
+    aside). A graph's absent sequences cost the prefill attention one query tile per head each, which find no
+    tokens and return; a step with more sequences than the largest class runs eagerly. No target."""
     from engine import cuda_graphs
 
     rows = []
-    for s in seqs:
-        with mock.patch.object(cuda_graphs, "PREFILL_GRAPH_SEQS", s), _prefill_graphs(True):
+    for s in classes:
+        with mock.patch.object(cuda_graphs, "PREFILL_SEQ_CLASSES", s), _prefill_graphs(True):
             llm = LLM(model_dir or _model_7b(ctx), device=device, **BUILT_IN, max_num_seqs=64, max_model_len=1024,
                       enable_prefix_caching=False, gpu_memory_utilization=0.3)
         graphs = llm.engine.runner.graphs
@@ -469,19 +482,24 @@ def mixed_step_rows(ctx: dict, make_row, seqs=(16, 64), running=(0, 15, 47), pro
             if graphs is not None:
                 graphs.prefill_buckets = ()
             _mixed_step(llm, r, prompt_len, f"{tag}w", device)
-            eager, steps = min(_mixed_step(llm, r, prompt_len, f"{tag}e{i}", device) for i in range(reps))
+            eager = [_mixed_step(llm, r, prompt_len, f"{tag}e{i}", device) for i in range(reps)]
             if graphs is not None:
                 graphs.prefill_buckets = buckets
-            held = graphs is not None and graphs.prefill_bucket_for(prompt_len + r, r + 1) is not None
+            key = graphs.prefill_bucket_for(prompt_len + r, r + 1) if graphs is not None else None
             _mixed_step(llm, r, prompt_len, f"{tag}gw", device)
-            replayed, _ = min(_mixed_step(llm, r, prompt_len, f"{tag}g{i}", device) for i in range(reps))
-            how = "no graphs" if graphs is None else "graphed" if held else "eager: too many sequences"
-            rows.append(make_row(f"7B AWQ step, {prompt_len}-token prompt + {r} decodes: graphs of {s} sequences vs "
-                                 "eager", f"max_num_seqs 64, {how}", replayed, "the same step, prefill graphs set "
-                                 "aside", eager, None,
-                                 f"{eager / 1e3:.1f} -> {replayed / 1e3:.1f} ms; launched (seqs, tokens) {steps}"
-                                 + (f"; {len(graphs.graphs)} graphs in {graphs.capture_s:.1f} s, "
-                                    f"{graphs.pool_bytes / 2**20:.0f} MiB" if graphs is not None else "")))
+            replayed = [_mixed_step(llm, r, prompt_len, f"{tag}g{i}", device) for i in range(reps)]
+            how = "no graphs" if graphs is None else f"graph {key}" if key else "eager: too many sequences"
+            wall_e, wall_g = min(w for w, _, _ in eager), min(w for w, _, _ in replayed)
+            rows.append(make_row(f"7B AWQ step, {prompt_len}-token prompt + {r} decodes: graphs of "
+                                 f"{' and '.join(map(str, s))} sequences vs eager", f"max_num_seqs 64, {how}",
+                                 wall_g, "the same step, prefill graphs set aside", wall_e, None,
+                                 f"{wall_e / 1e3:.1f} -> {wall_g / 1e3:.1f} ms; launched (seqs, tokens) "
+                                 f"{eager[0][1]}" + (f"; {len(graphs.graphs)} graphs in {graphs.capture_s:.1f} s, "
+                                                     f"{graphs.pool_bytes / 2**20:.0f} MiB" if graphs else "")))
+            want = eager[0][2]
+            same = sum(a == b for run in eager + replayed for a, b in zip(run[2], want))
+            rows.append(make_row("  same greedy tokens as eager (counts, not µs)", f"{r + 1} requests x {2 * reps} "
+                                 "runs", 2 * reps * (r + 1), "requests identical", same, 1.0, ""))
         del llm, graphs
         _free()
     return rows
@@ -841,7 +859,8 @@ def _equality_rows(small: str, what: str, make_row) -> list:
     _, same_ge, note_ge = tie_report(graphs, eager)
     _, same_er, note_er = tie_report(eager, ref)
     return [make_row(f"engine greedy, {what}: CUDA graphs = eager (counts, not µs)",
-                     f"random 4-layer AWQ, {what}, 6 prompts, decode and prefill graphs", n, "identical or a near tie", same_ge, 1.0,
+                     f"random 4-layer AWQ, {what}, 6 prompts, decode and prefill graphs", n,
+                     "identical or a near tie", same_ge, 1.0,
                      note_ge),
             make_row(f"engine greedy, {what}: Triton = torch reference (counts, not µs)", "same", n,
                      "identical or a near tie", same_er, 1.0, f"bf16 both; {distinct} distinct tokens; {note_er}")]

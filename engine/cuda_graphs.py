@@ -6,9 +6,9 @@ A step launches hundreds of small kernels; replaying a captured graph removes th
 
 - decode, one per batch-size bucket (:func:`batch_buckets`): B sequences, one new token each;
 - prefill, one per token bucket (:func:`prefill_buckets`: :data:`PREFILL_TOKEN_BUCKETS`, the W4A16 kernels' M
-  buckets, so a padded step runs the plans an eager step of its length runs): up to T new tokens of up to
-  ``prefill_seqs`` sequences (prompts, chunks, decode rows of a mixed step), always launched as that many
-  sequences, those past the step's with no new tokens and an empty context.
+  buckets, so a padded step runs the plans an eager step of its length runs) and sequence class
+  (:data:`PREFILL_SEQ_CLASSES`): up to T new tokens of up to S sequences (prompts, chunks, decode rows of a mixed
+  step), always launched as S sequences, those past the step's with no new tokens and an empty context.
 
 Invariants: the captured kernels never sync with the host and never autotune (each graph is warmed up before its
 capture); the buffers below are the only inputs (besides the W4A16 GEMV's split-K counters, which every replay
@@ -42,9 +42,12 @@ logger = logging.getLogger(__name__)
 #: Above that a step's kernels keep the GPU busier than their launches keep the host (H200, 7B shape, eager steps,
 #: bench/RESULTS.md run 95: 2,048 tokens 0.99 busy, 512 tokens 0.78, 128 tokens 0.31).
 PREFILL_TOKEN_BUCKETS = M_BUCKETS
-#: Sequences a prefill graph launches at most (a step with more runs eagerly): each absent one costs the attention
-#: grid one more query tile per query head, whose programs find no tokens and return.
-PREFILL_GRAPH_SEQS = 16
+#: Sequence counts prefill graphs launch (each capped by ``max_num_seqs``; a step takes the smallest that holds its
+#: sequences, and runs eagerly with more than the largest). Each absent sequence costs the prefill attention one
+#: query tile per query head, whose programs find no tokens and return, but queue behind the others: H100, 7B
+#: shape (bench/RESULTS.md run 97), a 128-token prompt's step 6.5 ms from a 16-sequence graph, 7.2 from a 64; a
+#: 128-token prompt beside 47 decoding sequences 23.2 ms eager, 11.2 from a 64-sequence graph.
+PREFILL_SEQ_CLASSES = (16, 64)
 
 
 def prefill_graphs_on() -> bool:
@@ -77,14 +80,14 @@ def _round4(n: int) -> int:
 class StepGraphs:
     """Captured decode and prefill graphs of ``model``, sharing one memory pool and one set of buffers.
 
-    Graph keys: ("decode", B), B in ``buckets`` (:func:`batch_buckets` of ``max_num_seqs``), and ("prefill", T),
-    T in ``prefill_buckets`` (:func:`prefill_buckets` of ``token_budget``, the most tokens a step computes; none
-    without ``prefill``), each launched with ``prefill_seqs`` = min(:data:`PREFILL_GRAPH_SEQS`, ``max_num_seqs``)
-    sequences.
+    Graph keys: ("decode", B), B in ``buckets`` (:func:`batch_buckets` of ``max_num_seqs``), and ("prefill", T, S):
+    S in ``prefill_classes`` (:data:`PREFILL_SEQ_CLASSES` capped by ``max_num_seqs``), T in ``prefill_buckets``
+    (:func:`prefill_buckets` of ``token_budget``, the most tokens a step computes; none without ``prefill``) and
+    above the next smaller class (a step that needs S sequences has more tokens than that class has sequences).
 
     Buffers (on the model's device, views of one byte buffer ``staging`` with a host mirror, pinned on CUDA), with
-    N tokens the largest key and R rows the largest decode bucket or ``prefill_seqs`` (each rounded up to 4
-    entries, so that every view starts 16-byte aligned): input_ids, prev_rows (-1, or the row of ``last_tokens``
+    N tokens the largest key and R rows the largest decode bucket or sequence class (each rounded up to 4 entries,
+    so that every view starts 16-byte aligned): input_ids, prev_rows (-1, or the row of ``last_tokens``
     holding the token), positions, slot_mapping: int64 [N]; context_lens int32 [R]; cu_seqlens int32 [R + 1];
     block_tables int32 [R, max_blocks]; and the output, hidden [N, hidden_size] in the model dtype.
     ``last_tokens``: int64 [>= largest decode bucket], owned by the model runner.
@@ -97,9 +100,9 @@ class StepGraphs:
         self.last_tokens = last_tokens
         self.buckets = batch_buckets(max_num_seqs)
         self.prefill_buckets = prefill_buckets(token_budget) if prefill else ()
-        self.prefill_seqs = min(PREFILL_GRAPH_SEQS, max_num_seqs)
+        self.prefill_classes = tuple(sorted({min(c, max_num_seqs) for c in PREFILL_SEQ_CLASSES}))
         tokens = _round4(max(self.buckets[-1], max(self.prefill_buckets, default=0)))
-        seqs = _round4(max(self.buckets[-1], self.prefill_seqs))
+        seqs = _round4(max(self.buckets[-1], self.prefill_classes[-1]))
         self.max_blocks = max_blocks
         # every input of a step in one byte buffer, mirrored on the host: a step fills the host copy and moves it
         # with one copy (the per-token and per-sequence arrays, then the block-table rows the step uses)
@@ -128,24 +131,24 @@ class StepGraphs:
         if self.copied is not None:
             self.copied.record()
         self.hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0  # seconds the warm-ups and captures took (start-up time)
         self.pool_bytes = 0  # GPU memory the warm-ups and captures reserved (mostly the graphs' pool)
         if capture:
             self._capture_all()
 
-    def _meta(self, key: tuple[str, int]) -> AttentionMetadata:
+    def _meta(self, key: tuple) -> AttentionMetadata:
         """The attention metadata of ``key``'s graph: views of the buffers, as many rows as the graph launches."""
-        kind, n = key
+        kind, n = key[:2]
         if kind == "decode":
             return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:n],
                                      block_tables=self.block_tables[:n], context_lens=self.context_lens[:n])
-        s = self.prefill_seqs
+        s = key[2]
         return AttentionMetadata(is_prefill=True, slot_mapping=self.slot_mapping[:n],
                                  block_tables=self.block_tables[:s], context_lens=self.context_lens[:s],
                                  cu_seqlens_q=self.cu_seqlens[:s + 1])
 
-    def _run(self, key: tuple[str, int]) -> None:
+    def _run(self, key: tuple) -> None:
         """``key``'s forward pass over the buffers (what its graph captures): the first ``key[1]`` tokens, each
         token's id from ``last_tokens`` where its ``prev_rows`` entry says so; writes ``hidden[:key[1]]``."""
         n = key[1]
@@ -153,10 +156,12 @@ class StepGraphs:
         ids = torch.where(prev >= 0, self.last_tokens[prev.clamp(min=0)], self.input_ids[:n])
         self.hidden[:n] = self.model(ids, self.positions[:n], self._meta(key))
 
-    def keys(self) -> list[tuple[str, int]]:
+    def keys(self) -> list[tuple]:
         """Every graph's key, largest first (captured in this order, so smaller graphs reuse its memory)."""
-        keys = [("decode", b) for b in self.buckets] + [("prefill", t) for t in self.prefill_buckets]
-        return sorted(keys, key=lambda k: (-k[1], k[0]))
+        smaller = (0,) + self.prefill_classes[:-1]
+        keys = [("decode", b) for b in self.buckets] + [("prefill", t, s) for s, p in zip(self.prefill_classes, smaller)
+                                                        for t in self.prefill_buckets if t > p]
+        return sorted(keys, key=lambda k: (-k[1], k[0], -k[-1]))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -184,7 +189,7 @@ class StepGraphs:
         self.capture_s = time.perf_counter() - start
         self.pool_bytes = torch.cuda.memory_reserved(self.hidden.device) - reserved
         logger.info("captured %d decode and %d prefill CUDA graphs in %.1f s (%.0f MiB)", len(self.buckets),
-                    len(self.prefill_buckets), self.capture_s, self.pool_bytes / 2**20)
+                    len(self.graphs) - len(self.buckets), self.capture_s, self.pool_bytes / 2**20)
         if self.pool_bytes > NON_TORCH_BYTES // 2:
             logger.warning("the CUDA graphs reserved %.0f MiB, over half the %.0f MiB the KV cache budget leaves "
                            "them; lower gpu_memory_utilization if the GPU runs out of memory",
@@ -194,12 +199,12 @@ class StepGraphs:
         """The smallest captured batch size >= n, or None when n exceeds every bucket."""
         return next((b for b in self.buckets if b >= n), None)
 
-    def prefill_bucket_for(self, tokens: int, seqs: int) -> int | None:
-        """The smallest prefill token bucket >= ``tokens``, or None (no graph: more tokens than the largest
-        bucket, or more than ``prefill_seqs`` sequences)."""
-        if seqs > self.prefill_seqs:
-            return None
-        return next((t for t in self.prefill_buckets if t >= tokens), None)
+    def prefill_bucket_for(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        """(T, S): the smallest prefill token bucket >= ``tokens`` and the smallest sequence class >= ``seqs``,
+        or None (no graph: more tokens than the largest bucket, or more sequences than the largest class)."""
+        s = next((c for c in self.prefill_classes if c >= seqs), None)
+        t = next((t for t in self.prefill_buckets if t >= tokens), None)
+        return None if s is None or t is None else (t, s)
 
     def _fill_tables(self, block_tables: list[list[int]]) -> None:
         """Write each sequence's block ids into its host row; entries past a table's length keep what earlier
@@ -207,7 +212,7 @@ class StepGraphs:
         for row, table in zip(self._h_tables, block_tables):
             row[:len(table)] = table
 
-    def _launch(self, key: tuple[str, int], table_rows: int) -> torch.Tensor:
+    def _launch(self, key: tuple, table_rows: int) -> torch.Tensor:
         """Copy the head and ``table_rows`` block-table rows to the device in one copy, then run ``key``'s graph
         (on the CPU, uncaptured, its forward pass); returns ``hidden``. RuntimeError for a key not captured on
         CUDA."""
@@ -250,15 +255,16 @@ class StepGraphs:
     def replay_prefill(self, ids: list[int], prev_rows: list[int], positions: list[int], slots: list[int],
                        cu_seqlens: list[int], context_lens: list[int],
                        block_tables: list[list[int]]) -> torch.Tensor:
-        """Run one prefill step through the graph of the smallest token bucket >= T = len(ids): the new tokens of
-        S = len(context_lens) <= ``prefill_seqs`` sequences, packed (``cu_seqlens`` [S + 1], as
+        """Run one prefill step through the graph of :meth:`prefill_bucket_for` T = len(ids) tokens: the new
+        tokens of S = len(context_lens) sequences (at most the largest class), packed (``cu_seqlens`` [S + 1], as
         ``AttentionMetadata``; ``prev_rows`` as in :meth:`replay`, per token; dtypes as there, ``cu_seqlens``
         int32); returns hidden [T, hidden_size], a view that the next replay overwrites.
         Raises ValueError when no graph holds the step (:meth:`prefill_bucket_for`)."""
         tokens, seqs = len(ids), len(context_lens)
-        bucket = self.prefill_bucket_for(tokens, seqs)
-        if bucket is None:
+        key = self.prefill_bucket_for(tokens, seqs)
+        if key is None:
             raise ValueError(f"no prefill graph for {tokens} tokens of {seqs} sequences")
+        bucket, graph_seqs = key
         if self.copied is not None:
             self.copied.synchronize()
         self._h_ids[:tokens] = ids
@@ -270,8 +276,8 @@ class StepGraphs:
         self._h_slots[:tokens] = slots
         self._h_slots[tokens:bucket] = -1
         self._h_cu[:seqs + 1] = cu_seqlens
-        self._h_cu[seqs + 1:self.prefill_seqs + 1] = tokens  # absent sequences: no new tokens ...
+        self._h_cu[seqs + 1:graph_seqs + 1] = tokens  # absent sequences: no new tokens ...
         self._h_ctx[:seqs] = context_lens
-        self._h_ctx[seqs:self.prefill_seqs] = 0  # ... and no context
+        self._h_ctx[seqs:graph_seqs] = 0  # ... and no context
         self._fill_tables(block_tables)
-        return self._launch(("prefill", bucket), seqs)[:tokens]
+        return self._launch(("prefill", bucket, graph_seqs), seqs)[:tokens]

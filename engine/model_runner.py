@@ -4,7 +4,7 @@ one step.
 The scheduler hands it a ``ScheduledBatch`` (sequences, tokens per sequence, block pairs to swap); it hands the
 model only token ids, positions, slot mappings and block tables. On CUDA a decode step replays a CUDA graph
 (``cuda_graphs.py``), and so (unless ``APPLIANCE_PREFILL_GRAPHS=0``) does a step with prefill rows (whole prompts,
-chunks, or a mix of decode rows and chunks) of up to 256 tokens of up to 16 sequences; other steps run eagerly.
+chunks, or a mix of decode rows and chunks) of up to 256 tokens of up to 64 sequences; other steps run eagerly.
 
 ``launch`` queues a step (swaps, forward pass, sampling) and returns before the device is done; the sampled ids
 come back through :class:`LaunchedStep`. They also stay on the device, in ``last_tokens``, where the next step

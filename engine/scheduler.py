@@ -40,7 +40,7 @@ class ScheduledBatch:
     ``seqs[i]`` computes ``num_new_tokens[i]`` tokens from its ``num_computed_tokens`` on; ``samples[i]`` says
     whether that reaches its last token, so that the step samples a token for it (a prefill chunk that does not
     gets none). ``is_prefill``: some row computes more than its last token (the model runner runs the step
-    through the prefill path: eagerly, or from a prefill CUDA graph, up to 256 tokens of 16 sequences; a
+    through the prefill path: eagerly, or from a prefill CUDA graph, up to 256 tokens of 64 sequences; a
     pure decode step may replay a decode graph).
     ``blocks_to_swap_out``: (KV block, swap block) pairs; ``blocks_to_swap_in``: (swap block, KV block) pairs;
     the model runner copies them, swap-outs first, before the forward pass. ``seqs`` may be empty when the step

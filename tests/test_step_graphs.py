@@ -10,18 +10,20 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import PREFILL_GRAPH_SEQS, PREFILL_TOKEN_BUCKETS, prefill_buckets
+from engine.cuda_graphs import PREFILL_SEQ_CLASSES, PREFILL_TOKEN_BUCKETS, StepGraphs, prefill_buckets
 from test_async_scheduling import SMALL, expected, mixed_params, run, texts  # noqa: F401 - fixtures
 
 
-def with_uncaptured_graphs(llm: LLM, buckets=None, prefill_seqs=None) -> dict:
-    """Give ``llm``'s runner its uncaptured graphs (prefill token ``buckets`` and ``prefill_seqs`` overridden
-    where given); returns the count of each kind of step: through a decode graph, a prefill graph, eagerly, and
-    of prefill-graph steps with a pending token ("pending")."""
-    runner, counts = llm.engine.runner, {"decode": 0, "prefill": 0, "eager": 0, "pending": 0}
+def with_uncaptured_graphs(llm: LLM, buckets=None, classes=None) -> dict:
+    """Give ``llm``'s runner its uncaptured graphs (prefill token ``buckets`` and sequence ``classes``
+    overridden where given); returns the count of each kind of step: through a decode graph, a prefill graph,
+    eagerly, and of prefill-graph steps with a pending token ("pending"), and the set of sequence classes the
+    prefill-graph steps took ("classes")."""
+    runner = llm.engine.runner
+    counts = {"decode": 0, "prefill": 0, "eager": 0, "pending": 0, "classes": set()}
     graphs = runner.step_graphs(llm.engine.max_model_len, capture=False, prefill=True)
     graphs.prefill_buckets = buckets or graphs.prefill_buckets
-    graphs.prefill_seqs = prefill_seqs or graphs.prefill_seqs
+    graphs.prefill_classes = classes or graphs.prefill_classes
     for owner, name, kind in ((graphs, "replay", "decode"), (graphs, "replay_prefill", "prefill"),
                               (runner, "prepare_prefill", "eager"), (runner, "prepare_decode", "eager")):
         method = getattr(owner, name)
@@ -29,28 +31,34 @@ def with_uncaptured_graphs(llm: LLM, buckets=None, prefill_seqs=None) -> dict:
         def counted(*args, method=method, kind=kind):
             counts[kind] += 1
             counts["pending"] += kind == "prefill" and max(args[1]) >= 0  # args[1]: prev_rows
+            key = kind == "prefill" and graphs.prefill_bucket_for(len(args[0]), len(args[4]) - 1)  # ids, cu_seqlens
+            if key:
+                counts["classes"].add(key[1])
             return method(*args)
         setattr(owner, name, counted)
     runner.graphs = graphs
     return counts
 
 
-@pytest.mark.parametrize("extra, buckets, prefill_seqs, eager, pending, preempted", [
+@pytest.mark.parametrize("extra, buckets, classes, eager, pending, preempted, used", [
     # the 9 sequences' prompts (1 to 38 tokens each, 118 in all) in one 128-token graph, then decode graphs
-    ({}, None, None, False, False, False),
+    ({}, None, None, False, False, False, {16}),
     # mixed steps of 20 tokens at most: chunks, decode rows, pending tokens read from last_tokens
-    ({"async_scheduling": True, "max_num_batched_tokens": 20}, None, None, False, True, False),
+    ({"async_scheduling": True, "max_num_batched_tokens": 20}, None, None, False, True, False, {16}),
+    # the same steps (of 3, 5 and 6 sequences) through graphs of 4 and of 9 sequences (absent sequences in both)
+    ({"async_scheduling": True, "max_num_batched_tokens": 20}, None, (4, 9), False, True, False, {4, 9}),
     # preemption by recompute (single prompts of up to 64 tokens: graphs); the first step (9 sequences > 4) eager
-    ({"async_scheduling": True, "num_kv_blocks": 10}, (1, 8, 16, 64), 4, True, True, True),
-], ids=["roomy", "async-chunked", "async-recompute-eager-fallback"])
+    ({"async_scheduling": True, "num_kv_blocks": 10}, (1, 8, 16, 64), (4,), True, True, True, {4}),
+], ids=["roomy", "async-chunked", "async-chunked-two-classes", "async-recompute-eager-fallback"])
 def test_graph_buffers_give_the_tokens_of_the_engine_without_graphs(demo_model, texts, expected, extra, buckets,
-                                                                    prefill_seqs, eager, pending, preempted):
+                                                                    classes, eager, pending, preempted, used):
     llm = LLM(str(demo_model), **SMALL, **extra)
-    counts = with_uncaptured_graphs(llm, buckets, prefill_seqs)
+    counts = with_uncaptured_graphs(llm, buckets, classes)
     got, _ = run(llm, texts, mixed_params())
     assert got == expected
     assert counts["decode"] > 10 and counts["prefill"] >= 1 and (counts["eager"] > 0) == eager
     assert (counts["pending"] > 0) == pending and (llm.engine.scheduler.num_preemptions > 0) == preempted
+    assert counts["classes"] == used
 
 
 def test_a_padded_prefill_writes_the_eager_kv_and_hidden_rows(demo_model):
@@ -90,15 +98,31 @@ def test_prefill_buckets_stop_at_the_first_that_holds_the_step_budget():
     assert prefill_buckets(20) == (1, 8, 16, 64) and prefill_buckets(16) == (1, 8, 16) and prefill_buckets(1) == (1,)
 
 
+def test_the_larger_sequence_class_has_graphs_only_for_steps_it_can_take(demo_model):
+    """With ``max_num_seqs`` 64: prefill graphs of 16 sequences for every token bucket, of 64 only for buckets
+    above 16 tokens (a step of 17 or more sequences has at least 17 tokens); a step takes the smallest class
+    that holds its sequences."""
+    llm = LLM(str(demo_model), **SMALL)
+    runner = llm.engine.runner
+    graphs = StepGraphs(runner.model, 64, 2048, 8, runner.model.config["hidden_size"], runner.dtype,
+                        runner.device, torch.zeros(64, dtype=torch.int64), capture=False)
+    assert PREFILL_SEQ_CLASSES == (16, 64) and graphs.prefill_classes == (16, 64)
+    assert [k for k in graphs.keys() if k[0] == "prefill"] == [
+        ("prefill", 256, 64), ("prefill", 256, 16), ("prefill", 128, 64), ("prefill", 128, 16), ("prefill", 64, 64),
+        ("prefill", 64, 16), ("prefill", 16, 16), ("prefill", 8, 16), ("prefill", 1, 16)]
+    assert graphs.prefill_bucket_for(20, 16) == (64, 16) and graphs.prefill_bucket_for(20, 17) == (64, 64)
+    assert graphs.prefill_bucket_for(256, 64) == (256, 64) and graphs.prefill_bucket_for(65, 65) is None
+
+
 def test_a_step_past_the_buckets_or_the_sequences_has_no_prefill_graph(demo_model):
     llm = LLM(str(demo_model), **SMALL)
     with_uncaptured_graphs(llm)
     graphs = llm.engine.runner.graphs
-    assert graphs.prefill_seqs == PREFILL_GRAPH_SEQS == SMALL["max_num_seqs"]
-    assert graphs.prefill_bucket_for(5, 2) == 8 and graphs.prefill_bucket_for(65, 1) == 128
-    assert graphs.prefill_bucket_for(256, PREFILL_GRAPH_SEQS) == 256
+    assert graphs.prefill_classes == (16,) and SMALL["max_num_seqs"] == 16
+    assert graphs.prefill_bucket_for(5, 2) == (8, 16) and graphs.prefill_bucket_for(65, 1) == (128, 16)
+    assert graphs.prefill_bucket_for(256, 16) == (256, 16)
     assert graphs.prefill_bucket_for(257, 1) is None
-    assert graphs.prefill_bucket_for(20, PREFILL_GRAPH_SEQS + 1) is None
+    assert graphs.prefill_bucket_for(20, 17) is None
     with pytest.raises(ValueError, match="no prefill graph for 257 tokens"):
         graphs.replay_prefill([1] * 257, [-1] * 257, list(range(257)), [-1] * 257, [0, 257], [257], [[0]])
 
