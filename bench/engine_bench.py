@@ -437,8 +437,8 @@ def _mixed_step(llm: LLM, running: int, prompt_len: int, tag: str, device: str =
 
     quick = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     order = [f"{tag}-r{i}" for i in range(running)] + [tag]
-    for rid in order[:-1]:
-        engine.add_request(rid, [3 + (int(rid.rsplit("r", 1)[1]) * 31 + j) % 31000 for j in range(16)], quick)
+    for i, rid in enumerate(order[:-1]):
+        engine.add_request(rid, [3 + (i * 31 + j) % 31000 for j in range(16)], quick)
     for _ in range(2):  # the running sequences' prefill, then a decode step: all of them decoding
         step()
     engine.add_request(tag, [3 + (i * 7919 + prompt_len) % 31000 for i in range(prompt_len)],
@@ -460,46 +460,64 @@ def _mixed_step(llm: LLM, running: int, prompt_len: int, tag: str, device: str =
     return wall, tuple(launched[:1]), [tokens[rid] for rid in order]
 
 
-def mixed_step_rows(ctx: dict, make_row, classes=((16,), (64,), (16, 64)), running=(0, 15, 47),
+#: mixed_step_rows' engines: ``engine.cuda_graphs`` settings each is built with ({}: the defaults). Runs 97-98
+#: compared sequence classes (16,), (64,) and the default (16, 64); since, the token buckets.
+MIXED_STEP_CONFIGS = (dict(PREFILL_TOKEN_BUCKETS=w4a16.M_BUCKETS), {})
+
+
+def mixed_step_rows(ctx: dict, make_row, configs=MIXED_STEP_CONFIGS, running=(0, 15, 47),
                     prompt_len: int = 128, reps: int = 3, device: str = "cuda", model_dir: str | None = None) -> list:
-    """How many sequences prefill graphs should launch (``cuda_graphs.PREFILL_SEQ_CLASSES``, the last of
-    ``classes`` the default): 7B-shaped random AWQ model, ``max_num_seqs`` 64, one engine per entry of ``classes``;
+    """Which prefill graphs to capture (``cuda_graphs.PREFILL_SEQ_CLASSES``, ``PREFILL_TOKEN_BUCKETS``): 7B-shaped
+    random AWQ model, ``max_num_seqs`` 64, one engine per entry of ``configs`` (the settings it is built with);
     per engine, the step that prefills one ``prompt_len``-token prompt beside ``running`` decoding sequences, from
-    a graph where one holds the step (the smallest class that holds its sequences) and eagerly (prefill graphs set
-    aside). A graph's absent sequences cost the prefill attention one query tile per head each, which find no
-    tokens and return; a step with more sequences than the largest class runs eagerly. No target."""
+    a graph where one holds the step (the smallest class that holds its sequences, padded to the smallest token
+    bucket that holds its tokens) and eagerly (prefill graphs set aside). A graph's absent sequences cost the
+    prefill attention one query tile per head each, which find no tokens and return; a step with more sequences
+    than the largest class runs eagerly. No target."""
     from engine import cuda_graphs
 
     rows = []
-    for s in classes:
-        with mock.patch.object(cuda_graphs, "PREFILL_SEQ_CLASSES", s), _prefill_graphs(True):
+    for config in configs:
+        with contextlib.ExitStack() as stack:
+            for name, value in config.items():
+                stack.enter_context(mock.patch.object(cuda_graphs, name, value))
+            stack.enter_context(_prefill_graphs(True))
             llm = LLM(model_dir or _model_7b(ctx), device=device, **BUILT_IN, max_num_seqs=64, max_model_len=1024,
                       enable_prefix_caching=False, gpu_memory_utilization=0.3)
         graphs = llm.engine.runner.graphs
+        what = ", ".join(f"{k} {v}" for k, v in config.items()) or "defaults"
         buckets = graphs.prefill_buckets if graphs is not None else ()
         for r in running:
-            tag = f"s{s}r{r}"
-            if graphs is not None:
-                graphs.prefill_buckets = ()
-            _mixed_step(llm, r, prompt_len, f"{tag}w", device)
-            eager = [_mixed_step(llm, r, prompt_len, f"{tag}e{i}", device) for i in range(reps)]
-            if graphs is not None:
-                graphs.prefill_buckets = buckets
+            tag = f"c{configs.index(config)}r{r}"
+            try:
+                if graphs is not None:
+                    graphs.prefill_buckets = ()
+                _mixed_step(llm, r, prompt_len, f"{tag}w", device)
+                eager = [_mixed_step(llm, r, prompt_len, f"{tag}e{i}", device) for i in range(reps)]
+            finally:
+                if graphs is not None:
+                    graphs.prefill_buckets = buckets
             key = graphs.prefill_bucket_for(prompt_len + r, r + 1) if graphs is not None else None
             _mixed_step(llm, r, prompt_len, f"{tag}gw", device)
             replayed = [_mixed_step(llm, r, prompt_len, f"{tag}g{i}", device) for i in range(reps)]
             how = "no graphs" if graphs is None else f"graph {key}" if key else "eager: too many sequences"
             wall_e, wall_g = min(w for w, _, _ in eager), min(w for w, _, _ in replayed)
-            rows.append(make_row(f"7B AWQ step, {prompt_len}-token prompt + {r} decodes: graphs of "
-                                 f"{' and '.join(map(str, s))} sequences vs eager", f"max_num_seqs 64, {how}",
+            rows.append(make_row(f"7B AWQ step, {prompt_len}-token prompt + {r} decodes: graphs ({what}) vs eager",
+                                 f"max_num_seqs 64, {how}",
                                  wall_g, "the same step, prefill graphs set aside", wall_e, None,
-                                 f"{wall_e / 1e3:.1f} -> {wall_g / 1e3:.1f} ms; launched (seqs, tokens) "
-                                 f"{eager[0][1]}" + (f"; {len(graphs.graphs)} graphs in {graphs.capture_s:.1f} s, "
-                                                     f"{graphs.pool_bytes / 2**20:.0f} MiB" if graphs else "")))
-            want = eager[0][2]
-            same = sum(a == b for run in eager + replayed for a, b in zip(run[2], want))
-            rows.append(make_row("  same greedy tokens as eager (counts, not µs)", f"{r + 1} requests x {2 * reps} "
-                                 "runs", 2 * reps * (r + 1), "requests identical", same, 1.0, ""))
+                                 f"{wall_e / 1e3:.1f} -> {wall_g / 1e3:.1f} ms" + (
+                                     f"; {len(graphs.graphs)} graphs in {graphs.capture_s:.1f} s, "
+                                     f"{graphs.pool_bytes / 2**20:.0f} MiB" if graphs else "")))
+            # every timed step was the one meant (the prompt beside r decodes), and every request of the other
+            # runs got the first eager run's greedy tokens
+            want, others = eager[0][2], eager[1:] + replayed
+            same = sum(a == b for run in others for a, b in zip(run[2], want))
+            meant = sum(run[1] == ((r + 1, prompt_len + r),) for run in eager + replayed)
+            rows.append(make_row("  same greedy tokens as the first eager run (counts, not µs)",
+                                 f"{r + 1} requests x {len(others)} runs ({reps} replayed)", len(others) * (r + 1),
+                                 "requests identical", same, 1.0,
+                                 f"{meant} of {2 * reps} timed steps launched {r + 1} sequences, "
+                                 f"{prompt_len + r} tokens"))
         del llm, graphs
         _free()
     return rows

@@ -5,8 +5,8 @@ A step launches hundreds of small kernels; replaying a captured graph removes th
 ``CUDAGraphRunner``; vLLM V1 also captures steps with prefill rows up to a token count). Two kinds of graph:
 
 - decode, one per batch-size bucket (:func:`batch_buckets`): B sequences, one new token each;
-- prefill, one per token bucket (:func:`prefill_buckets`: :data:`PREFILL_TOKEN_BUCKETS`, the W4A16 kernels' M
-  buckets, so a padded step runs the plans an eager step of its length runs) and sequence class
+- prefill, one per token bucket (:func:`prefill_buckets`: :data:`PREFILL_TOKEN_BUCKETS`, which hold the W4A16
+  kernels' M buckets, so a padded step runs the plans an eager step of its length runs) and sequence class
   (:data:`PREFILL_SEQ_CLASSES`): up to T new tokens of up to S sequences (prompts, chunks, decode rows of a mixed
   step), always launched as S sequences, those past the step's with no new tokens and an empty context.
 
@@ -40,8 +40,12 @@ logger = logging.getLogger(__name__)
 
 #: Prefill graphs' token counts: a step of up to 256 new tokens is padded to the first of these >= its count.
 #: Above that a step's kernels keep the GPU busier than their launches keep the host (H200, 7B shape, eager steps,
-#: bench/RESULTS.md run 95: 2,048 tokens 0.99 busy, 512 tokens 0.78, 128 tokens 0.31).
-PREFILL_TOKEN_BUCKETS = M_BUCKETS
+#: bench/RESULTS.md run 95: 2,048 tokens 0.99 busy, 512 tokens 0.78, 128 tokens 0.31). Every W4A16 M bucket
+#: (``w4a16.M_BUCKETS``) is one, so that padding never crosses into another plan; between them, steps of 16 and 32
+#: tokens, because a step's time grows with its padded count (H100, run 98: a 128-token prompt 6.7 ms, the same
+#: beside 15 decodes, 143 tokens padded to 256, 10.4 ms). Multiples of 16: no kernel variant the start-up
+#: prefills (``ModelRunner.WARM_UP_TOKENS``) did not compile.
+PREFILL_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 #: Sequence counts prefill graphs launch (each capped by ``max_num_seqs``; a step takes the smallest that holds its
 #: sequences, and runs eagerly with more than the largest). Each absent sequence costs the prefill attention one
 #: query tile per query head, whose programs find no tokens and return, but queue behind the others: H100, 7B
@@ -200,10 +204,12 @@ class StepGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def prefill_bucket_for(self, tokens: int, seqs: int) -> tuple[int, int] | None:
-        """(T, S): the smallest prefill token bucket >= ``tokens`` and the smallest sequence class >= ``seqs``,
-        or None (no graph: more tokens than the largest bucket, or more sequences than the largest class)."""
+        """(T, S): the smallest sequence class >= ``seqs`` and the smallest prefill token bucket >= ``tokens``
+        (and >= ``seqs``: every sequence of a step has a new token, and a class has graphs only for buckets above
+        the next smaller class), or None (no graph: more tokens than the largest bucket, or more sequences than
+        the largest class). Every key it gives was captured (:meth:`keys`)."""
         s = next((c for c in self.prefill_classes if c >= seqs), None)
-        t = next((t for t in self.prefill_buckets if t >= tokens), None)
+        t = next((t for t in self.prefill_buckets if t >= max(tokens, seqs)), None)
         return None if s is None or t is None else (t, s)
 
     def _fill_tables(self, block_tables: list[list[int]]) -> None:

@@ -30,8 +30,9 @@ def _tokens(model_dir: str, plans_dir: str, batches: list, **kw) -> list:
 
 @pytest.mark.parametrize("prefill_graphs", ["0", "1"])
 def test_small_batches_after_large_ones_replay_the_eager_tokens(tmp_path, monkeypatch, prefill_graphs):
-    """Batches of 3 prompts (111 tokens: a 128-token prefill graph), 32 (eager: more than 16), 3, 20, 1 (37
-    tokens: 64), with prefill graphs off and on."""
+    """Batches of 3 prompts (111 tokens: a 128-token prefill graph of 16 sequences), 32 (1,184 tokens: eager), 3,
+    20 (740 tokens: eager), 24 short ones (192 tokens: a 256-token graph of 32 sequences, the larger class capped by
+    max_num_seqs), 1 (37 tokens: 64), with prefill graphs off and on."""
     from bench.random_model import write_random_awq_model
 
     monkeypatch.setenv("APPLIANCE_PREFILL_GRAPHS", prefill_graphs)
@@ -39,8 +40,9 @@ def test_small_batches_after_large_ones_replay_the_eager_tokens(tmp_path, monkey
                                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                                        vocab_size=4096, max_position_embeddings=512))
     big = [list(range(3 + i, 40 + i)) for i in range(32)]
-    batches = [big[:3], big, big[:3], big[:20], big[:1]]  # buckets of 1-16 rows (split-K GEMVs) after 17-32
+    short = [b[:8] for b in big[:24]]
+    batches = [big[:3], big, big[:3], big[:20], short, big[:1]]  # buckets of 1-16 rows (split-K GEMVs) after 17-32
     graphs = _tokens(model, str(tmp_path / "plans"), batches)
     eager = _tokens(model, str(tmp_path / "plans"), batches, enforce_eager=True)
-    assert [len(b) for b in graphs] == [3, 32, 3, 20, 1]
+    assert [len(b) for b in graphs] == [3, 32, 3, 20, 24, 1]
     assert graphs == eager

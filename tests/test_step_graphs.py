@@ -11,6 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import PREFILL_SEQ_CLASSES, PREFILL_TOKEN_BUCKETS, StepGraphs, prefill_buckets
+from kernels import w4a16
 from test_async_scheduling import SMALL, expected, mixed_params, run, texts  # noqa: F401 - fixtures
 
 
@@ -24,6 +25,7 @@ def with_uncaptured_graphs(llm: LLM, buckets=None, classes=None) -> dict:
     graphs = runner.step_graphs(llm.engine.max_model_len, capture=False, prefill=True)
     graphs.prefill_buckets = buckets or graphs.prefill_buckets
     graphs.prefill_classes = classes or graphs.prefill_classes
+    assert graphs.prefill_classes[-1] <= graphs.block_tables.shape[0]  # the buffers hold the largest class
     for owner, name, kind in ((graphs, "replay", "decode"), (graphs, "replay_prefill", "prefill"),
                               (runner, "prepare_prefill", "eager"), (runner, "prepare_decode", "eager")):
         method = getattr(owner, name)
@@ -38,6 +40,18 @@ def with_uncaptured_graphs(llm: LLM, buckets=None, classes=None) -> dict:
         setattr(owner, name, counted)
     runner.graphs = graphs
     return counts
+
+
+@pytest.fixture(scope="module")
+def runner(demo_model):
+    """A model runner of the demo model, for graphs built by hand (:func:`_graphs`)."""
+    return LLM(str(demo_model), **SMALL).engine.runner
+
+
+def _graphs(runner, max_num_seqs: int, token_budget: int = 2048) -> StepGraphs:
+    """Uncaptured graphs of ``runner``'s model for an engine of ``max_num_seqs`` and ``token_budget``."""
+    return StepGraphs(runner.model, max_num_seqs, token_budget, 8, runner.model.config["hidden_size"], runner.dtype,
+                      runner.device, torch.zeros(max_num_seqs, dtype=torch.int64), capture=False)
 
 
 @pytest.mark.parametrize("extra, buckets, classes, eager, pending, preempted, used", [
@@ -93,25 +107,56 @@ def test_a_padded_prefill_writes_the_eager_kv_and_hidden_rows(demo_model):
 
 
 def test_prefill_buckets_stop_at_the_first_that_holds_the_step_budget():
-    assert prefill_buckets(2048) == PREFILL_TOKEN_BUCKETS == (1, 8, 16, 64, 128, 256)
+    assert prefill_buckets(2048) == PREFILL_TOKEN_BUCKETS == (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
     assert prefill_buckets(256) == PREFILL_TOKEN_BUCKETS
-    assert prefill_buckets(20) == (1, 8, 16, 64) and prefill_buckets(16) == (1, 8, 16) and prefill_buckets(1) == (1,)
+    assert prefill_buckets(20) == (1, 8, 16, 32) and prefill_buckets(16) == (1, 8, 16) and prefill_buckets(1) == (1,)
+    assert set(w4a16.M_BUCKETS) <= set(PREFILL_TOKEN_BUCKETS)  # padding never crosses a W4A16 plan bucket
 
 
-def test_the_larger_sequence_class_has_graphs_only_for_steps_it_can_take(demo_model):
+def test_the_larger_sequence_class_has_graphs_only_for_steps_it_can_take(runner):
     """With ``max_num_seqs`` 64: prefill graphs of 16 sequences for every token bucket, of 64 only for buckets
     above 16 tokens (a step of 17 or more sequences has at least 17 tokens); a step takes the smallest class
     that holds its sequences."""
-    llm = LLM(str(demo_model), **SMALL)
-    runner = llm.engine.runner
-    graphs = StepGraphs(runner.model, 64, 2048, 8, runner.model.config["hidden_size"], runner.dtype,
-                        runner.device, torch.zeros(64, dtype=torch.int64), capture=False)
+    graphs = _graphs(runner, 64)
     assert PREFILL_SEQ_CLASSES == (16, 64) and graphs.prefill_classes == (16, 64)
     assert [k for k in graphs.keys() if k[0] == "prefill"] == [
-        ("prefill", 256, 64), ("prefill", 256, 16), ("prefill", 128, 64), ("prefill", 128, 16), ("prefill", 64, 64),
-        ("prefill", 64, 16), ("prefill", 16, 16), ("prefill", 8, 16), ("prefill", 1, 16)]
-    assert graphs.prefill_bucket_for(20, 16) == (64, 16) and graphs.prefill_bucket_for(20, 17) == (64, 64)
+        ("prefill", 256, 64), ("prefill", 256, 16), ("prefill", 224, 64), ("prefill", 224, 16), ("prefill", 192, 64),
+        ("prefill", 192, 16), ("prefill", 160, 64), ("prefill", 160, 16), ("prefill", 128, 64), ("prefill", 128, 16),
+        ("prefill", 96, 64), ("prefill", 96, 16), ("prefill", 64, 64), ("prefill", 64, 16), ("prefill", 48, 64),
+        ("prefill", 48, 16), ("prefill", 32, 64), ("prefill", 32, 16), ("prefill", 16, 16), ("prefill", 8, 16),
+        ("prefill", 1, 16)]
+    assert graphs.prefill_bucket_for(20, 16) == (32, 16) and graphs.prefill_bucket_for(20, 17) == (32, 64)
     assert graphs.prefill_bucket_for(256, 64) == (256, 64) and graphs.prefill_bucket_for(65, 65) is None
+
+
+def test_a_step_of_the_larger_class_pads_every_row_of_it(runner):
+    """A 20-sequence step after a 40-sequence one, both in graphs of 64: rows 20-63 of cu_seqlens hold the step's
+    token count (no new tokens) and of context_lens 0, none of the earlier step's values (the prefill attention's
+    binary search over cu_seqlens needs them in order)."""
+    graphs = _graphs(runner, 64)
+    graphs.replay_prefill([5] * 40, [-1] * 40, [0] * 40, [-1] * 40, list(range(41)), [1] * 40, [[0]] * 40)
+    graphs.replay_prefill([5] * 20, [-1] * 20, [0] * 20, [-1] * 20, list(range(21)), [1] * 20, [[0]] * 20)
+    assert graphs.cu_seqlens[:65].tolist() == list(range(21)) + [20] * 44
+    assert graphs.context_lens[:64].tolist() == [1] * 20 + [0] * 44
+
+
+@pytest.mark.parametrize("max_num_seqs, token_budget", [(1, 1), (4, 20), (15, 15), (16, 2048), (17, 17),
+                                                        (20, 100), (32, 256), (64, 64), (100, 2048)])
+def test_every_step_a_graph_holds_has_its_graph_captured(runner, max_num_seqs, token_budget):
+    """For every step of ``seqs`` <= ``tokens`` (each sequence has a new token) within the budget: where
+    ``prefill_bucket_for`` gives a key, ``keys()`` has it; and every prefill key of ``keys()`` is some step's."""
+    graphs = _graphs(runner, max_num_seqs, token_budget)
+    captured = {k for k in graphs.keys() if k[0] == "prefill"}
+    taken = set()
+    for tokens in range(1, token_budget + 1):
+        for seqs in range(1, min(tokens, max_num_seqs) + 1):
+            key = graphs.prefill_bucket_for(tokens, seqs)
+            if key is not None:
+                assert ("prefill", *key) in captured, (tokens, seqs, key)
+                taken.add(("prefill", *key))
+            elif tokens <= graphs.prefill_buckets[-1] and seqs <= graphs.prefill_classes[-1]:
+                raise AssertionError(f"no graph for {tokens} tokens of {seqs} sequences")
+    assert taken == captured
 
 
 def test_a_step_past_the_buckets_or_the_sequences_has_no_prefill_graph(demo_model):
@@ -119,7 +164,7 @@ def test_a_step_past_the_buckets_or_the_sequences_has_no_prefill_graph(demo_mode
     with_uncaptured_graphs(llm)
     graphs = llm.engine.runner.graphs
     assert graphs.prefill_classes == (16,) and SMALL["max_num_seqs"] == 16
-    assert graphs.prefill_bucket_for(5, 2) == (8, 16) and graphs.prefill_bucket_for(65, 1) == (128, 16)
+    assert graphs.prefill_bucket_for(5, 2) == (8, 16) and graphs.prefill_bucket_for(65, 1) == (96, 16)
     assert graphs.prefill_bucket_for(256, 16) == (256, 16)
     assert graphs.prefill_bucket_for(257, 1) is None
     assert graphs.prefill_bucket_for(20, 17) is None
