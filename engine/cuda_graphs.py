@@ -5,8 +5,8 @@ A step launches hundreds of small kernels; replaying a captured graph removes th
 ``CUDAGraphRunner``; vLLM V1 also captures steps with prefill rows up to a token count). Two kinds of graph:
 
 - decode, one per batch-size bucket (:func:`batch_buckets`): B sequences, one new token each;
-- prefill, one per token bucket (:func:`prefill_buckets`: :data:`PREFILL_TOKEN_BUCKETS`, which hold the W4A16
-  kernels' M buckets, so a padded step runs the plans an eager step of its length runs) and sequence class
+- prefill, one per token bucket (:func:`prefill_buckets`: :data:`PREFILL_TOKEN_BUCKETS`, the W4A16 kernels' M
+  buckets, so a padded step runs the plans an eager step of its length runs) and sequence class
   (:data:`PREFILL_SEQ_CLASSES`): up to T new tokens of up to S sequences (prompts, chunks, decode rows of a mixed
   step), always launched as S sequences, those past the step's with no new tokens and an empty context.
 
@@ -40,12 +40,11 @@ logger = logging.getLogger(__name__)
 
 #: Prefill graphs' token counts: a step of up to 256 new tokens is padded to the first of these >= its count.
 #: Above that a step's kernels keep the GPU busier than their launches keep the host (H200, 7B shape, eager steps,
-#: bench/RESULTS.md run 95: 2,048 tokens 0.99 busy, 512 tokens 0.78, 128 tokens 0.31). Every W4A16 M bucket
-#: (``w4a16.M_BUCKETS``) is one, so that padding never crosses into another plan; between them, steps of 16 and 32
-#: tokens, because a step's time grows with its padded count (H100, run 98: a 128-token prompt 6.7 ms, the same
-#: beside 15 decodes, 143 tokens padded to 256, 10.4 ms). Multiples of 16: no kernel variant the start-up
-#: prefills (``ModelRunner.WARM_UP_TOKENS``) did not compile.
-PREFILL_TOKEN_BUCKETS = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+#: bench/RESULTS.md run 95: 2,048 tokens 0.99 busy, 512 tokens 0.78, 128 tokens 0.31). They are the W4A16 M buckets
+#: (``w4a16.M_BUCKETS``), so that padding never crosses into another plan. Finer buckets between them (every 16-32
+#: tokens) gained nothing (H100, run 99: 143 tokens 10.35 ms padded to 160, 10.41 to 256; 175 tokens 11.72 to
+#: 192, 11.63 to 256): within a plan bucket a step's time hardly depends on its padded count.
+PREFILL_TOKEN_BUCKETS = M_BUCKETS
 #: Sequence counts prefill graphs launch (each capped by ``max_num_seqs``; a step takes the smallest that holds its
 #: sequences, and runs eagerly with more than the largest). Each absent sequence costs the prefill attention one
 #: query tile per query head, whose programs find no tokens and return, but queue behind the others: H100, 7B

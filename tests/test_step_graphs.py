@@ -107,10 +107,9 @@ def test_a_padded_prefill_writes_the_eager_kv_and_hidden_rows(demo_model):
 
 
 def test_prefill_buckets_stop_at_the_first_that_holds_the_step_budget():
-    assert prefill_buckets(2048) == PREFILL_TOKEN_BUCKETS == (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+    assert prefill_buckets(2048) == PREFILL_TOKEN_BUCKETS == w4a16.M_BUCKETS == (1, 8, 16, 64, 128, 256)
     assert prefill_buckets(256) == PREFILL_TOKEN_BUCKETS
-    assert prefill_buckets(20) == (1, 8, 16, 32) and prefill_buckets(16) == (1, 8, 16) and prefill_buckets(1) == (1,)
-    assert set(w4a16.M_BUCKETS) <= set(PREFILL_TOKEN_BUCKETS)  # padding never crosses a W4A16 plan bucket
+    assert prefill_buckets(20) == (1, 8, 16, 64) and prefill_buckets(16) == (1, 8, 16) and prefill_buckets(1) == (1,)
 
 
 def test_the_larger_sequence_class_has_graphs_only_for_steps_it_can_take(runner):
@@ -120,12 +119,9 @@ def test_the_larger_sequence_class_has_graphs_only_for_steps_it_can_take(runner)
     graphs = _graphs(runner, 64)
     assert PREFILL_SEQ_CLASSES == (16, 64) and graphs.prefill_classes == (16, 64)
     assert [k for k in graphs.keys() if k[0] == "prefill"] == [
-        ("prefill", 256, 64), ("prefill", 256, 16), ("prefill", 224, 64), ("prefill", 224, 16), ("prefill", 192, 64),
-        ("prefill", 192, 16), ("prefill", 160, 64), ("prefill", 160, 16), ("prefill", 128, 64), ("prefill", 128, 16),
-        ("prefill", 96, 64), ("prefill", 96, 16), ("prefill", 64, 64), ("prefill", 64, 16), ("prefill", 48, 64),
-        ("prefill", 48, 16), ("prefill", 32, 64), ("prefill", 32, 16), ("prefill", 16, 16), ("prefill", 8, 16),
-        ("prefill", 1, 16)]
-    assert graphs.prefill_bucket_for(20, 16) == (32, 16) and graphs.prefill_bucket_for(20, 17) == (32, 64)
+        ("prefill", 256, 64), ("prefill", 256, 16), ("prefill", 128, 64), ("prefill", 128, 16), ("prefill", 64, 64),
+        ("prefill", 64, 16), ("prefill", 16, 16), ("prefill", 8, 16), ("prefill", 1, 16)]
+    assert graphs.prefill_bucket_for(20, 16) == (64, 16) and graphs.prefill_bucket_for(20, 17) == (64, 64)
     assert graphs.prefill_bucket_for(256, 64) == (256, 64) and graphs.prefill_bucket_for(65, 65) is None
 
 
@@ -164,7 +160,7 @@ def test_a_step_past_the_buckets_or_the_sequences_has_no_prefill_graph(demo_mode
     with_uncaptured_graphs(llm)
     graphs = llm.engine.runner.graphs
     assert graphs.prefill_classes == (16,) and SMALL["max_num_seqs"] == 16
-    assert graphs.prefill_bucket_for(5, 2) == (8, 16) and graphs.prefill_bucket_for(65, 1) == (96, 16)
+    assert graphs.prefill_bucket_for(5, 2) == (8, 16) and graphs.prefill_bucket_for(65, 1) == (128, 16)
     assert graphs.prefill_bucket_for(256, 16) == (256, 16)
     assert graphs.prefill_bucket_for(257, 1) is None
     assert graphs.prefill_bucket_for(20, 17) is None
