@@ -1,6 +1,6 @@
 """On a GPU (``KERNEL_TEST_DEVICE=cuda``, as bench/gpu_suite.py runs the kernel tests): the CUDA graphs of a small
-random AWQ model (with prefill graphs off and on: ``APPLIANCE_PREFILL_GRAPHS`` 0 / 1) give the eager engine's greedy tokens when batches
-of different sizes follow each other.
+random AWQ model (with prefill graphs off and on: ``APPLIANCE_PREFILL_GRAPHS`` 0 / 1) give the eager engine's greedy
+tokens when batches of different sizes follow each other.
 
 The regression this guards: the split-K GEMV's arrival counters (``w4a16._locks``) were allocated inside the first
 decode-graph capture that needed them, from the graphs' shared pool (a block a larger bucket's graph may write on
