@@ -348,17 +348,26 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _timed_step(step, device: str) -> float:
+    """Wall µs of one call of ``step`` (an engine step), synchronized before and after."""
+    _sync(device)
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e6
+
+
+def _prompt(prompt_len: int) -> list[int]:
+    """The benchmark's ``prompt_len``-token prompt (ids spread over the vocabulary, the same for a length)."""
+    return [3 + (i * 7919 + prompt_len) % 31000 for i in range(prompt_len)]
+
+
 def _prefill_step(llm: LLM, prompt_len: int, tag: str, device: str = "cuda") -> float:
     """Wall µs of the engine step that prefills one new ``prompt_len``-token prompt (max_tokens 1; synchronized
     before and after), the request then run to its end."""
     engine = llm.engine
-    engine.add_request(tag, [3 + (i * 7919 + prompt_len) % 31000 for i in range(prompt_len)],
-                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    _sync(device)
-    start = time.perf_counter()
-    engine.step()
-    _sync(device)
-    wall = (time.perf_counter() - start) * 1e6
+    engine.add_request(tag, _prompt(prompt_len), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    wall = _timed_step(engine.step, device)
     while engine.has_unfinished_requests():
         engine.step()
     return wall
@@ -441,20 +450,15 @@ def _mixed_step(llm: LLM, running: int, prompt_len: int, tag: str, device: str =
         engine.add_request(rid, [3 + (i * 31 + j) % 31000 for j in range(16)], quick)
     for _ in range(2):  # the running sequences' prefill, then a decode step: all of them decoding
         step()
-    engine.add_request(tag, [3 + (i * 7919 + prompt_len) % 31000 for i in range(prompt_len)],
-                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.add_request(tag, _prompt(prompt_len), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     launch = engine.runner.launch
 
     def recording(batch, *args):
         launched.append((len(batch.seqs), batch.num_batched_tokens))
         return launch(batch, *args)
 
-    _sync(device)
-    start = time.perf_counter()
     with mock.patch.object(engine.runner, "launch", recording):
-        step()
-        _sync(device)
-    wall = (time.perf_counter() - start) * 1e6
+        wall = _timed_step(step, device)
     while engine.has_unfinished_requests():
         step()
     return wall, tuple(launched[:1]), [tokens[rid] for rid in order]
@@ -478,7 +482,7 @@ def mixed_step_rows(ctx: dict, make_row, configs=MIXED_STEP_CONFIGS, running=(0,
     from engine import cuda_graphs
 
     rows = []
-    for config in configs:
+    for c, config in enumerate(configs):
         with contextlib.ExitStack() as stack:
             for name, value in config.items():
                 stack.enter_context(mock.patch.object(cuda_graphs, name, value))
@@ -489,7 +493,7 @@ def mixed_step_rows(ctx: dict, make_row, configs=MIXED_STEP_CONFIGS, running=(0,
         what = ", ".join(f"{k} {v}" for k, v in config.items()) or "defaults"
         buckets = graphs.prefill_buckets if graphs is not None else ()
         for r in running:
-            tag = f"c{configs.index(config)}r{r}"
+            tag = f"c{c}r{r}"
             try:
                 if graphs is not None:
                     graphs.prefill_buckets = ()
