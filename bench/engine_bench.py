@@ -2,7 +2,8 @@
 timed in the same run).
 
 * batch-1 decode of a Llama-2-7B-shaped random AWQ model, CUDA graphs on, against the bandwidth bound
-  (bytes read per step / measured copy bandwidth), and against our own eager engine;
+  (bytes read per step / measured copy bandwidth), and against our own eager engine; and where its step goes (the
+  step with some ops launching nothing, against the whole step);
 * a prefill step (one 32-, 128-, 512- and 2,048-token prompt), run eagerly, against its kernels' GPU time: how much of
   TTFT is host time, with a cProfile of it in the log; and, up to 256 tokens, replayed from its prefill CUDA graph
   against the eager step (no target);
@@ -268,6 +269,44 @@ def decode_rows(ctx: dict, make_row) -> list:
                          step8, "bytes/step ÷ copy BW", bytes8 / ctx["copy_bw"] * 1e6, None,
                          f"{tok_s['batch8']:.0f} tok/s in all ({tok_s['batch8'] / tok_s[False]:.2f}x bs1); "
                          f"{bytes8 / 1e9:.2f} GB/step"))
+    return rows
+
+
+def _skipped(names: tuple[str, ...]):
+    """While it lasts, the ``kernels.ops`` ops in ``names`` launch nothing (wrong results, for timing only):
+    ``rms_norm`` returns its input twice, ``rotary_write_kv`` an uninitialised q (and writes no KV),
+    ``paged_attention_decode`` its q (no decode or merge kernel)."""
+    from kernels import ops
+    fakes = {"rms_norm": lambda x, w, eps, residual=None: (x, x),
+             "rotary_write_kv": lambda positions, q, *a, **kw: torch.empty(q.shape, dtype=q.dtype, device=q.device),
+             "paged_attention_decode": lambda q, *a, **kw: q}
+    stack = contextlib.ExitStack()
+    for name in names:
+        stack.enter_context(mock.patch.object(ops, name, fakes[name]))
+    return stack
+
+
+#: The ablations of :func:`decode_ablation_rows`: (label, the ops skipped)
+ABLATIONS = (("RMSNorm (65 launches)", ("rms_norm",)), ("rotary + KV write (32)", ("rotary_write_kv",)),
+             ("decode attention + split merge (64)", ("paged_attention_decode",)),
+             ("all three: W4A16 products, LM head and sampling left", ("rms_norm", "rotary_write_kv",
+                                                                       "paged_attention_decode")))
+
+
+def decode_ablation_rows(ctx: dict, make_row) -> list:
+    """Where a batch-1 decode step of the 7B-shaped model goes, CUDA graphs on: the step timed with some ops
+    launching nothing (:data:`ABLATIONS`; their outputs are wrong, the W4A16 products' bytes and launches the
+    same) against the whole step, in the same run. The difference is what those launches cost in the graph,
+    their waits on the kernel before them included: the most that fusing them away could save (no target)."""
+    model_dir = _model_7b(ctx)
+    full = _bs1_tok_s_under(model_dir, contextlib.nullcontext())
+    rows = []
+    for label, names in ABLATIONS:
+        tok_s = _bs1_tok_s_under(model_dir, _skipped(names))
+        rows.append(make_row(f"7B AWQ decode bs1 without {label}", "Llama-2-7B shape, ctx ~160, graphs on",
+                             1e6 / tok_s, "the whole step", 1e6 / full, None,
+                             f"{tok_s:.0f} against {full:.0f} tok/s: those launches cost "
+                             f"{1e6 / full - 1e6 / tok_s:.0f} us a step"))
     return rows
 
 
@@ -1157,7 +1196,8 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
 #: the order given (an unknown name is an error).
 SUITE_ROWS = [cuda_path_rows, qwen_rows, sliding_window_rows, scaled_rope_rows, smollm2_rows, decode_rows,
-              prefill_host_rows, mixed_step_rows, measured_plan_rows, throughput_rows, http_rows]
+              decode_ablation_rows, prefill_host_rows, mixed_step_rows, measured_plan_rows, throughput_rows,
+              http_rows]
 if os.environ.get("ENGINE_ROWS"):
     _BY_NAME = {fn.__name__: fn for fn in SUITE_ROWS}
     _unknown = [n for n in os.environ["ENGINE_ROWS"].split(",") if n not in _BY_NAME]
