@@ -6,13 +6,17 @@
 AWQ_DIR is a quantized checkpoint folder (``appliance install --yes`` leaves one under
 ``$XDG_DATA_HOME/appliance/models/``). Writes ``.cache/smolA`` and ``.cache/smolB`` (git-ignored) and prints the
 two device commands: the first carries part A to ``/tmp/smol`` on the GPU machine, the second (within the
-machine's idle window) carries part B, joins the weights and runs the rows (bench/RESULTS.md, run 62).
+machine's idle window) carries part B, joins the weights and runs the rows (bench/RESULTS.md, run 62). It also
+prints what room each call leaves: the structured-output rows need xgrammar there, whose wheels
+(:data:`XGRAMMAR_WHEELS`, about 7.1 MiB) fit beside part A only (the first call then installs them into
+``/tmp/site``, which the second finds while the machine stays warm).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +36,26 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": 
           "required": ["answer", "reason"], "additionalProperties": False}
 PART_BYTES = 57_000_000  # part A's share of model.safetensors; part B takes the rest and tokenizer.json
 CALL_BYTES = 62 << 20  # what one part may take: a device call carries 64 MiB, the repository's files included
+CARRY_LIMIT = 64 << 20  # what one device call carries: the files that travel and the carried paths
+#: The wheels the structured-output rows need on the GPU machine (its image has none of them; versions as pip
+#: resolves them here, downloaded with the device README's recipe into a git-ignored folder)
+XGRAMMAR_WHEELS = ("xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+                   "typing-extensions")
+
+
+def travel_bytes(root: Path = ROOT) -> int:
+    """Bytes of the files a device call sends from the repository at ``root`` besides its carried paths: the
+    tracked files and the untracked ones git does not ignore (as they are on disk). CalledProcessError if ``root``
+    is not a git work tree."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         check=True, capture_output=True).stdout
+    files = {root / name for name in out.decode().split("\0") if name}
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (0 if it does not exist)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def latest_checkpoint() -> Path:
@@ -110,6 +134,15 @@ def main() -> None:
     shutil.copy(model / "tokenizer.json", part_b / "tokenizer.json")
     (part_a / "expected.json").write_text(json.dumps(expected_tokens(model)))
     md5 = hashlib.md5(weights).hexdigest()
+    repo = travel_bytes()
+    mib = 1 << 20
+    for name, part in (("call 1", part_a), ("call 2", part_b)):
+        size = repo + folder_bytes(part)
+        print(f"{name} carries {size / mib:.1f} MiB ({folder_bytes(part) / mib:.1f} of them the part): "
+              f"{(CARRY_LIMIT - size) / mib:.1f} MiB left for wheels")
+    print(f"for the structured-output rows, carry the wheels of {', '.join(XGRAMMAR_WHEELS)} (about 7.1 MiB) "
+          "with call 1 and start it with the device README's pip install into /tmp/site; call 2 then sets "
+          "PYTHONPATH=/tmp/site")
     print(f"{model} -> {part_a}, {part_b} (model.safetensors md5 {md5})\n"
           f"device call 1 (carry .cache/smolA): mkdir -p /tmp/smol/awq && cp .cache/smolA/* /tmp/smol/awq/ && "
           f"mv /tmp/smol/awq/expected.json /tmp/smol/\n"
