@@ -28,7 +28,7 @@ import torch
 
 from bench.random_model import write_random_awq_model
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from kernels import w4a16
+from kernels import ops, w4a16
 from kernels._triton import pdl, without_early_trigger, without_pdl
 
 
@@ -273,19 +273,23 @@ def decode_rows(ctx: dict, make_row) -> list:
 
 
 @contextlib.contextmanager
+def _patched(module, values: dict):
+    """While it lasts, ``module``'s attributes named in ``values`` are those values; all restored after, also on an
+    error."""
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            stack.enter_context(mock.patch.object(module, name, value))
+        yield
+
+
 def _skipped(names: tuple[str, ...]):
     """While it lasts, the ``kernels.ops`` ops in ``names`` launch nothing (wrong results, for timing only):
     ``rms_norm`` returns its input twice, ``rotary_write_kv`` an uninitialised q (and writes no KV),
     ``paged_attention_decode`` its q (no decode or merge kernel). KeyError for another name, before any patch."""
-    from kernels import ops
     fakes = {"rms_norm": lambda x, w, eps, residual=None: (x, x),
              "rotary_write_kv": lambda positions, q, *a, **kw: torch.empty(q.shape, dtype=q.dtype, device=q.device),
              "paged_attention_decode": lambda q, *a, **kw: q}
-    chosen = {name: fakes[name] for name in names}
-    with contextlib.ExitStack() as stack:
-        for name, fake in chosen.items():
-            stack.enter_context(mock.patch.object(ops, name, fake))
-        yield
+    return _patched(ops, {name: fakes[name] for name in names})
 
 
 #: The ablations of :func:`decode_ablation_rows`: (label, the ops skipped)
@@ -526,10 +530,7 @@ def mixed_step_rows(ctx: dict, make_row, configs=MIXED_STEP_CONFIGS, running=(0,
 
     rows = []
     for c, config in enumerate(configs):
-        with contextlib.ExitStack() as stack:
-            for name, value in config.items():
-                stack.enter_context(mock.patch.object(cuda_graphs, name, value))
-            stack.enter_context(_prefill_graphs(True))
+        with _patched(cuda_graphs, config), _prefill_graphs(True):
             llm = LLM(model_dir or _model_7b(ctx), device=device, **BUILT_IN, max_num_seqs=64, max_model_len=1024,
                       enable_prefix_caching=False, gpu_memory_utilization=0.3)
         graphs = llm.engine.runner.graphs

@@ -35,8 +35,8 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": 
                                            "reason": {"type": "string", "maxLength": 60}},
           "required": ["answer", "reason"], "additionalProperties": False}
 PART_BYTES = 57_000_000  # part A's share of model.safetensors; part B takes the rest and tokenizer.json
-CALL_BYTES = 62 << 20  # what one part may take: a device call carries 64 MiB, the repository's files included
 CARRY_LIMIT = 64 << 20  # what one device call carries: the files that travel and the carried paths
+CALL_BYTES = CARRY_LIMIT - (2 << 20)  # what one part may take: the repository's files travel with it
 #: The wheels the structured-output rows need on the GPU machine (its image has none of them; versions as pip
 #: resolves them here, downloaded with the device README's recipe into a git-ignored folder)
 XGRAMMAR_WHEELS = ("xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
@@ -137,9 +137,9 @@ def main() -> None:
     repo = travel_bytes()
     mib = 1 << 20
     for name, part in (("call 1", part_a), ("call 2", part_b)):
-        size = repo + folder_bytes(part)
-        print(f"{name} carries {size / mib:.1f} MiB ({folder_bytes(part) / mib:.1f} of them the part): "
-              f"{(CARRY_LIMIT - size) / mib:.1f} MiB left for wheels")
+        part_bytes = folder_bytes(part)
+        print(f"{name} carries {(repo + part_bytes) / mib:.1f} MiB ({part_bytes / mib:.1f} of them the part): "
+              f"{(CARRY_LIMIT - repo - part_bytes) / mib:.1f} MiB left for wheels")
     print(f"for the structured-output rows, carry the wheels of {', '.join(XGRAMMAR_WHEELS)} (about 7.1 MiB) "
           "with call 1 and start it with the device README's pip install into /tmp/site; call 2 then sets "
           "PYTHONPATH=/tmp/site")
