@@ -104,15 +104,35 @@ def expected_tokens(model: Path) -> dict:
 
 def structured_tokens(llm) -> dict:
     """The CPU engine's greedy outputs for :data:`QUESTIONS` (chat-formatted here, the texts stored) under
-    :data:`SCHEMA`: {"schema", "prompts", "tokens", "texts"}."""
+    :data:`SCHEMA`, one question at a time, and at each step the two largest logits the grammar allows (after
+    ``apply_masks``: a near-tie between two valid tokens is what ``engine_bench.divergence_report`` allows):
+    {"schema", "prompts", "tokens", "texts", "top_logits"}."""
+    import torch
+
     from engine import SamplingParams, StructuredOutputsParams
+    from engine import model_runner
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
                for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    real = model_runner.apply_masks
+    outs, tops = [], []
+    for prompt in prompts:
+        seen: list[list[float]] = []
+
+        def watched(logits: torch.Tensor, matchers: list, vocab_size: int, seen=seen) -> None:
+            real(logits, matchers, vocab_size)
+            seen.append(torch.topk(logits[0], 2).values.tolist())
+
+        model_runner.apply_masks = watched
+        try:
+            outs.append(llm.generate([prompt], params)[0].outputs[0])
+        finally:
+            model_runner.apply_masks = real
+        tops.append(seen)
+    assert all(len(t) == len(o.token_ids) for t, o in zip(tops, outs)), [len(t) for t in tops]
     return {"schema": SCHEMA, "prompts": prompts, "tokens": [o.token_ids for o in outs],
-            "texts": [o.text for o in outs]}
+            "texts": [o.text for o in outs], "top_logits": tops}
 
 
 def main() -> None:

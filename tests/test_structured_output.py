@@ -198,3 +198,24 @@ def test_disable_any_whitespace_gives_json_in_one_fixed_layout(llm):
     fixed, loose = texts(disable_any_whitespace=True), texts()
     assert all(t in ('{"answer": "yes"}', '{"answer": "no"}') for t in fixed), fixed
     assert any(t.strip() != json.dumps(json.loads(t)) for t in loose), loose
+
+
+def test_the_smollm2_check_records_the_top_two_allowed_logits_of_each_step(llm, monkeypatch):
+    """bench/smollm2_parts.py's structured reference: at each step the two largest logits after the grammar's mask
+    (their gap equals the masked logprobs' top-2 gap; the raw logits' would differ where the mask drops the raw
+    top token), one entry per output token, and the runner's mask function put back afterwards."""
+    from bench import smollm2_parts
+    from engine import model_runner
+
+    real = model_runner.apply_masks
+    monkeypatch.setattr(smollm2_parts, "QUESTIONS", smollm2_parts.QUESTIONS[:1])
+    got = smollm2_parts.structured_tokens(llm)
+    assert model_runner.apply_masks is real
+    tokens, tops = got["tokens"][0], got["top_logits"][0]
+    assert got["texts"][0].startswith("{") and len(tops) == len(tokens) > 5
+    params = SamplingParams(temperature=0, max_tokens=64, logprobs=2,
+                            structured_outputs=StructuredOutputsParams(json=smollm2_parts.SCHEMA))
+    out = llm.generate(got["prompts"], params)[0].outputs[0]
+    assert out.token_ids == tokens
+    gaps = [(a - b, sorted(entry.values(), reverse=True)) for (a, b), entry in zip(tops, out.logprobs)]
+    assert all(lp[0] - lp[1] == pytest.approx(gap, abs=1e-4) for gap, lp in gaps if lp[1] > -1e9)
