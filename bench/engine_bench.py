@@ -650,8 +650,9 @@ def divergence_report(got: list[list[int]], logprobs: list[list[dict]], refs: li
                       ref_top: list[list[list[float]]] | None) -> tuple[int, list[str]]:
     """(prompts whose greedy tokens equal ``refs`` or first differ at a near-tie, a note per divergence). A near-tie
     (issue 3: "a divergence only where the two top logits are within bf16 rounding"): the reference's two largest
-    raw logits at that step (``ref_top[i][step]``, fp32; same context: the tokens agree up to there) are at most
-    one bf16 spacing (the coarser of the two's) apart, so rounding the logits to bf16 could tie or swap them.
+    logits at that step (``ref_top[i][step]``, fp32, raw or, for structured outputs, after the grammar's mask, the
+    second -inf where one token was allowed; same context: the tokens agree up to there) are at most one bf16
+    spacing (the coarser of the two's) apart, so rounding the logits to bf16 could tie or swap them.
     ``logprobs``: each prompt's entries (the two largest at each step) for the gap this path saw. Without
     ``ref_top`` no divergence counts."""
     allowed, notes = 0, []
@@ -667,8 +668,9 @@ def divergence_report(got: list[list[int]], logprobs: list[list[dict]], refs: li
         note = f"prompt {i} diverges at token {step} (top-2 gap {top[0] - top[1]:.3f} nats here"
         if ref_top is not None:
             l1, l2 = ref_top[i][step]
-            spacing = max(bf16_ulp(l1), bf16_ulp(l2))  # the coarser of the two (-0.99 against -1.0: -1.0's)
-            near = l1 - l2 <= spacing
+            # the coarser of the two (-0.99 against -1.0: -1.0's); one allowed token (l2 -inf) is no tie
+            spacing = max(bf16_ulp(l1), bf16_ulp(l2)) if math.isfinite(l2) else math.inf
+            near = math.isfinite(l2) and l1 - l2 <= spacing
             allowed += near
             note += (f"; the reference's top-2 logits {l1:.3f} / {l2:.3f}, {l1 - l2:.3f} apart, "
                      f"{'within' if near else 'over'} one bf16 spacing ({spacing:.3f})")

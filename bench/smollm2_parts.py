@@ -105,8 +105,9 @@ def expected_tokens(model: Path) -> dict:
 def structured_tokens(llm) -> dict:
     """The CPU engine's greedy outputs for :data:`QUESTIONS` (chat-formatted here, the texts stored) under
     :data:`SCHEMA`, one question at a time, and at each step the two largest logits the grammar allows (after
-    ``apply_masks``: a near-tie between two valid tokens is what ``engine_bench.divergence_report`` allows):
-    {"schema", "prompts", "tokens", "texts", "top_logits"}."""
+    ``apply_masks``: a near-tie between two valid tokens is what ``engine_bench.divergence_report`` allows; the
+    second is -inf where the grammar allowed one token, written as JSON's non-standard -Infinity, which Python's
+    json reads back): {"schema", "prompts", "tokens", "texts", "top_logits"}."""
     import torch
 
     from engine import SamplingParams, StructuredOutputsParams

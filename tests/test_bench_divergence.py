@@ -28,6 +28,8 @@ def test_only_divergences_at_a_near_tie_of_the_reference_are_allowed():
     assert divergence_report(got, entries, refs, None)[0] == 1  # without the logits only identical ones count
     shorter = divergence_report([[5, 6]], entries[:1], [[5, 6, 7]], ref_top[:1])
     assert shorter == (0, ["prompt 0 ends after 2 tokens, the reference after 3"])
+    forced = divergence_report([[5, 9, 9]], entries[:1], [[5, 6, 7]], [[[20.0, 18.0], [20.3, -float("inf")]]])
+    assert forced[0] == 0 and "over one bf16 spacing (inf)" in forced[1][0]  # one allowed token: no tie
     across = divergence_report([[2]], [[{2: -0.1, 1: -0.2}]], [[1]], [[[-0.995, -1.0]]])  # 0.005 apart
     assert across[0] == 1 and "one bf16 spacing (0.008)" in across[1][0]  # -1.0's spacing, not -0.995's 0.004
 
