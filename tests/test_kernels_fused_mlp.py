@@ -1,0 +1,64 @@
+"""kernels/fused_mlp.py (interpreted on CPU; compiled with KERNEL_TEST_DEVICE=cuda): the one-launch gated MLP
+gives the bits of the three launches it replaces (the mma GEMV with deferred sums, SiLU-and-mul, the mma GEMV),
+launch after launch on the same counters, and stays within bf16 rounding of the torch reference; what it cannot
+take is refused by name."""
+import re
+
+import pytest
+import torch
+from kernels_testenv import DEVICE, on_device  # noqa: F401 (autouse fixture)
+
+from kernels import activation, fused_mlp, w4a16
+from kernels import quant_formats as qf
+
+H, I = 256, 256  # two K tiles each: two gate/up splits, two down splits at k_per_split 128
+
+
+def weight(k: int, n: int, group: int = 128, scale_dtype=torch.float16) -> qf.QuantizedWeight:
+    groups = 1 if group == -1 else -(-k // group)  # -1: per-channel
+    return qf.from_codes(torch.randint(0, 16, (k, n), dtype=torch.int32), torch.randint(6, 10, (groups, n)),
+                         (torch.rand(groups, n) * 0.01 + 0.002).to(scale_dtype), 4, group, source="test")
+
+
+def three_launches(x, gate_up, down, kps1, kps2):
+    plan = lambda kps: w4a16.Plan("mma", 8, 64, 128, kps, num_warps=1, num_stages=1)  # noqa: E731
+    return w4a16.run_plan(activation.silu_and_mul(w4a16.run_plan(x, gate_up, None, plan(kps1), defer_sum=True)),
+                          down, None, plan(kps2))
+
+
+@pytest.mark.parametrize("m,dtype,group", [(1, torch.bfloat16, 128), (3, torch.float16, -1)])
+def test_one_launch_gives_the_three_launches_bits_launch_after_launch(m, dtype, group):
+    gate_up, down = weight(H, 2 * I, group), weight(I, H, group)
+    counters = fused_mlp.MLPCounters(torch.device(DEVICE))
+    for launch in range(2):
+        x = torch.randn(m, H).to(dtype)
+        got = fused_mlp.gated_mlp(x, gate_up, down, counters, 128, 128)
+        assert torch.equal(got, three_launches(x, gate_up, down, 128, 128))
+        ctl, locks = counters.by_plan[(128, 128)]
+        total = (I // 32) * 2 + (H // 64) * 2
+        # tickets and ready counters grow by a launch's worth; the split-K counters are back at 0
+        assert ctl.tolist() == [total * (launch + 1), 4 * (launch + 1), 4 * (launch + 1)]
+        assert not locks.any()
+
+
+def test_within_bf16_rounding_of_the_reference():
+    gate_up, down = weight(H, 2 * I, 128, torch.bfloat16), weight(I, H, 128, torch.bfloat16)
+    x = torch.randn(2, H).to(torch.bfloat16)
+    got = fused_mlp.gated_mlp(x, gate_up, down, fused_mlp.MLPCounters(torch.device(DEVICE)), 256, 128)
+    ref = fused_mlp.gated_mlp_ref(x.float(), gate_up, down)
+    assert torch.allclose(got.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(m=9), "at most 8 rows"),
+    (dict(dtype=torch.float32), "fp16/bf16 x"),
+    (dict(i=192), "multiples of 128 (got 256, 192)"),
+    (dict(group=64), "group sizes multiples of 128"),
+    (dict(kps2=192), "k_per_split multiples of 128"),
+])
+def test_what_it_cannot_take_is_refused_by_name(change, message):
+    p = dict(m=1, dtype=torch.bfloat16, i=I, group=128, kps2=128) | change
+    x = torch.randn(p["m"], H).to(p["dtype"])
+    gate_up, down = weight(H, 2 * p["i"], p["group"]), weight(p["i"], H, p["group"])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fused_mlp.gated_mlp(x, gate_up, down, fused_mlp.MLPCounters(torch.device(DEVICE)), 128, p["kps2"])
