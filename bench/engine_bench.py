@@ -337,8 +337,9 @@ def fused_mlp_rows(ctx: dict, make_row, layers: int = 32, hidden: int = 4096, in
     the 7B MLP shape with ``layers`` layers of random weights (3.4 GB: no layer's weights in L2 when its turn
     comes), the same plans (``w4a16.choose_plan`` at M = 1 and 8), one CUDA graph of ``layers`` MLPs each, µs per
     layer. Checks first that the outputs are bit-identical (a row says how many of the M values were); an M whose
-    plans are not the one-warp mma GEMV with 128-row tiles is skipped (printed). ``device`` and ``timer`` (µs per
-    call of a list of calls; ``w4a16_tune.time_graph``) let the CPU tests run it on small shapes."""
+    plans are not the one-warp mma GEMV with 128-row tiles is skipped (printed). Then, on the GPU, the engine with
+    it and without (:func:`_fused_mlp_engine_rows`). ``device`` and ``timer`` (µs per call of a list of calls;
+    ``w4a16_tune.time_graph``) let the CPU tests run the kernel rows on small shapes."""
     from kernels import activation, fused_mlp
     from kernels._triton import num_sms
     from kernels.w4a16_tune import time_graph
@@ -377,6 +378,34 @@ def fused_mlp_rows(ctx: dict, make_row, layers: int = 32, hidden: int = 4096, in
                              f"{-(-inter // kps2)}; saves {t_base - t_fused:+.1f} µs a layer"))
     del gate_ups, downs
     _free()
+    if device == "cuda":
+        rows += _fused_mlp_engine_rows(ctx, make_row)
+    return rows
+
+
+def _fused_mlp_engine_rows(ctx: dict, make_row) -> list:
+    """The 7B-shaped engine at batch 1 and at 8 sequences, graphs on, with ``APPLIANCE_FUSED_MLP=1`` against
+    without (each engine built, captured and timed under its setting), and its greedy tokens against the unfused
+    engine's (bit-identical products: identical tokens expected)."""
+    model_dir = _model_7b(ctx)
+    prompts = [list(range(3 + i, 3 + i + 24)) for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = {}
+    for fused in (False, True):
+        with mock.patch.dict(os.environ, {"APPLIANCE_FUSED_MLP": "1" if fused else "0"}):
+            llm = _decode_engine(model_dir, batch=8)
+            got[fused] = (_decode_tok_s(llm, 32, 256), _batch_decode_tok_s(llm, 8, 32, 128, warm_steps=4),
+                          [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+        del llm
+        _free()
+    same = sum(a == b for a, b in zip(got[True][2], got[False][2]))
+    rows = []
+    for i, label in ((0, "bs1"), (1, "8 sequences")):
+        rows.append(make_row(f"7B AWQ decode {label}, one-launch MLP vs three launches",
+                             "Llama-2-7B shape, graphs on", 1e6 / got[True][i],
+                             "APPLIANCE_FUSED_MLP=0 (the default)", 1e6 / got[False][i], None,
+                             f"{got[True][i]:.0f} vs {got[False][i]:.0f} tok/s (µs per token); greedy tokens "
+                             f"identical for {same} of {len(prompts)} prompts"))
     return rows
 
 

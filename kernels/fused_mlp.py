@@ -1,9 +1,11 @@
 """A gated MLP's three decode launches in one: gate/up product, SiLU-and-mul and down product (W4A16, M <= 8).
 
-**Status: a candidate, not called by the engine.** bench/engine_bench.py ``fused_mlp_rows`` checks it on a GPU
-and times it against the three launches it replaces (issue 3: at batch 1 every W4A16 product costs about 5-6 µs
-above its bytes, a fixed cost per launch; bench/RESULTS.md, session of 2026-12-05 from 19:28 UTC). It ran under
-the CPU interpreter only so far (tests/test_kernels_fused_mlp.py); the engine takes it up only once measured.
+**Status: a candidate, opt-in.** The engine runs it only with ``APPLIANCE_FUSED_MLP=1``
+(``engine.models.layers.fused_mlp_splits``). bench/engine_bench.py ``fused_mlp_rows`` checks it on a GPU and times
+it against the three launches it replaces, alone and in the engine (issue 3: at batch 1 every W4A16 product costs
+about 5-6 µs above its bytes, a fixed cost per launch; bench/RESULTS.md, session of 2026-12-05 from 19:28 UTC). It
+ran under the CPU interpreter and compiled offline only so far (tests/test_kernels_fused_mlp.py,
+tests/test_compile_targets.py); it becomes the default only once measured.
 
 **Work items.** One launch of ``C1 S1 + C2 S2`` one-warp programs, each taking a ticket (an atomic counter) and
 doing the item of that number: gate/up items first (column block c of C1 = I / 32, K split s of S1), then down

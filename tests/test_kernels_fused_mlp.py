@@ -62,3 +62,27 @@ def test_what_it_cannot_take_is_refused_by_name(change, message):
     gate_up, down = weight(H, 2 * p["i"], p["group"]), weight(p["i"], H, p["group"])
     with pytest.raises(ValueError, match=re.escape(message)):
         fused_mlp.gated_mlp(x, gate_up, down, fused_mlp.MLPCounters(torch.device(DEVICE)), 128, p["kps2"])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the plans of the CPU's 8 stand-in multiprocessors")
+def test_the_engine_takes_one_launch_only_when_asked_and_the_plans_are_the_mma_gemv(monkeypatch):
+    from types import SimpleNamespace
+
+    from engine.models import layers
+    from kernels import ops
+
+    gate_up = SimpleNamespace(qweight=weight(H, 2 * I), bias=None)
+    down = SimpleNamespace(qweight=weight(I, H), bias=None)
+    x8 = torch.randn(8, H).to(torch.bfloat16)
+    monkeypatch.setattr(ops, "use_triton", lambda t: True)
+    monkeypatch.delenv("APPLIANCE_FUSED_MLP", raising=False)
+    assert layers.fused_mlp_splits(x8, gate_up, down) is None  # off unless asked
+    monkeypatch.setenv("APPLIANCE_FUSED_MLP", "1")
+    assert layers.fused_mlp_splits(x8, gate_up, down) == (128, 128)
+    assert layers.fused_mlp_splits(x8[:1], gate_up, down) is None  # M = 1: the down plan is the CUDA-core GEMV
+    assert layers.fused_mlp_splits(torch.randn(9, H).to(torch.bfloat16), gate_up, down) is None
+    assert layers.fused_mlp_splits(x8.float(), gate_up, down) is None
+    assert layers.fused_mlp_splits(x8, gate_up, SimpleNamespace(qweight=down.qweight, bias=torch.zeros(H))) is None
+    assert layers.fused_mlp_splits(x8, SimpleNamespace(qweight=None, bias=None), down) is None  # dense weights
+    monkeypatch.setattr(ops, "use_triton", lambda t: False)
+    assert layers.fused_mlp_splits(x8, gate_up, down) is None  # the torch reference path
