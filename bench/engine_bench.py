@@ -334,7 +334,7 @@ def fused_mlp_rows(ctx: dict, make_row, layers: int = 32, hidden: int = 4096, in
                    device: str = "cuda", timer=None) -> list:
     """The candidate one-launch gated MLP (``kernels/fused_mlp.py``, not used by the engine yet) against the three
     launches the engine runs at decode (gate/up mma GEMV with its sums deferred, SiLU-and-mul, down mma GEMV), on
-    the 7B MLP shape with ``layers`` layers of random weights (3.4 GB: no layer's weights in L2 when its turn
+    the 7B MLP shape with ``layers`` layers of random weights (2.2 GB: no layer's weights in L2 when its turn
     comes), the same plans (``w4a16.choose_plan`` at M = 1 and 8), one CUDA graph of ``layers`` MLPs each, µs per
     layer. Checks first that the outputs are bit-identical (a row says how many of the M values were); an M whose
     plans are not the one-warp mma GEMV with 128-row tiles is skipped (printed). Then, on the GPU, the engine with
@@ -374,7 +374,7 @@ def fused_mlp_rows(ctx: dict, make_row, layers: int = 32, hidden: int = 4096, in
         shape = f"{hidden}->2x{inter}->{hidden}, M={m}, {layers} layers in one graph"
         rows.append(make_row("gated MLP in one launch vs three (µs per layer)", shape, t_fused,
                              "gate/up GEMV + SiLU-and-mul + down GEMV", t_base, None,
-                             f"{same} of {layers} layers bit-identical; splits {hidden // kps1} / "
+                             f"{same} of {layers} layers bit-identical; splits {-(-hidden // kps1)} / "
                              f"{-(-inter // kps2)}; saves {t_base - t_fused:+.1f} µs a layer"))
     del gate_ups, downs
     _free()

@@ -21,13 +21,17 @@ items (K split s2 of S2 major, column block d of C2 = H / 64). Each item is one 
   its K rows for this launch, reads act through L2 (``.cg``), and sums its splits as the mma GEMV does.
 
 Every output is bit-identical to ``w4a16_linear(silu_and_mul(w4a16_linear(x, gate_up, defer_sum=True)), down)``
-with the same plans (the tests check it).
+with the same plans (the interpreted tests check it). On a GPU that also assumes the tensor cores compute every
+row of an mma alike: gate block c sits in the low A rows here, and in the GEMV in the high ones when c is odd
+(``fused_mlp_rows`` checks it there). Bias-free MLPs only (Llama, Mistral, Qwen).
 
 **Invariants.** Tickets come in launch order: launch n of one :class:`MLPCounters` takes tickets n T .. n T + T - 1
 (T items per launch), so ``ticket // T`` is the launch's number and the counters are never reset; ready[s2] only
-grows, by K rows / 32 per launch. Two launches on one counter set never overlap (one stream: with PDL the next
-kernel waits for this one before it reads anything). A down item waits only on items of lower tickets, which
-programs already running hold and finish without waiting: no deadlock whatever the hardware's block order. The
+grows, by K rows / 32 per launch. That needs every program to take its ticket before its PDL trigger (the trigger
+is the last thing it does): no later kernel on the stream, so no later launch on these counters, can start before
+all of this launch's tickets are taken. A down item waits only on items of lower tickets, which programs already
+running hold, and those wait at most for the kernel before, whose programs all run or are done: no deadlock
+whatever the hardware's block order. The
 split-K counters return to 0 as in ``_gemv_mma_kernel``. With PDL only gate/up items wait for the kernel before
 (x is its output); a down item writes nothing before act it read is ready, which is after some gate/up item's
 wait, so no write of this launch lands before the kernel before has finished (the allocator reuses memory in
@@ -149,33 +153,36 @@ def _gated_mlp_kernel(x_ptr, gu_qw, gu_s, gu_z, dn_qw, dn_s, dn_z, act_ptr, actw
 
 @dataclass
 class MLPCounters:
-    """One gated MLP's counters (module doc), per plan (k_per_split of gate/up, of down): ctl int64 [1 + S2] and
-    split-K counters int32 [I / 32 + H / 64], zeroed at creation, never reset after. Create (and first launch) them
-    outside a CUDA graph capture: a capture would take them from the graph's pool and only record the zeroing."""
+    """One gated MLP's counters (module doc), per shape and plan (H, I, k_per_split of gate/up, of down): ctl
+    int64 [1 + S2] and split-K counters int32 [I / 32 + H / 64], zeroed at creation, never reset after. Create
+    (and first launch) them outside a CUDA graph capture: a capture would take them from the graph's pool and only
+    record the zeroing."""
 
     device: torch.device
-    by_plan: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    by_plan: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def get(self, h: int, i: int, kps1: int, kps2: int) -> tuple[torch.Tensor, torch.Tensor]:
-        found = self.by_plan.get((kps1, kps2))
+        found = self.by_plan.get((h, i, kps1, kps2))
         if found is None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("gated_mlp: first launch of this plan inside a CUDA graph capture; run it once "
                                    "before capturing (its counters must not live in the graph's memory pool)")
             found = (torch.zeros(1 + cdiv(i, kps2), dtype=torch.int64, device=self.device),
                      torch.zeros(i // 32 + h // 64, dtype=torch.int32, device=self.device))
-            self.by_plan[(kps1, kps2)] = found
+            self.by_plan[(h, i, kps1, kps2)] = found
         return found
 
 
 def check_fusable(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, kps1: int, kps2: int) -> None:
-    """Raises ValueError naming what :func:`gated_mlp` cannot take: x [M <= 8, H] fp16/bf16, 4-bit weights
-    without act-order, gate_up [H -> 2I] and down [I -> H] with H and I multiples of 128, group sizes multiples of
-    128 (or per-channel), k_per_split values multiples of 128."""
+    """Raises ValueError naming what :func:`gated_mlp` cannot take: x [M, H] fp16/bf16 with 1 <= M <= 8, 4-bit
+    weights without act-order, gate_up [H -> 2I] and down [I -> H] with H and I multiples of 128, group sizes
+    multiples of 128 (or per-channel), k_per_split values positive multiples of 128."""
+    if x.dim() != 2:
+        raise ValueError(f"gated_mlp takes x [M, H], got {x.dim()} dimensions")
     m, h = x.shape
     i = down.in_features
     problems = [what for what, bad in (
-        (f"at most {MAX_ROWS} rows (got {m})", m > MAX_ROWS or m < 1),
+        (f"1 to {MAX_ROWS} rows (got {m})", m > MAX_ROWS or m < 1),
         (f"fp16/bf16 x (got {x.dtype})", x.dtype not in (torch.float16, torch.bfloat16)),
         ("4-bit weights", gate_up.bits != 4 or down.bits != 4),
         ("no act-order permutation", gate_up.perm is not None or down.perm is not None),
@@ -185,7 +192,8 @@ def check_fusable(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeig
         (f"hidden and intermediate sizes multiples of {BLOCK_K} (got {h}, {i})", h % BLOCK_K or i % BLOCK_K),
         (f"group sizes multiples of {BLOCK_K} (got {gate_up.group_size}, {down.group_size})",
          any(w.group_size % BLOCK_K and w.group_size < w.in_features for w in (gate_up, down))),
-        (f"k_per_split multiples of {BLOCK_K} (got {kps1}, {kps2})", kps1 % BLOCK_K or kps2 % BLOCK_K),
+        (f"k_per_split positive multiples of {BLOCK_K} (got {kps1}, {kps2})",
+         kps1 % BLOCK_K or kps2 % BLOCK_K or min(kps1, kps2) < BLOCK_K),
     ) if bad]
     if problems:
         raise ValueError(f"gated_mlp takes {', '.join(problems)}")
@@ -193,10 +201,10 @@ def check_fusable(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeig
 
 def gated_mlp(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, counters: MLPCounters,
               kps1: int, kps2: int) -> torch.Tensor:
-    """y [M, H] = down(silu(gate) * up) for x [M, H] (fp16/bf16, M <= 8): gate_up the stacked cat(gate, up)
-    weight [H -> 2I], down [I -> H], their K split every ``kps1`` / ``kps2`` rows (the mma plans'
-    k_per_split). One launch; no host sync (graph-safe once the counters exist, :class:`MLPCounters`). Raises
-    ValueError as :func:`check_fusable`."""
+    """y [M, H] = down(silu(gate) * up) for x [M, H] (fp16/bf16, 1 <= M <= 8): gate_up the stacked cat(gate, up)
+    weight [H -> 2I], down [I -> H] (no biases: the kernel adds none), their K split every ``kps1`` / ``kps2``
+    rows (the mma plans' k_per_split). One launch; no host sync (graph-safe once the counters exist,
+    :class:`MLPCounters`). Raises ValueError as :func:`check_fusable`."""
     check_fusable(x, gate_up, down, kps1, kps2)
     m, h = x.shape
     i = down.in_features
@@ -212,8 +220,8 @@ def gated_mlp(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, 
         x.view(torch.int32), gate_up.qweight, gate_up.scales, gate_up.qzeros, down.qweight, down.scales,
         down.qzeros, act, act.view(torch.int32), out, part1, part2, ctl, locks, m, h, i, kps1, s1, kps2, s2,
         0x43004300 if x.dtype == torch.bfloat16 else 0x64006400, GROUP1=gate_up.group_size, GROUP2=down.group_size,
-        BLOCK_K=BLOCK_K, IS_BF16=x.dtype == torch.bfloat16, ASM=not dot_f32(x), PDL=pdl(x), TRIG=early_trigger(x), AHEAD=8,
-        num_warps=1, num_stages=1)
+        BLOCK_K=BLOCK_K, IS_BF16=x.dtype == torch.bfloat16, ASM=not dot_f32(x), PDL=pdl(x), TRIG=early_trigger(x),
+        AHEAD=8, num_warps=1, num_stages=1)
     return out
 
 

@@ -26,18 +26,21 @@ def three_launches(x, gate_up, down, kps1, kps2):
                           down, None, plan(kps2))
 
 
-@pytest.mark.parametrize("m,dtype,group", [(1, torch.bfloat16, 128), (3, torch.float16, -1)])
-def test_one_launch_gives_the_three_launches_bits_launch_after_launch(m, dtype, group):
-    gate_up, down = weight(H, 2 * I, group), weight(I, H, group)
+@pytest.mark.parametrize("m,dtype,group,i,kps2", [(1, torch.bfloat16, 128, I, 128),
+                                                   (3, torch.float16, -1, 384, 256)])  # a last down split of 128
+def test_one_launch_gives_the_three_launches_bits_launch_after_launch(m, dtype, group, i, kps2):
+    gate_up, down = weight(H, 2 * i, group), weight(i, H, group)
     counters = fused_mlp.MLPCounters(torch.device(DEVICE))
     for launch in range(2):
         x = torch.randn(m, H).to(dtype)
-        got = fused_mlp.gated_mlp(x, gate_up, down, counters, 128, 128)
-        assert torch.equal(got, three_launches(x, gate_up, down, 128, 128))
-        ctl, locks = counters.by_plan[(128, 128)]
-        total = (I // 32) * 2 + (H // 64) * 2
-        # tickets and ready counters grow by a launch's worth; the split-K counters are back at 0
-        assert ctl.tolist() == [total * (launch + 1), 4 * (launch + 1), 4 * (launch + 1)]
+        got = fused_mlp.gated_mlp(x, gate_up, down, counters, 128, kps2)
+        assert torch.equal(got, three_launches(x, gate_up, down, 128, kps2))
+        ctl, locks = counters.by_plan[(H, i, 128, kps2)]
+        splits2 = -(-i // kps2)
+        total = (i // 32) * (H // 128) + (H // 64) * splits2
+        # tickets and ready counters (32-channel blocks per down split) grow by a launch's worth; split-K counters 0
+        ready = [(min(kps2, i - s * kps2) // 32) * (launch + 1) for s in range(splits2)]
+        assert ctl.tolist() == [total * (launch + 1), *ready]
         assert not locks.any()
 
 
@@ -50,11 +53,13 @@ def test_within_bf16_rounding_of_the_reference():
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(m=9), "at most 8 rows"),
+    (dict(m=9), "1 to 8 rows (got 9)"),
     (dict(dtype=torch.float32), "fp16/bf16 x"),
     (dict(i=192), "multiples of 128 (got 256, 192)"),
     (dict(group=64), "group sizes multiples of 128"),
-    (dict(kps2=192), "k_per_split multiples of 128"),
+    (dict(kps2=192), "k_per_split positive multiples of 128"),
+    (dict(kps2=0), "k_per_split positive multiples of 128 (got 128, 0)"),
+    (dict(m=0), "1 to 8 rows (got 0)"),
 ])
 def test_what_it_cannot_take_is_refused_by_name(change, message):
     p = dict(m=1, dtype=torch.bfloat16, i=I, group=128, kps2=128) | change
