@@ -2,6 +2,7 @@
 gives the bits of the three launches it replaces (the mma GEMV with deferred sums, SiLU-and-mul, the mma GEMV),
 launch after launch on the same counters, and stays within bf16 rounding of the torch reference; what it cannot
 take is refused by name."""
+import dataclasses
 import re
 
 import pytest
@@ -79,15 +80,26 @@ def test_the_engine_takes_one_launch_only_when_asked_and_the_plans_are_the_mma_g
     gate_up = SimpleNamespace(qweight=weight(H, 2 * I), bias=None)
     down = SimpleNamespace(qweight=weight(I, H), bias=None)
     x8 = torch.randn(8, H).to(torch.bfloat16)
-    monkeypatch.setattr(ops, "use_triton", lambda t: True)
     monkeypatch.delenv("APPLIANCE_FUSED_MLP", raising=False)
-    assert layers.fused_mlp_splits(x8, gate_up, down) is None  # off unless asked
-    monkeypatch.setenv("APPLIANCE_FUSED_MLP", "1")
+    assert not layers.fused_mlp_on()  # off unless asked
+    for value, on in (("1", True), ("on", True), ("0", False), ("off", False)):
+        monkeypatch.setenv("APPLIANCE_FUSED_MLP", value)
+        assert layers.fused_mlp_on() is on
+    monkeypatch.setattr(ops, "use_triton", lambda t: True)
     assert layers.fused_mlp_splits(x8, gate_up, down) == (128, 128)
     assert layers.fused_mlp_splits(x8[:1], gate_up, down) is None  # M = 1: the down plan is the CUDA-core GEMV
     assert layers.fused_mlp_splits(torch.randn(9, H).to(torch.bfloat16), gate_up, down) is None
     assert layers.fused_mlp_splits(x8.float(), gate_up, down) is None
     assert layers.fused_mlp_splits(x8, gate_up, SimpleNamespace(qweight=down.qweight, bias=torch.zeros(H))) is None
     assert layers.fused_mlp_splits(x8, SimpleNamespace(qweight=None, bias=None), down) is None  # dense weights
+    # a measured plan the kernel does not repeat: the sum left to the next kernel, or two warps over K
+    for other in (dict(serial=False), dict(num_warps=2, k_warps=2, block_n=64)):
+        plan = w4a16.Plan("mma", 8, 64, 128, 128, num_warps=1, num_stages=1)
+        monkeypatch.setitem(w4a16.MEASURED, (8, H, I, 128), dataclasses.replace(plan, **other))
+        w4a16.choose_plan.cache_clear()
+        assert layers.fused_mlp_splits(x8, gate_up, down) is None
+    monkeypatch.delitem(w4a16.MEASURED, (8, H, I, 128))
+    w4a16.choose_plan.cache_clear()
+    assert layers.fused_mlp_splits(x8, gate_up, down) == (128, 128)
     monkeypatch.setattr(ops, "use_triton", lambda t: False)
     assert layers.fused_mlp_splits(x8, gate_up, down) is None  # the torch reference path

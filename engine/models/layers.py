@@ -54,17 +54,18 @@ class Linear(nn.Module):
 
 def fused_mlp_on() -> bool:
     """Whether ``APPLIANCE_FUSED_MLP`` is 1, true, yes or on: opt-in (off by default) until
-    ``bench/engine_bench.fused_mlp_rows`` has measured the one-launch MLP on a GPU. Read at every call: a captured
-    CUDA graph keeps what its capture ran."""
+    ``bench/engine_bench.fused_mlp_rows`` has measured the one-launch MLP on a GPU. A model reads it once, when
+    its layers are built."""
     return os.environ.get("APPLIANCE_FUSED_MLP", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def fused_mlp_splits(x: torch.Tensor, gate_up: Linear, down: Linear) -> tuple[int, int] | None:
-    """(gate/up, down) k_per_split when the MLP down(silu(gate_up(x))) of x [M, H] may run as one launch
-    (``kernels/fused_mlp.py``): :func:`fused_mlp_on`, the Triton path, packed 4-bit weights without biases, and
-    both products' plans for this M (``w4a16.choose_plan``, measured plans included) the one-warp mma GEMV with
-    128-row tiles, which the kernel repeats; else None (the three launches)."""
-    if not fused_mlp_on() or not isinstance(x, torch.Tensor) or not ops.use_triton(x):
+    """(gate/up, down) k_per_split when the MLP down(silu(gate_up(x))) of x [M, H] can run as one launch
+    (``kernels/fused_mlp.py``): the Triton path, packed 4-bit weights without biases, and both products' plans for
+    this M (``w4a16.choose_plan``, measured plans included) the one-warp mma GEMV with 64 columns, 128-row tiles
+    and the sum in its launch, which the kernel repeats bit for bit; else None (the three launches). The caller
+    asks only when :func:`fused_mlp_on`."""
+    if not isinstance(x, torch.Tensor) or not ops.use_triton(x):
         return None
     if gate_up.qweight is None or down.qweight is None or gate_up.bias is not None or down.bias is not None:
         return None
@@ -73,7 +74,8 @@ def fused_mlp_splits(x: torch.Tensor, gate_up: Linear, down: Linear) -> tuple[in
         return None
     plans = [w4a16.choose_plan(m, w.out_features, w.in_features, w.bits, w.group_size, num_sms(x.device), mma)
              for w in (gate_up.qweight, down.qweight)]
-    if any(p.path != "mma" or p.block_k != fused_mlp.BLOCK_K or p.num_warps != 1 or p.k_warps > 1 for p in plans):
+    if any(p.path != "mma" or p.block_k != fused_mlp.BLOCK_K or p.block_n != 64 or p.num_warps != 1 or p.k_warps > 1
+           or not p.serial for p in plans):
         return None
     try:
         fused_mlp.check_fusable(x, gate_up.qweight, down.qweight, plans[0].k_per_split, plans[1].k_per_split)
