@@ -332,14 +332,14 @@ def _random_w4(k: int, n: int, gen: torch.Generator) -> QuantizedWeight:
 
 def fused_mlp_rows(ctx: dict, make_row, layers: int = 32, hidden: int = 4096, inter: int = 11008,
                    device: str = "cuda", timer=None) -> list:
-    """The candidate one-launch gated MLP (``kernels/fused_mlp.py``, not used by the engine yet) against the three
+    """The candidate one-launch gated MLP (``kernels/fused_mlp.py``, opt-in in the engine) against the three
     launches the engine runs at decode (gate/up mma GEMV with its sums deferred, SiLU-and-mul, down mma GEMV), on
     the 7B MLP shape with ``layers`` layers of random weights (2.2 GB: no layer's weights in L2 when its turn
     comes), the same plans (``w4a16.choose_plan`` at M = 1 and 8), one CUDA graph of ``layers`` MLPs each, µs per
     layer. Checks first that the outputs are bit-identical (a row says how many of the M values were); an M whose
-    plans are not the one-warp mma GEMV with 128-row tiles is skipped (printed). Then, on the GPU, the engine at
-    batch 1 with it and without (:func:`_fused_mlp_engine_rows`). ``device`` and ``timer`` (µs per call of a list of calls;
-    ``w4a16_tune.time_graph``) let the CPU tests run the kernel rows on small shapes."""
+    plans the kernel does not repeat (``fused_mlp.plans_fit``) is skipped (printed). Then, on the GPU, the engine
+    at batch 1 with it and without (:func:`_fused_mlp_engine_rows`). ``device`` and ``timer`` (µs per call of a
+    list of calls; ``w4a16_tune.time_graph``) let the CPU tests run the kernel rows on small shapes."""
     from kernels import activation, fused_mlp
     from kernels._triton import num_sms
     from kernels.w4a16_tune import time_graph
@@ -353,7 +353,7 @@ def fused_mlp_rows(ctx: dict, make_row, layers: int = 32, hidden: int = 4096, in
     for m in (1, 8):
         plans = [w4a16.choose_plan(m, n, k, 4, 128, num_sms(torch.device(device)))
                  for n, k in ((2 * inter, hidden), (hidden, inter))]
-        if any(p.path != "mma" or p.block_k != 128 or p.num_warps != 1 or p.k_warps > 1 for p in plans):
+        if not fused_mlp.plans_fit(plans):
             print(f"fused_mlp_rows: M={m} skipped, plans {plans}", flush=True)
             continue
         kps1, kps2 = plans[0].k_per_split, plans[1].k_per_split

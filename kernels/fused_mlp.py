@@ -173,6 +173,13 @@ class MLPCounters:
         return found
 
 
+def plans_fit(plans) -> bool:
+    """Whether the two products' ``w4a16.Plan`` s (gate/up, down) are what the kernel repeats bit for bit: the
+    one-warp, 64-column mma GEMV with BLOCK_K-row tiles that adds its split-K sums in its own launch."""
+    return all(p.path == "mma" and p.block_k == BLOCK_K and p.block_n == 64 and p.num_warps == 1 and p.k_warps <= 1
+               and p.serial for p in plans)
+
+
 def check_fusable(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, kps1: int, kps2: int) -> None:
     """Raises ValueError naming what :func:`gated_mlp` cannot take: x [M, H] fp16/bf16 with 1 <= M <= 8, 4-bit
     weights without act-order, gate_up [H -> 2I] and down [I -> H] with H and I multiples of 128, group sizes

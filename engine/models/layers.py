@@ -74,8 +74,7 @@ def fused_mlp_splits(x: torch.Tensor, gate_up: Linear, down: Linear) -> tuple[in
         return None
     plans = [w4a16.choose_plan(m, w.out_features, w.in_features, w.bits, w.group_size, num_sms(x.device), mma)
              for w in (gate_up.qweight, down.qweight)]
-    if any(p.path != "mma" or p.block_k != fused_mlp.BLOCK_K or p.block_n != 64 or p.num_warps != 1 or p.k_warps > 1
-           or not p.serial for p in plans):
+    if not fused_mlp.plans_fit(plans):
         return None
     try:
         fused_mlp.check_fusable(x, gate_up.qweight, down.qweight, plans[0].k_per_split, plans[1].k_per_split)
