@@ -30,7 +30,6 @@ from bench.random_model import write_random_awq_model
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from kernels import ops, w4a16
 from kernels._triton import pdl, without_early_trigger, without_pdl
-from kernels.quant_formats import QuantizedWeight
 
 
 #: Engine options of every row but ``measured_plan_rows``: the built-in W4A16 plans (w4a16.TUNED, measured on an
@@ -317,102 +316,6 @@ def decode_ablation_rows(ctx: dict, make_row) -> list:
                              f"{tok_s:.0f} against {full:.0f} tok/s: skipping them saves "
                              f"{1e6 / full - 1e6 / tok_s:+.0f} µs a step"))
     return rows
-
-
-def _random_w4(k: int, n: int, gen: torch.Generator) -> QuantizedWeight:
-    """A random 4-bit weight [k -> n] in the internal layout on ``gen``'s device, group size 128: random codes,
-    zeros 7 or 8, scales 0.001-0.005 (``random_model._awq_linear``'s values, without the format round trip)."""
-    on = dict(device=gen.device, generator=gen)
-    nibbles = 7 + torch.randint(0, 2, (k // 128, n // 8, 8), dtype=torch.int64, **on)
-    zeros = (nibbles << (4 * torch.arange(8, device=gen.device))).sum(-1)
-    return QuantizedWeight(torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, **on),
-                           torch.where(zeros >= 2**31, zeros - 2**32, zeros).to(torch.int32),
-                           (torch.rand(k // 128, n, **on) * 0.004 + 0.001).half(), None, 4, 128, k, n, "awq")
-
-
-def fused_mlp_rows(ctx: dict, make_row, layers: int = 32, hidden: int = 4096, inter: int = 11008,
-                   device: str = "cuda", timer=None) -> list:
-    """The candidate one-launch gated MLP (``kernels/fused_mlp.py``, opt-in in the engine) against the three
-    launches the engine runs at decode (gate/up mma GEMV with its sums deferred, SiLU-and-mul, down mma GEMV), on
-    the 7B MLP shape with ``layers`` layers of random weights (2.2 GB: no layer's weights in L2 when its turn
-    comes), the same plans (``w4a16.choose_plan`` at M = 1 and 8), one CUDA graph of ``layers`` MLPs each, µs per
-    layer. Checks first that the outputs are bit-identical (a row says how many of the M values were); an M whose
-    plans the kernel does not repeat (``fused_mlp.plans_fit``) is skipped (printed). Then, on the GPU, the engine
-    at batch 1 with it and without (:func:`_fused_mlp_engine_rows`). ``device`` and ``timer`` (µs per call of a
-    list of calls; ``w4a16_tune.time_graph``) let the CPU tests run the kernel rows on small shapes."""
-    from kernels import activation, fused_mlp
-    from kernels._triton import num_sms
-    from kernels.w4a16_tune import time_graph
-
-    timer = timer or time_graph
-    gen = torch.Generator(device=device).manual_seed(0)
-    gate_ups = [_random_w4(hidden, 2 * inter, gen) for _ in range(layers)]
-    downs = [_random_w4(inter, hidden, gen) for _ in range(layers)]
-    counters = [fused_mlp.MLPCounters(torch.device(device)) for _ in range(layers)]
-    rows = []
-    for m in (1, 8):
-        plans = [w4a16.choose_plan(m, n, k, 4, 128, num_sms(torch.device(device)))
-                 for n, k in ((2 * inter, hidden), (hidden, inter))]
-        if not fused_mlp.plans_fit(plans):
-            print(f"fused_mlp_rows: M={m} skipped, plans {plans}", flush=True)
-            continue
-        kps1, kps2 = plans[0].k_per_split, plans[1].k_per_split
-        x = torch.randn(m, hidden, device=device, generator=gen).to(torch.bfloat16)
-
-        def three(g, d):
-            y = w4a16.run_plan(x, g, None, plans[0], defer_sum=True)
-            return w4a16.run_plan(activation.silu_and_mul(y), d, None, plans[1])
-
-        def one(g, d, c):
-            return fused_mlp.gated_mlp(x, g, d, c, kps1, kps2)
-
-        same = sum(torch.equal(one(g, d, c), three(g, d)) for g, d, c in zip(gate_ups, downs, counters))
-        base = [lambda g=g, d=d: three(g, d) for g, d in zip(gate_ups, downs)]
-        fused = [lambda g=g, d=d, c=c: one(g, d, c) for g, d, c in zip(gate_ups, downs, counters)]
-        t_base = min(timer(base, 10) for _ in range(2))
-        t_fused = min(timer(fused, 10) for _ in range(2))
-        shape = f"{hidden}->2x{inter}->{hidden}, M={m}, {layers} layers in one graph"
-        rows.append(make_row("gated MLP in one launch vs three (µs per layer)", shape, t_fused,
-                             "gate/up GEMV + SiLU-and-mul + down GEMV", t_base, None,
-                             f"{same} of {layers} layers bit-identical; splits {-(-hidden // kps1)} / "
-                             f"{-(-inter // kps2)}; saves {t_base - t_fused:+.1f} µs a layer"))
-    del gate_ups, downs
-    _free()
-    if device == "cuda":
-        rows += _fused_mlp_engine_rows(ctx, make_row)
-    return rows
-
-
-def _fused_mlp_engine_rows(ctx: dict, make_row) -> list:
-    """The 7B-shaped engine at batch 1, graphs on, with ``APPLIANCE_FUSED_MLP=1`` against without (each engine
-    built, captured and timed twice under its setting, the better kept), whether its layers take the one launch at
-    M = 1 and 8 (``layers.fused_mlp_splits``: the built-in plans on 132 multiprocessors give M = 8 two warps per
-    column block, which the kernel does not repeat), and its greedy tokens, one prompt at a time (M = 1 decode
-    steps), against the unfused engine's (bit-identical products: identical tokens expected)."""
-    from engine.models.layers import fused_mlp_splits
-
-    model_dir = _model_7b(ctx)
-    prompts = [list(range(3 + i, 3 + i + 24)) for i in range(4)]
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    got, taken = {}, []
-    for fused in (False, True):
-        with mock.patch.dict(os.environ, {"APPLIANCE_FUSED_MLP": "1" if fused else "0"}):
-            llm = _decode_engine(model_dir)
-            layer = llm.engine.runner.model.layers[0]
-            if fused:
-                taken = [m for m in (1, 8) if layer.fuse_mlp and fused_mlp_splits(
-                    torch.zeros(m, layer.gate_up_proj.qweight.in_features, dtype=torch.bfloat16, device="cuda"),
-                    layer.gate_up_proj, layer.down_proj) is not None]
-            tok_s = max(_decode_tok_s(llm, 32, 256) for _ in range(2))
-            got[fused] = (tok_s, [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts])
-        del llm, layer
-        _free()
-    same = sum(a == b for a, b in zip(got[True][1], got[False][1]))
-    return [make_row("7B AWQ decode bs1, one-launch MLP vs three launches", "Llama-2-7B shape, graphs on",
-                     1e6 / got[True][0], "APPLIANCE_FUSED_MLP=0 (the default)", 1e6 / got[False][0], None,
-                     f"{got[True][0]:.0f} vs {got[False][0]:.0f} tok/s (µs per token); one launch taken at M = "
-                     f"{', '.join(map(str, taken)) or 'none'} (of 1, 8); greedy tokens identical for {same} of "
-                     f"{len(prompts)} prompts, one at a time")]
 
 
 def _hf_generate_tok_s(model_dir: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float, float]:
@@ -1312,8 +1215,8 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
 #: the order given (an unknown name is an error).
 SUITE_ROWS = [cuda_path_rows, qwen_rows, sliding_window_rows, scaled_rope_rows, smollm2_rows, decode_rows,
-              decode_ablation_rows, fused_mlp_rows, prefill_host_rows, mixed_step_rows, measured_plan_rows,
-              throughput_rows, http_rows]
+              decode_ablation_rows, prefill_host_rows, mixed_step_rows, measured_plan_rows, throughput_rows,
+              http_rows]
 if os.environ.get("ENGINE_ROWS"):
     _BY_NAME = {fn.__name__: fn for fn in SUITE_ROWS}
     _unknown = [n for n in os.environ["ENGINE_ROWS"].split(",") if n not in _BY_NAME]

@@ -14,7 +14,6 @@ a sliding attention window in tokens (0 = none).
 | ``rotary(positions, q, k, cos_sin)`` | ``rotary.rotary`` | ``rotary.rotary_ref`` |
 | ``rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, k_scales, v_scales)`` | ``rotary.rotary_write_kv`` | ``rotary_write_kv_ref`` |
 | ``silu_and_mul(x)`` | ``activation.silu_and_mul`` | ``activation.silu_and_mul_ref`` |
-| ``gated_mlp(x, gate_up, down, counters, kps1, kps2)`` (opt-in, unmeasured) | ``fused_mlp.gated_mlp`` | ``fused_mlp.gated_mlp_ref`` |
 | ``apply_penalties(logits, rows, offsets, token_ids, params, pending)`` | ``penalties.apply_penalties`` | ``penalties.apply_penalties_ref`` |
 
 A product run with ``defer_sum`` may come back as a ``split_k.SplitK`` (its split-K partial sums, not yet added:
@@ -28,7 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import activation, fused_mlp, kv_cache, linear as linear_mod, norm, paged_attention, penalties, quant_formats
+from . import activation, kv_cache, linear as linear_mod, norm, paged_attention, penalties, quant_formats
 from . import rotary as rotary_mod, w4a16
 from ._triton import HAS_TRITON
 from .split_k import SplitK, as_tensor
@@ -94,12 +93,6 @@ def rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping,
 
 def silu_and_mul(x) -> torch.Tensor:
     return activation.silu_and_mul(x) if use_triton(x) else activation.silu_and_mul_ref(as_tensor(x))
-
-
-def gated_mlp(x: torch.Tensor, gate_up, down, counters, kps1: int, kps2: int) -> torch.Tensor:
-    """down(silu(gate) * up) of x [M <= 8, H] in one launch (``fused_mlp.py``; its splits ``kps1`` / ``kps2``)."""
-    fn = fused_mlp.gated_mlp if use_triton(x) else fused_mlp.gated_mlp_ref
-    return fn(x, gate_up, down, counters, kps1, kps2)
 
 
 def apply_penalties(logits, rows, offsets, token_ids, params, pending=None) -> torch.Tensor:

@@ -135,18 +135,15 @@ def _fetch_w(qw_ptr, s_ptr, z_ptr, N, K, col_lo, col_hi, tg, k0, GROUP: tl.const
 
 
 @device_fn
-def _fetch_x(x_ptr, K, x_row, tg, xm, k0, STEPS: tl.constexpr, EVEN: tl.constexpr, L2: tl.constexpr = False):
+def _fetch_x(x_ptr, K, x_row, tg, xm, k0, STEPS: tl.constexpr, EVEN: tl.constexpr):
     """x's loads for the K tile from row k0: per step, row ``xm`` [T] at rows 8 w .. 8 w + 7 as int32 words
-    [T, 4] (pairs (0, 1), (2, 3), (4, 5), (6, 7)). ``L2`` (EVEN only): read through L2 (``.cg``), for an x that
-    other multiprocessors wrote in this launch (``kernels.fused_mlp``)."""
+    [T, 4] (pairs (0, 1), (2, 3), (4, 5), (6, 7))."""
     ar = tl.arange(0, 4)[None, :]
     steps = ()
     for s in tl.static_range(STEPS):
         w = k0 // 8 + 4 * s + tg
         xp = x_ptr + xm[:, None] * x_row + (4 * w)[:, None] + ar
-        if EVEN and L2:
-            steps = steps + (tl.load(xp, cache_modifier=".cg"),)
-        elif EVEN:
+        if EVEN:
             steps = steps + (tl.load(xp),)
         else:
             steps = steps + (tl.load(xp, mask=(w < K // 8)[:, None], other=0),)

@@ -148,17 +148,3 @@ def test_compiles_after_an_interpreted_kernel():
     with ct.compile_only(86, 82) as seen:
         norm.rms_norm(ct.meta(2, 64), ct.meta(64), 1e-5, ct.meta(2, 64))
     assert [c.kernel for c in seen] == ["_rms_norm_kernel"]
-
-
-def test_the_candidate_fused_mlp_compiles_without_spills():
-    """kernels/fused_mlp.py (not in the engine yet) for an RTX 3090 at the 7B MLP shape, M = 1 and 8: ptxas takes
-    it and spills nothing."""
-    from kernels import fused_mlp
-
-    with ct.compile_only(86, 82, stats=True) as seen:
-        for m in (1, 8):
-            gu, dn = ct.weight(4096, 22016, 128, False, torch.float16), ct.weight(11008, 4096, 128, False,
-                                                                                   torch.float16)
-            fused_mlp.gated_mlp(ct.meta(m, 4096), gu, dn, fused_mlp.MLPCounters(torch.device("meta")), 768, 512)
-    assert [c.kernel for c in seen] == ["_gated_mlp_kernel"] * 2
-    assert all(64 < c.registers <= 255 and c.spill_bytes == 0 for c in seen), seen

@@ -1,13 +1,10 @@
 """The building blocks of a decoder layer, each calling one kernel (``kernels/``)."""
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from kernels import fused_mlp, ops, w4a16
-from kernels._triton import num_sms
+from kernels import ops
 from kernels.quant_formats import QuantizedWeight, concat_out_features, dequantize
 from kernels.rotary import rope_cos_sin
 from kernels.split_k import SplitK, as_tensor
@@ -50,37 +47,6 @@ class Linear(nn.Module):
         if self.qweight is not None:
             return ops.w4a16_linear(x, self.qweight, self.bias, silu_gated, defer_sum)
         return ops.linear(ops.silu_and_mul(x) if silu_gated else as_tensor(x), self.weight, self.bias)
-
-
-def fused_mlp_on() -> bool:
-    """Whether ``APPLIANCE_FUSED_MLP`` is 1, true, yes or on: opt-in (off by default) until
-    ``bench/engine_bench.fused_mlp_rows`` has measured the one-launch MLP on a GPU. A model reads it once, when
-    its layers are built."""
-    return os.environ.get("APPLIANCE_FUSED_MLP", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def fused_mlp_splits(x: torch.Tensor, gate_up: Linear, down: Linear) -> tuple[int, int] | None:
-    """(gate/up, down) k_per_split when the MLP down(silu(gate_up(x))) of x [M, H] can run as one launch
-    (``kernels/fused_mlp.py``): the Triton path, packed 4-bit weights without biases, and both products' plans for
-    this M (``w4a16.choose_plan``, measured plans included) the one-warp mma GEMV with 64 columns, 128-row tiles
-    and the sum in its launch, which the kernel repeats bit for bit; else None (the three launches). The caller
-    asks only when :func:`fused_mlp_on`."""
-    if not isinstance(x, torch.Tensor) or not ops.use_triton(x):
-        return None
-    if gate_up.qweight is None or down.qweight is None or gate_up.bias is not None or down.bias is not None:
-        return None
-    m, mma = x.shape[0], x.dtype in (torch.float16, torch.bfloat16)
-    if not 1 <= m <= fused_mlp.MAX_ROWS or not mma:
-        return None
-    plans = [w4a16.choose_plan(m, w.out_features, w.in_features, w.bits, w.group_size, num_sms(x.device), mma)
-             for w in (gate_up.qweight, down.qweight)]
-    if not fused_mlp.plans_fit(plans):
-        return None
-    try:
-        fused_mlp.check_fusable(x, gate_up.qweight, down.qweight, plans[0].k_per_split, plans[1].k_per_split)
-    except ValueError:
-        return None
-    return plans[0].k_per_split, plans[1].k_per_split
 
 
 class RMSNorm(nn.Module):

@@ -10,12 +10,10 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, fused_mlp_on, fused_mlp_splits
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.models.context import max_context
 from engine.models.loader import CheckpointError, CheckpointReader
 from engine.models.rope import RopeError, inv_freq, rope_scaling
-from kernels import ops
-from kernels.fused_mlp import MLPCounters
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -33,8 +31,6 @@ class LlamaDecoderLayer(nn.Module):
         proj = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
         self.gate_up_proj = Linear([ckpt.linear(p) for p in proj], [ckpt.bias(p) for p in proj], dtype, device)
         self.down_proj = Linear([ckpt.linear(f"{mlp}.down_proj")], [ckpt.bias(f"{mlp}.down_proj")], dtype, device)
-        self.fuse_mlp = fused_mlp_on()  # the one-launch MLP at decode (opt-in, APPLIANCE_FUSED_MLP=1)
-        self.mlp_counters = MLPCounters(device)  # its counters (``kernels/fused_mlp.py``)
         self.input_layernorm = RMSNorm(ckpt.tensor(f"{prefix}.input_layernorm.weight"), eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(ckpt.tensor(f"{prefix}.post_attention_layernorm.weight"), eps,
                                                 dtype, device)
@@ -62,10 +58,6 @@ class LlamaDecoderLayer(nn.Module):
         o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta, positions, rotary.cos_sin)
         hidden = self.o_proj(o.reshape(-1, q_size))
         x, residual = self.post_attention_layernorm(hidden, residual)
-        splits = fused_mlp_splits(x, self.gate_up_proj, self.down_proj) if self.fuse_mlp else None
-        if splits is not None:  # gate/up, SiLU-and-mul and down in one launch
-            return ops.gated_mlp(x, self.gate_up_proj.qweight, self.down_proj.qweight, self.mlp_counters,
-                                 *splits), residual
         return self.down_proj(self.gate_up_proj(x, defer_sum=True), silu_gated=True), residual
 
 
