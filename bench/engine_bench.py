@@ -34,7 +34,8 @@ from kernels._triton import pdl, without_early_trigger, without_pdl
 
 #: Engine options of every row but ``measured_plan_rows``: the built-in W4A16 plans (w4a16.TUNED, measured on an
 #: H200 for these shapes, else choose_plan's rules), nothing measured at start-up, no plan file read.
-BUILT_IN = dict(tune_kernels=False, kernel_plans_dir=tempfile.mkdtemp(prefix="no-plans-"))
+_NO_PLANS = tempfile.TemporaryDirectory(prefix="no-plans-")  # empty; removed when the process exits
+BUILT_IN = dict(tune_kernels=False, kernel_plans_dir=_NO_PLANS.name)
 
 
 def _prefill_graphs(on: bool):
@@ -315,6 +316,42 @@ def decode_ablation_rows(ctx: dict, make_row) -> list:
                              1e6 / tok_s, "the whole step", 1e6 / full, None,
                              f"{tok_s:.0f} against {full:.0f} tok/s: skipping them saves "
                              f"{1e6 / full - 1e6 / tok_s:+.0f} µs a step"))
+    return rows
+
+
+def merge_rows(ctx: dict, make_row) -> list:
+    """The decode attention's split merge done by the last split to arrive (``paged_attention.MERGE_IN_LAUNCH``,
+    one launch) against a merge kernel of its own (two launches), in the 7B-shaped engine at batch 1 and 8
+    sequences (32-token prompts, 256 steps timed: a few live splits a sequence), graphs on; engines built A B A B
+    (builds vary by a few percent), the better of each kept; greedy tokens of 4 prompts compared (the two merges
+    add in different orders: a near-tie may differ)."""
+    from kernels import paged_attention
+
+    model_dir = _model_7b(ctx)
+    prompts = [list(range(3 + i, 3 + i + 24)) for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = {True: ([], [], None), False: ([], [], None)}
+    for _ in range(2):
+        for fused in (True, False):
+            with mock.patch.object(paged_attention, "MERGE_IN_LAUNCH", fused):
+                llm = _decode_engine(model_dir)
+                got[fused][0].append(_decode_tok_s(llm, 32, 256))
+                got[fused][1].append(_batch_decode_tok_s(llm, 8, 32, 256))
+                if got[fused][2] is None:
+                    got[fused] = (*got[fused][:2], [llm.generate([p], greedy)[0].outputs[0].token_ids
+                                                    for p in prompts])
+            del llm
+            _free()
+    same = sum(a == b for a, b in zip(got[True][2], got[False][2]))
+    rows = []
+    for i, label, seqs in ((0, "bs1", 1), (1, "8 sequences", 8)):
+        one, two = max(got[True][i]), max(got[False][i])
+        rows.append(make_row(f"7B AWQ decode {label}, split merge in the decode launch vs a merge kernel",
+                             "Llama-2-7B shape, ctx ~160, graphs on", seqs * 1e6 / one, "merge kernel launched",
+                             seqs * 1e6 / two, None, f"{one:.0f} vs {two:.0f} tok/s (µs per step); builds "
+                             f"{', '.join(f'{t:.0f}' for t in got[True][i])} / "
+                             f"{', '.join(f'{t:.0f}' for t in got[False][i])}; greedy tokens identical for "
+                             f"{same} of {len(prompts)} prompts"))
     return rows
 
 
@@ -1180,7 +1217,7 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     args = [sys.executable, *(["-c", _PLAIN_SERVER] if plain else ["-m", "engine.server"]), "--model", model_dir, "--port", str(port), "--no-tune-kernels",
-            "--kernel-plans-dir", tempfile.mkdtemp(prefix="no-plans-"), "--log-level", "warning", "--device", device,
+            "--kernel-plans-dir", _NO_PLANS.name, "--log-level", "warning", "--device", device,
             flag, *(f"--{k.replace('_', '-')}={v}" for k, v in settings.items())]
     log = Path(os.environ.get("OUT", "/tmp")) / f"http_server_{flag.strip('-')}{'_plain' if plain else ''}.log"
     url = f"http://127.0.0.1:{port}"
@@ -1215,7 +1252,7 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
 #: the order given (an unknown name is an error).
 SUITE_ROWS = [cuda_path_rows, qwen_rows, sliding_window_rows, scaled_rope_rows, smollm2_rows, decode_rows,
-              decode_ablation_rows, prefill_host_rows, mixed_step_rows, measured_plan_rows, throughput_rows,
+              decode_ablation_rows, merge_rows, prefill_host_rows, mixed_step_rows, measured_plan_rows, throughput_rows,
               http_rows]
 if os.environ.get("ENGINE_ROWS"):
     _BY_NAME = {fn.__name__: fn for fn in SUITE_ROWS}

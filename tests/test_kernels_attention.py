@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernels_testenv import FP8, on_device  # noqa: F401 (autouse fixture)
 
-from kernels import kv_cache, paged_attention as pa
+from kernels import kv_cache, paged_attention as pa, w4a16
 from kernels._triton import cdiv
 
 
@@ -116,33 +116,35 @@ def test_decode_tile_narrows_to_the_chunk():
     check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 32 ** -0.5)
 
 
+@pytest.mark.parametrize("merge_in_launch", [True, False])
 @pytest.mark.parametrize("lengths", [[1, 17, 130, 300], [64, 63, 65, 2]])
-def test_decode_short_contexts_spread_over_a_wide_table(lengths, monkeypatch):
+def test_decode_short_contexts_spread_over_a_wide_table(lengths, merge_in_launch, monkeypatch):
     """A CUDA graph's block tables are max_model_len wide: here 64 blocks (1,024 tokens) in 256-token chunks, 4
     splits. Each context is spread over the splits in whole 16-token tiles, cdiv(cdiv(ctx, 4), 16) tiles per split
     (130 tokens: 48 + 48 + 34 and an empty fourth; 17: 16 + 1; 300: 80 + 80 + 80 + 60): each live split's partial
-    output is attention over exactly its tokens, and the merge of the live splits gives the reference, the same
-    bits each call. A split past the context writes nothing (it leaves before the PDL wait on a GPU)."""
-    partials = {}
+    output is attention over exactly its tokens, and the merge of the live splits (by the last split to arrive, or
+    by the merge kernel) gives the reference, the same bits each call. A split past the context writes nothing (it
+    leaves before the PDL wait on a GPU)."""
+    partials, merges = {}, []
     merge, decode = pa._merge_kernel, pa._decode_kernel
 
-    class Spy:  # keeps the partial outputs the merge kernel is given
+    class Spy:  # counts the merge kernel's launches
         def __getitem__(self, grid):
-            def launch(po, *args, **meta):
-                partials["po"] = po.clone()
-                return merge[grid](po, *args, **meta)
-            return launch
+            merges.append(grid)
+            return merge[grid]
 
     class NanFill:  # the decode kernel's partial outputs start as NaN: what it leaves alone stays NaN
         def __getitem__(self, grid):
             def launch(*args, **meta):
                 args[6].fill_(float("nan"))
                 args[7].fill_(float("nan"))
-                return decode[grid](*args, **meta)
+                decode[grid](*args, **meta)
+                partials["po"] = args[6].clone()
             return launch
 
     monkeypatch.setattr(pa, "_merge_kernel", Spy())
     monkeypatch.setattr(pa, "_decode_kernel", NanFill())
+    monkeypatch.setattr(pa, "MERGE_IN_LAUNCH", merge_in_launch)
     k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
     wide = torch.full((len(lengths), 64), -1, dtype=torch.int32)
     wide[:, :tables.shape[1]] = tables
@@ -151,6 +153,8 @@ def test_decode_short_contexts_spread_over_a_wide_table(lengths, monkeypatch):
     out = pa.decode_with(q, k_cache, v_cache, wide, ctx, 32 ** -0.5, chunk=256, block_n=16)
     check(out, pa.paged_attention_decode_ref, q, k_cache, v_cache, tables, ctx, 32 ** -0.5)
     assert torch.equal(out, pa.decode_with(q, k_cache, v_cache, wide, ctx, 32 ** -0.5, chunk=256, block_n=16))
+    assert len(merges) == (0 if merge_in_launch else 2)
+    assert int(w4a16._locks(q.device, 1).abs().sum()) == 0  # every arrival counter back to 0
     for b, n in enumerate(lengths):
         chunk = cdiv(cdiv(n, 4), 16) * 16
         k = pa.gather_kv(k_cache, tables[b], n).float().repeat_interleave(2, dim=1).transpose(0, 1)
