@@ -512,7 +512,8 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
         plse = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     else:
         po = plse = out
-    merge = splits > 1 and (MERGE_IN_LAUNCH if merge_in_launch is None else merge_in_launch)
+    merge = splits > 1 and (MERGE_IN_LAUNCH if merge_in_launch is None else merge_in_launch) and \
+        batch * kv_heads <= w4a16._MAX_LOCKS  # one arrival counter per (sequence, KV head)
     locks = w4a16._locks(q.device, batch * kv_heads) if merge else plse  # plse: a pointer the kernel ignores
     kc, vc, scale_meta, kv_meta = _cache_args(q, k_cache, v_cache, k_scales, v_scales)
     block_d = max(16, next_pow2(dim))
