@@ -337,7 +337,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
         tl.store(plse_ptr + row_off, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g < GROUP)
         if MERGE:
             tl.debug_barrier()  # every thread's partials are written before the counter moves
-            live = (ctx - lo + chunk - 1) // chunk  # the splits that did not exit early
+            live = tl.maximum((ctx - lo + chunk - 1) // chunk, 1)  # the splits that did not exit early (split 0
+            # always runs: with ctx 0, against the contract, it merges alone and the counter still returns to 0)
             lock = lock_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == live - 1:
                 _merge_group(po_ptr, plse_ptr, out_ptr, row_off - split, live, b, heads, g, d, gmask, stride_ob,
@@ -353,7 +354,8 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, row0, live, b, heads, g, d, gmask, s
                  GROUP: tl.constexpr, DIM: tl.constexpr):
     """out[b, heads] = the splits 0 .. live-1 of the partial outputs at rows ``row0`` [BLOCK_G] (+ split) of
     ``po`` / ``plse``, weighted by exp2(lse - max lse): :func:`_merge_kernel`'s sum for one group of heads, added in
-    split order. Loads through L2 (``.cg``): other multiprocessors wrote them in this launch."""
+    split order (the merge kernel's tree sum may differ in the last bits). Loads through L2 (``.cg``): other
+    multiprocessors wrote them in this launch."""
     hmask = g < GROUP
     top = tl.full(g.shape, float("-inf"), tl.float32)
     for sp in range(0, live):
@@ -446,7 +448,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scales [num_blocks, Hkv, block_size], K's and V's of equal strides: ValueError otherwise); block_tables int32 [B,
     max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits each context evenly
     (:func:`decode_split_chunk` sets the number of splits from the shapes, ``_split_tokens`` spreads a sequence's
-    context over them) when B * Hkv is too small to fill the GPU, then merges them in a second launch.
+    context over them) when B * Hkv is too small to fill the GPU, then merges them in a second launch (or in the
+    decode launch: :data:`MERGE_IN_LAUNCH`).
     """
     config = DECODE_CONFIG
     if k_cache.dtype == torch.float8_e4m3fn:

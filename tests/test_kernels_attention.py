@@ -277,6 +277,29 @@ def test_decode_sliding_window(window):
     torch.testing.assert_close(out[4].float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the 0-token context's NaN row
+@pytest.mark.parametrize("window,q_heads", [(0, 6), (5, 4), (40, 4)])
+def test_decode_merge_in_launch_agrees_with_the_merge_kernel(window, q_heads):
+    """The last split to arrive merges its group's splits (GQA group 3 with masked heads in the tile; sliding
+    windows): the reference's result, within bf16 rounding of the merge kernel's (they add in different orders),
+    and every arrival counter back to 0, also after a context of 0 tokens (against the contract: split 0 merges)."""
+    lengths = [1, 17, 130, 64, 300]
+    k_cache, v_cache, tables = make_cache(lengths, 2, 32, 16, torch.bfloat16)
+    wide = torch.full((len(lengths), 64), -1, dtype=torch.int32)
+    wide[:, :tables.shape[1]] = tables
+    q = torch.randn(len(lengths), q_heads, 32, dtype=torch.bfloat16)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    got = {merge: pa.decode_with(q, k_cache, v_cache, wide, ctx, 32 ** -0.5, chunk=64, block_n=16, window=window,
+                                 merge_in_launch=merge) for merge in (True, False)}
+    check(got[True], lambda *a: pa.paged_attention_decode_ref(*a, window=window), q, k_cache, v_cache, tables, ctx,
+          32 ** -0.5)
+    torch.testing.assert_close(got[True].float(), got[False].float(), rtol=8e-3, atol=8e-3)
+    assert int(w4a16._locks(q.device, 1).abs().sum()) == 0
+    pa.decode_with(q[:2], k_cache, v_cache, wide[:2], torch.tensor([0, 40], dtype=torch.int32), 32 ** -0.5,
+                   chunk=16, block_n=16, merge_in_launch=True)
+    assert int(w4a16._locks(q.device, 1).abs().sum()) == 0
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 40])
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
 def test_prefill_sliding_window(window, block_m, block_n):
