@@ -337,8 +337,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
         tl.store(plse_ptr + row_off, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g < GROUP)
         if MERGE:
             tl.debug_barrier()  # every thread's partials are written before the counter moves
-            live = tl.maximum((ctx - lo + chunk - 1) // chunk, 1)  # the splits that did not exit early (split 0
-            # always runs: with ctx 0, against the contract, it merges alone and the counter still returns to 0)
+            # the splits that did not exit early; split 0 always runs: with ctx 0 (against the contract; chunk is 0
+            # then) it merges alone, so the counter still returns to 0
+            live = tl.maximum((ctx - lo + chunk - 1) // tl.maximum(chunk, 1), 1)
             lock = lock_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == live - 1:
                 _merge_group(po_ptr, plse_ptr, out_ptr, row_off - split, live, b, heads, g, d, gmask, stride_ob,
