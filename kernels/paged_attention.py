@@ -280,6 +280,13 @@ def _split_tokens(ctx, num_splits, TILE: tl.constexpr):
     return ((ctx - 1) // (num_splits * TILE) + 1) * TILE  # cdiv(cdiv(ctx, num_splits), TILE) tiles, ctx >= 1
 
 
+@device_fn
+def _live_splits(span, chunk):
+    """The splits of a span of ``span`` tokens in ``chunk``-token splits that hold tokens (at least 1: split 0 always
+    runs; a 0-token span, against the contract, has chunk 0)."""
+    return tl.maximum((span + chunk - 1) // tl.maximum(chunk, 1), 1)
+
+
 @jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, scale_log2,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -337,9 +344,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
         tl.store(plse_ptr + row_off, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g < GROUP)
         if MERGE:
             tl.debug_barrier()  # every thread's partials are written before the counter moves
-            # the splits that did not exit early; split 0 always runs: with ctx 0 (against the contract; chunk is 0
-            # then) it merges alone, so the counter still returns to 0
-            live = tl.maximum((ctx - lo + chunk - 1) // tl.maximum(chunk, 1), 1)
+            live = _live_splits(ctx - lo, chunk)  # the splits that did not exit early
             lock = lock_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == live - 1:
                 _merge_group(po_ptr, plse_ptr, out_ptr, row_off - split, live, b, heads, g, d, gmask, stride_ob,
@@ -385,7 +390,7 @@ def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, num_splits, stride_ob, str
     chunk = _split_tokens(span, num_splits, TILE)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = sp < (span + chunk - 1) // chunk  # the live splits, at most num_splits (see _split_tokens)
+    smask = sp < _live_splits(span, chunk)  # at most num_splits (see _split_tokens)
     row = (b * tl.num_programs(1) + h) * num_splits + sp
     lse = tl.load(plse_ptr + row, mask=smask, other=float("-inf"))
     o = tl.load(po_ptr + row[:, None] * DIM + d[None, :], mask=smask[:, None] & (d < DIM)[None, :], other=0.0)
