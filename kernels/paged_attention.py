@@ -175,6 +175,8 @@ LOG2E = 1.4426950408889634
 #: An int8 cache's softmax weights times V scales are multiplied by this (a power of two: exact) before they are
 #: rounded to fp16 for P.V, and the output divided by it (:func:`_online_softmax_step`).
 INT8_V_BOOST = tl.constexpr(1024.0) if tl is not None else 1024.0
+#: Splits the in-launch merge (``_merge_group``) loads before it adds them: one L2 round trip for four, not each.
+MERGE_UNROLL = tl.constexpr(4) if tl is not None else 4
 
 
 @device_fn
@@ -361,18 +363,26 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, row0, live, b, heads, g, d, gmask, s
     """out[b, heads] = the splits 0 .. live-1 of the partial outputs at rows ``row0`` [BLOCK_G] (+ split) of
     ``po`` / ``plse``, weighted by exp2(lse - max lse): :func:`_merge_kernel`'s sum for one group of heads, added in
     split order (the merge kernel's tree sum may differ in the last bits). Loads through L2 (``.cg``): other
-    multiprocessors wrote them in this launch."""
+    multiprocessors wrote them in this launch; :data:`MERGE_UNROLL` splits a round trip (a split past ``live``
+    weighs 0 and loads a zero output, so it adds exactly 0)."""
     hmask = g < GROUP
     top = tl.full(g.shape, float("-inf"), tl.float32)
-    for sp in range(0, live):
-        top = tl.maximum(top, tl.load(plse_ptr + row0 + sp, mask=hmask, other=0.0, cache_modifier=".cg"))
+    for sp0 in range(0, live, MERGE_UNROLL):
+        for j in tl.static_range(MERGE_UNROLL):
+            inside = sp0 + j + 0 * g < live  # [BLOCK_G], one value: the interpreter mishandles a scalar mask here
+            lse = tl.load(plse_ptr + row0 + sp0 + j, mask=hmask & inside, other=0.0, cache_modifier=".cg")
+            top = tl.maximum(top, tl.where(inside, lse, float("-inf")))
     num = tl.zeros(gmask.shape, tl.float32)
     den = tl.zeros(g.shape, tl.float32)
-    for sp in range(0, live):
-        w = tl.exp2(tl.load(plse_ptr + row0 + sp, mask=hmask, other=0.0, cache_modifier=".cg") - top)
-        o = tl.load(po_ptr + (row0 + sp)[:, None] * DIM + d[None, :], mask=gmask, other=0.0, cache_modifier=".cg")
-        num += o * w[:, None]
-        den += w
+    for sp0 in range(0, live, MERGE_UNROLL):
+        for j in tl.static_range(MERGE_UNROLL):
+            inside = sp0 + j + 0 * g < live
+            lse = tl.load(plse_ptr + row0 + sp0 + j, mask=hmask & inside, other=0.0, cache_modifier=".cg")
+            w = tl.where(inside, tl.exp2(lse - top), 0.0)
+            o = tl.load(po_ptr + (row0 + sp0 + j)[:, None] * DIM + d[None, :], mask=gmask & inside[:, None],
+                        other=0.0, cache_modifier=".cg")
+            num += o * w[:, None]
+            den += w
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
              (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=gmask)
 
