@@ -319,43 +319,6 @@ def decode_ablation_rows(ctx: dict, make_row) -> list:
     return rows
 
 
-def merge_rows(ctx: dict, make_row) -> list:
-    """The decode attention's split merge done by the last split to arrive (``paged_attention.MERGE_IN_LAUNCH``,
-    one launch) against a merge kernel of its own (two launches, the default), in the 7B-shaped engine built for 8
-    sequences, graphs on: decode at batch 1 and at 8 sequences (32-token prompts, 256 steps timed; about 160
-    tokens of context, 3 of the 4 splits live). Engines built A B A B (builds vary by a few percent), the better of
-    each kept; greedy tokens of 4 prompts of 160 tokens, one at a time, compared (3 live splits; the two merges add
-    in different orders, so a near-tie may differ)."""
-    from kernels import paged_attention
-
-    model_dir = _model_7b(ctx)
-    prompts = [list(range(3 + i, 3 + i + 160)) for i in range(4)]
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tok_s = {(fused, n): [] for fused in (True, False) for n in (1, 8)}
-    tokens = {}
-    for _ in range(2):
-        for fused in (True, False):
-            with mock.patch.object(paged_attention, "MERGE_IN_LAUNCH", fused):
-                llm = _decode_engine(model_dir, batch=8)
-                tok_s[fused, 1].append(_decode_tok_s(llm, 32, 256))
-                tok_s[fused, 8].append(_batch_decode_tok_s(llm, 8, 32, 256))
-                if fused not in tokens:
-                    tokens[fused] = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
-            del llm
-            _free()
-    same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
-    rows = []
-    for n, label in ((1, "bs1"), (8, "8 sequences")):
-        one, two = max(tok_s[True, n]), max(tok_s[False, n])
-        rows.append(make_row(f"7B AWQ decode {label}, split merge in the decode launch vs a merge kernel",
-                             "Llama-2-7B shape, ctx ~160, graphs on", n * 1e6 / one, "merge kernel launched",
-                             n * 1e6 / two, None, f"{one:.0f} vs {two:.0f} tok/s (the times: µs per step); builds "
-                             f"{', '.join(f'{t:.0f}' for t in tok_s[True, n])} / "
-                             f"{', '.join(f'{t:.0f}' for t in tok_s[False, n])}; greedy tokens identical for "
-                             f"{same} of {len(prompts)} prompts"))
-    return rows
-
-
 def _hf_generate_tok_s(model_dir: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float, float]:
     """transformers bf16 ``generate`` (greedy, ``new_tokens`` each) at ``batch``: (best of two timed runs, the
     first timed run, peak GiB), output tok/s. The first full-length run measured 2.8x slower than the second on an
@@ -1253,7 +1216,7 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
 #: the order given (an unknown name is an error).
 SUITE_ROWS = [cuda_path_rows, qwen_rows, sliding_window_rows, scaled_rope_rows, smollm2_rows, decode_rows,
-              decode_ablation_rows, merge_rows, prefill_host_rows, mixed_step_rows, measured_plan_rows, throughput_rows,
+              decode_ablation_rows, prefill_host_rows, mixed_step_rows, measured_plan_rows, throughput_rows,
               http_rows]
 if os.environ.get("ENGINE_ROWS"):
     _BY_NAME = {fn.__name__: fn for fn in SUITE_ROWS}

@@ -506,15 +506,6 @@ def decode_rows(log: dict, copy_bw: float, sweep: bool) -> list[Row]:
         if pdl(sets[0][0]):
             alone = time_calls_under(without_pdl(), [lambda i=i: ours(i, **best_cfg) for i in schedule(copies)])
             note += f"; without PDL {alone:.1f} µs ({base / alone:.2f}×)"
-        cfg = best_cfg or pa.DECODE_CONFIG
-        chunk = cfg.get("chunk") or pa.decode_split_chunk(batch, KV_HEADS, ctx, num_sms(sets[0][0].device))
-        if chunk < ctx:  # split: time the merge the default does not take
-            other = not pa.MERGE_IN_LAUNCH
-            err = (ours(0, merge_in_launch=other, **cfg).float() - base_out[:, :, 0].float()).abs().max().item()
-            check(f"decode B={batch} ctx={ctx}, merge_in_launch={other}, vs SDPA max err {err:.1e}", err < 2e-2)
-            alt = time_calls([lambda i=i: ours(i, merge_in_launch=other, **cfg) for i in schedule(copies)])
-            note += f"; splits merged {'in the decode launch' if other else 'by a merge kernel'} {alt:.1f} µs " \
-                    f"({base / alt:.2f}×)"
         if best_cfg:
             note += f"; swept {best_cfg}"
         rows.append(Row("paged decode vs SDPA", f"B={batch}, ctx={ctx}", us, f"SDPA ({backend}), contiguous", base,

@@ -18,7 +18,6 @@ import functools
 
 import torch
 
-from . import w4a16
 from .kv_cache import check_int8_scales, dequantize_int8_ref, scale_args
 from ._triton import (cdiv, device_fn, dot_f32, early_trigger, hopper, jit, next_pow2, num_sms, pdl, pdl_trigger,
                       pdl_wait, tl)
@@ -175,8 +174,6 @@ LOG2E = 1.4426950408889634
 #: An int8 cache's softmax weights times V scales are multiplied by this (a power of two: exact) before they are
 #: rounded to fp16 for P.V, and the output divided by it (:func:`_online_softmax_step`).
 INT8_V_BOOST = tl.constexpr(1024.0) if tl is not None else 1024.0
-#: Splits the in-launch merge (``_merge_group``) loads before it adds them: one L2 round trip for four, not each.
-MERGE_UNROLL = tl.constexpr(4) if tl is not None else 4
 
 
 @device_fn
@@ -285,18 +282,18 @@ def _split_tokens(ctx, num_splits, TILE: tl.constexpr):
 @device_fn
 def _live_splits(span, chunk):
     """The splits of a span of ``span`` tokens in ``chunk``-token splits that hold tokens (at least 1: split 0 always
-    runs; a 0-token span, against the contract, has chunk 0)."""
+    runs; a 0-token span, against the contract, has chunk 0: no division by 0)."""
     return tl.maximum((span + chunk - 1) // tl.maximum(chunk, 1), 1)
 
 
 @jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, scale_log2,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   stride_bt, stride_ob, stride_oh, num_splits, ks_ptr, vs_ptr, stride_sb, stride_sh, lock_ptr,
+                   stride_bt, stride_ob, stride_oh, num_splits, ks_ptr, vs_ptr, stride_sb, stride_sh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
                    KV_FP8: tl.constexpr, KV_BYTES: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
-                   PDL: tl.constexpr, TRIG: tl.constexpr, MERGE: tl.constexpr):
+                   PDL: tl.constexpr, TRIG: tl.constexpr):
     """Grid (B, Hkv, splits): the GROUP query heads of one KV head attend to tokens [lo + split*chunk, +chunk) of
     one sequence, chunk = :func:`_split_tokens` of its span: its context (lo = 0) or, with a sliding WINDOW > 0,
     its last WINDOW tokens (lo = ctx - WINDOW, at least 0); every KV tile is loaded once for the whole group.
@@ -305,10 +302,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
     PDL wait, writing nothing (the merge skips it): a graph's tables are ``max_model_len`` wide, so at a short
     context most of the grid is such splits (H200, bs1 at ~160 tokens in 32k-token tables, 64 splits: 2,248
     against 2,265 µs per step of a Llama-3.1-8B shape with them waiting, 2,242 in 1k-token tables;
-    bench/RESULTS.md, twenty-second session). With MERGE (and SPLIT) the last live split of a (sequence, KV head)
-    to arrive (an arrival counter in ``lock`` [B * Hkv] int32, 0 between launches, reset by that program) merges
-    the group's splits into ``out`` (:func:`_merge_group`), so no second launch. KV_FP8 / KV_BYTES / KV_INT8: see
-    :func:`_cache_args`."""
+    bench/RESULTS.md, twenty-second session). KV_FP8 / KV_BYTES / KV_INT8: see :func:`_cache_args`."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)  # a step input, not the previous kernel's output: readable before the wait
     lo = tl.maximum(ctx - WINDOW, 0) if WINDOW else 0
@@ -344,47 +338,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse
         row_off = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split
         tl.store(po_ptr + row_off[:, None] * DIM + d[None, :], acc, mask=gmask)
         tl.store(plse_ptr + row_off, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g < GROUP)
-        if MERGE:
-            tl.debug_barrier()  # every thread's partials are written before the counter moves
-            live = _live_splits(ctx - lo, chunk)  # the splits that did not exit early
-            lock = lock_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == live - 1:
-                _merge_group(po_ptr, plse_ptr, out_ptr, row_off - split, live, b, heads, g, d, gmask, stride_ob,
-                             stride_oh, GROUP, DIM)
-                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=gmask)
-
-
-@device_fn
-def _merge_group(po_ptr, plse_ptr, out_ptr, row0, live, b, heads, g, d, gmask, stride_ob, stride_oh,
-                 GROUP: tl.constexpr, DIM: tl.constexpr):
-    """out[b, heads] = the splits 0 .. live-1 of the partial outputs at rows ``row0`` [BLOCK_G] (+ split) of
-    ``po`` / ``plse``, weighted by exp2(lse - max lse): :func:`_merge_kernel`'s sum for one group of heads, added in
-    split order (the merge kernel's tree sum may differ in the last bits). Loads through L2 (``.cg``): other
-    multiprocessors wrote them in this launch; :data:`MERGE_UNROLL` splits a round trip (a split past ``live``
-    weighs 0 and loads a zero output, so it adds exactly 0)."""
-    hmask = g < GROUP
-    top = tl.full(g.shape, float("-inf"), tl.float32)
-    for sp0 in range(0, live, MERGE_UNROLL):
-        for j in tl.static_range(MERGE_UNROLL):
-            inside = sp0 + j + 0 * g < live  # [BLOCK_G], one value: the interpreter mishandles a scalar mask here
-            lse = tl.load(plse_ptr + row0 + sp0 + j, mask=hmask & inside, other=0.0, cache_modifier=".cg")
-            top = tl.maximum(top, tl.where(inside, lse, float("-inf")))
-    num = tl.zeros(gmask.shape, tl.float32)
-    den = tl.zeros(g.shape, tl.float32)
-    for sp0 in range(0, live, MERGE_UNROLL):
-        for j in tl.static_range(MERGE_UNROLL):
-            inside = sp0 + j + 0 * g < live
-            lse = tl.load(plse_ptr + row0 + sp0 + j, mask=hmask & inside, other=0.0, cache_modifier=".cg")
-            w = tl.where(inside, tl.exp2(lse - top), 0.0)
-            o = tl.load(po_ptr + (row0 + sp0 + j)[:, None] * DIM + d[None, :], mask=gmask & inside[:, None],
-                        other=0.0, cache_modifier=".cg")
-            num += o * w[:, None]
-            den += w
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=gmask)
 
 
 @jit
@@ -464,8 +420,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scales [num_blocks, Hkv, block_size], K's and V's of equal strides: ValueError otherwise); block_tables int32 [B,
     max_blocks]; context_lens int32 [B], each >= 1 and <= max_blocks * block_size. Splits each context evenly
     (:func:`decode_split_chunk` sets the number of splits from the shapes, ``_split_tokens`` spreads a sequence's
-    context over them) when B * Hkv is too small to fill the GPU, then merges them in a second launch (or in the
-    decode launch: :data:`MERGE_IN_LAUNCH`).
+    context over them) when B * Hkv is too small to fill the GPU, then merges them in a second launch.
     """
     config = DECODE_CONFIG
     if k_cache.dtype == torch.float8_e4m3fn:
@@ -475,11 +430,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return decode_with(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales=k_scales, v_scales=v_scales,
                        window=window, **config)
 
-
-#: Whether the decode kernel's last split merges a group's splits itself (no second launch; ``_merge_group``) or
-#: leaves it to ``_merge_kernel`` (the default): a candidate, checked under the interpreter only, until measured on a
-#: GPU (bench/gpu_suite.py decode rows, bench/engine_bench.py ``merge_rows``).
-MERGE_IN_LAUNCH = False
 
 #: Tile and launch settings of the decode kernel (measured on an H200: bench/gpu_suite.py --sweep).
 DECODE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3)
@@ -506,13 +456,11 @@ def decode_tile(block_n: int, chunk: int) -> int:
 
 def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, chunk: int | None = None,
                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3, k_scales: torch.Tensor | None = None,
-                v_scales: torch.Tensor | None = None, window: int = 0, merge_in_launch: bool | None = None
-                ) -> torch.Tensor:
+                v_scales: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """:func:`paged_attention_decode` with explicit settings (the benchmark sweeps them): ``chunk`` tokens per
     split at a full block table (or a full sliding ``window``, when narrower), which sets ``cdiv(width, chunk)``
     splits (None = :func:`decode_split_chunk`; a shorter context is spread over them in whole tiles), KV tile
-    ``block_n`` tokens (narrowed to a power of two <= the chunk); split results merged by the last split to arrive
-    or by a second launch (``merge_in_launch``; None = :data:`MERGE_IN_LAUNCH`)."""
+    ``block_n`` tokens (narrowed to a power of two <= the chunk)."""
     batch, q_heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
@@ -531,9 +479,6 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
         plse = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     else:
         po = plse = out
-    merge = splits > 1 and (MERGE_IN_LAUNCH if merge_in_launch is None else merge_in_launch) and \
-        batch * kv_heads <= w4a16._MAX_LOCKS  # one arrival counter per (sequence, KV head)
-    locks = w4a16._locks(q.device, batch * kv_heads) if merge else plse  # plse: a pointer the kernel ignores
     kc, vc, scale_meta, kv_meta = _cache_args(q, k_cache, v_cache, k_scales, v_scales)
     block_d = max(16, next_pow2(dim))
     if kv_meta["KV_BYTES"] and block_n * block_d < 4 * 32 * num_warps:  # the conversion takes 4 bytes per thread
@@ -542,11 +487,11 @@ def decode_with(q, k_cache, v_cache, block_tables, context_lens, scale: float, c
     _decode_kernel[(batch, kv_heads, splits)](
         q, kc, vc, block_tables, context_lens, out, po, plse, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), splits, *scale_meta, locks, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
-        DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
-        DOT_F32=dot_f32(q), WINDOW=window, PDL=pdl(q), TRIG=early_trigger(q), MERGE=merge, num_warps=num_warps,
+        out.stride(0), out.stride(1), splits, *scale_meta, GROUP=group, BLOCK_G=max(16, next_pow2(group)), DIM=dim,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1,
+        DOT_F32=dot_f32(q), WINDOW=window, PDL=pdl(q), TRIG=early_trigger(q), num_warps=num_warps,
         num_stages=num_stages, **kv_meta)
-    if splits > 1 and not merge:
+    if splits > 1:
         _merge_kernel[(batch, q_heads)](po, plse, context_lens, out, splits, out.stride(0), out.stride(1),
                                         DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_S=next_pow2(splits), TILE=block_n,
                                         WINDOW=window, PDL=pdl(q), TRIG=early_trigger(q), num_warps=4)

@@ -710,9 +710,7 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
     only recorded, run when that one graph replays. Counters that start as garbage break the last-program
     detection: wrong sums, and split-K GEMVs that timed 8.6 against 14.3 us (H200, thirteenth session). Capturers
     warm up on their capture stream first (``engine.cuda_graphs``, ``w4a16_tune.time_graph``). Raises
-    ``ValueError`` past ``_MAX_LOCKS`` column blocks, RuntimeError for a first call inside a capture. The decode
-    attention's in-launch split merge (``paged_attention.MERGE_IN_LAUNCH``) shares them on the same terms: touched
-    only after its PDL wait, left at 0."""
+    ``ValueError`` past ``_MAX_LOCKS`` column blocks, RuntimeError for a first call inside a capture."""
     if count > _MAX_LOCKS:
         raise ValueError(f"w4a16 GEMV: {count} column blocks, at most {_MAX_LOCKS}")
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
