@@ -93,11 +93,36 @@ def fit_group_size(model_dir, group_size: int, say: Progress = lambda _m: None) 
     return fit
 
 
+#: The Hugging Face cache variables that gptqmodel's dependency tokenicer sets when it is imported
+HF_CACHE_VARS = ("HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_MODULES_CACHE")
+
+
+def import_gptqmodel():
+    """The ``gptqmodel`` module, imported without a side effect of its dependency tokenicer: on import it sets
+    :data:`HF_CACHE_VARS`, where unset, to folders under /tmp/tokenicer_hf_home (and creates them), so this
+    process's later Hugging Face cache look-ups, and the server it may start, would go there. HF_HOME is the usual
+    cache (``huggingface_hub.constants.HF_HOME``) during the import, and every variable is as it was after it."""
+    from huggingface_hub import constants
+
+    saved = {name: os.environ.get(name) for name in HF_CACHE_VARS}
+    os.environ.setdefault("HF_HOME", constants.HF_HOME)
+    try:
+        import gptqmodel
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return gptqmodel
+
+
 def _run_gptqmodel(model_dir: Path, out: Path, method, bits, group_size, desc_act, calib, clip,
                    say: Progress) -> None:
     say("loading gptqmodel")
     import torch
-    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+    gptqmodel = import_gptqmodel()
+    BACKEND, GPTQModel, QuantizeConfig = gptqmodel.BACKEND, gptqmodel.GPTQModel, gptqmodel.QuantizeConfig
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -88,3 +88,24 @@ def test_calibration_and_heldout_text():
     assert "".join(map(chr, samples[-1]["input_ids"])) == calib[-100:]
     with pytest.raises(ValueError):
         calibration_samples(Tok(), num_samples=1, seq_len=10**7)
+
+
+def test_importing_gptqmodel_leaves_the_hugging_face_cache_variables_alone(tmp_path):
+    """gptqmodel's dependency tokenicer points HF_HOME and three more cache variables at /tmp/tokenicer_hf_home
+    when it is imported; quant.quantize imports it through ``import_gptqmodel``, which leaves them as they were:
+    unset stays unset, a set one keeps its value (a fresh interpreter: gptqmodel imports once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, json; from quant.quantize import HF_CACHE_VARS, import_gptqmodel; import_gptqmodel(); "
+            "print(json.dumps({k: os.environ.get(k) for k in HF_CACHE_VARS}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE",
+                                                            "HF_MODULES_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), HF_MODULES_CACHE=str(tmp_path / "modules"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"HF_HOME": None, "HF_HUB_CACHE": None,
+                                                                "TRANSFORMERS_CACHE": None,
+                                                                "HF_MODULES_CACHE": str(tmp_path / "modules")}
