@@ -101,7 +101,8 @@ def import_gptqmodel():
     """The ``gptqmodel`` module, imported without a side effect of its dependency tokenicer: on import it sets
     :data:`HF_CACHE_VARS`, where unset, to folders under /tmp/tokenicer_hf_home (and creates them), so this
     process's later Hugging Face cache look-ups, and the server it may start, would go there. HF_HOME is the usual
-    cache (``huggingface_hub.constants.HF_HOME``) during the import, and every variable is as it was after it."""
+    cache (``huggingface_hub.constants.HF_HOME``) during the import, and every variable is as it was after it. Only
+    the first import in a process has the side effect: call this before anything imports gptqmodel."""
     from huggingface_hub import constants
 
     saved = {name: os.environ.get(name) for name in HF_CACHE_VARS}

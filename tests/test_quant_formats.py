@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kernels import quant_formats as qf
+from quant.quantize import import_gptqmodel
 
-gptqmodel = pytest.importorskip("gptqmodel")
+gptqmodel = import_gptqmodel()  # the first import in the test process: without tokenicer's change of HF_HOME
 from gptqmodel.nn_modules.qlinear import PackableQuantLinear  # noqa: E402
 from gptqmodel.nn_modules.qlinear.torch import TorchLinear  # noqa: E402
 from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear  # noqa: E402

@@ -98,10 +98,11 @@ def test_importing_gptqmodel_leaves_the_hugging_face_cache_variables_alone(tmp_p
     import subprocess
     import sys
 
+    from quant.quantize import HF_CACHE_VARS
+
     code = ("import os, json; from quant.quantize import HF_CACHE_VARS, import_gptqmodel; import_gptqmodel(); "
             "print(json.dumps({k: os.environ.get(k) for k in HF_CACHE_VARS}))")
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE",
-                                                            "HF_MODULES_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env = {k: v for k, v in os.environ.items() if k not in (*HF_CACHE_VARS, "HUGGINGFACE_HUB_CACHE")}
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), HF_MODULES_CACHE=str(tmp_path / "modules"))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -109,3 +110,4 @@ def test_importing_gptqmodel_leaves_the_hugging_face_cache_variables_alone(tmp_p
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"HF_HOME": None, "HF_HUB_CACHE": None,
                                                                 "TRANSFORMERS_CACHE": None,
                                                                 "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    assert (tmp_path / "cache" / "huggingface" / "hub").is_dir()  # tokenicer's folders in the usual cache
