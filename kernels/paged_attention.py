@@ -279,13 +279,6 @@ def _split_tokens(ctx, num_splits, TILE: tl.constexpr):
     return ((ctx - 1) // (num_splits * TILE) + 1) * TILE  # cdiv(cdiv(ctx, num_splits), TILE) tiles, ctx >= 1
 
 
-@device_fn
-def _live_splits(span, chunk):
-    """The splits of a span of ``span`` tokens in ``chunk``-token splits that hold tokens (at least 1: split 0 always
-    runs; a 0-token span, against the contract, has chunk 0: no division by 0)."""
-    return tl.maximum((span + chunk - 1) // tl.maximum(chunk, 1), 1)
-
-
 @jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, scale_log2,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -356,7 +349,9 @@ def _merge_kernel(po_ptr, plse_ptr, ctx_ptr, out_ptr, num_splits, stride_ob, str
     chunk = _split_tokens(span, num_splits, TILE)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = sp < _live_splits(span, chunk)  # at most num_splits (see _split_tokens)
+    # the live splits, at most num_splits (see _split_tokens); split 0 at least (a 0-token span, against the
+    # contract, has chunk 0: no division by 0)
+    smask = sp < tl.maximum((span + chunk - 1) // tl.maximum(chunk, 1), 1)
     row = (b * tl.num_programs(1) + h) * num_splits + sp
     lse = tl.load(plse_ptr + row, mask=smask, other=float("-inf"))
     o = tl.load(po_ptr + row[:, None] * DIM + d[None, :], mask=smask[:, None] & (d < DIM)[None, :], other=0.0)

@@ -122,8 +122,8 @@ def _run_gptqmodel(model_dir: Path, out: Path, method, bits, group_size, desc_ac
                    say: Progress) -> None:
     say("loading gptqmodel")
     import torch
-    gptqmodel = import_gptqmodel()
-    BACKEND, GPTQModel, QuantizeConfig = gptqmodel.BACKEND, gptqmodel.GPTQModel, gptqmodel.QuantizeConfig
+    import_gptqmodel()
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

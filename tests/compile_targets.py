@@ -86,7 +86,8 @@ def compile_only(capability: int, sms: int, stats: bool = False):
     """While it lasts, Triton launches compile for compute capability ``capability`` (86 for sm_86) and launch
     nothing, the kernel modules see a GPU of ``sms`` multiprocessors without Hopper's PTX (no PDL, no packed bf16
     sub), and each compiled variant is appended to the yielded list (with its registers and spills when ``stats``:
-    :func:`ptxas_stats`, once per variant). Launch with meta tensors."""
+    :func:`ptxas_stats`, once per variant). Launch with meta tensors. Temporary files go to a folder of its own,
+    removed at the end (Triton keeps the .ptx of a kernel that ptxas refuses)."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -107,9 +108,10 @@ def compile_only(capability: int, sms: int, stats: bool = False):
                              kernel.metadata.num_stages, regs, spills))
         return kernel
 
+    scratch = tempfile.TemporaryDirectory(prefix="compile-targets-")
     patches = [(JITFunction, "run", compile_run), (w4a16, "num_sms", lambda device: sms),
                (paged_attention, "num_sms", lambda device: sms),
-               (w4a16, "hopper", lambda t: capability >= 90)]
+               (w4a16, "hopper", lambda t: capability >= 90), (tempfile, "tempdir", scratch.name)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     active = driver._active  # None until something asked for it (a CPU-only process never does)
     try:
@@ -123,6 +125,7 @@ def compile_only(capability: int, sms: int, stats: bool = False):
             setattr(obj, name, value)
         driver._active = active
         w4a16.choose_plan.cache_clear()
+        scratch.cleanup()
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ on the H200 too, these would check Triton 3.6's code generation for the same tar
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -68,13 +67,7 @@ def test_variants_compile(gpu, variant):
     _check(seen, capability, f"{gpu}, {variant}")
 
 
-@pytest.fixture
-def ptxas_leftovers(tmp_path, monkeypatch):
-    """Triton keeps the .ptx of a kernel that ptxas refuses in the temp folder: here, pytest's own for the test."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-
-
-def test_hopper_ptx_is_refused_before_sm90(ptxas_leftovers):
+def test_hopper_ptx_is_refused_before_sm90():
     """What made the tc GEMM fail on every RTX card: its packed bf16 sub / mul are sm_90 PTX. Forced on for
     sm_86, ptxas refuses the kernel; the engine's own choice (HOPPER from the device) compiles."""
     plan = w4a16.Plan("tc", 64, 64, 64, swap=True, mode=3)
@@ -134,7 +127,7 @@ def test_plans_the_start_up_tuner_times_compile(gpu):
         c.kernel for c in seen}
 
 
-def test_turing_is_refused_by_ptxas(ptxas_leftovers):
+def test_turing_is_refused_by_ptxas():
     """Why engine.config.MIN_CAPABILITY is 8.0: for sm_75 ptxas refuses the kernels (bf16, and the m16n8k16 mma
     shape even in fp16)."""
     qw = ct.weight(4096, 4096, 128, False, torch.float16)
