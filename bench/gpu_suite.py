@@ -698,6 +698,7 @@ def main() -> int:
 def write_out(table: str, log: dict) -> None:
     out = os.environ.get("OUT")
     if out:
+        Path(out).mkdir(parents=True, exist_ok=True)  # a sub-folder of the device's $OUT, one per call
         Path(out, "results.md").write_text(table)
         Path(out, "sweep.json").write_text(json.dumps(log, default=str))
 
