@@ -683,7 +683,8 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
     """Greedy GPU tokens vs the CPU reference's (fp32) on the SmolLM2 AWQ checkpoint, when it was brought over
     (``expected.json`` beside it: {"prompts": [...], "tokens": [[...]], "top_logits": [[[l1, l2] per step]]};
     ``bench/smollm2_parts.py`` makes both, in two parts for two device calls), and vs the torch references run on
-    the GPU in bf16 (``APPLIANCE_KERNELS=torch``, eager), and again with fp16 activations. The rows' numbers are
+    the GPU in bf16 (``APPLIANCE_KERNELS=torch``, eager), and again with fp16 activations; then the CPU reference
+    in bf16 against itself in fp32 (:func:`control_row`, when ``expected.json`` has it). The rows' numbers are
     counts: sequences identical, and sequences identical or diverging first at a near-tie of the CPU reference
     (:func:`divergence_report`).
     """
@@ -723,7 +724,24 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
                              "identical, or first diverging where the reference's top-2 logits are within one bf16 "
                              "spacing", allowed16, 1.0,
                              f"{same16} of {len(got16)} identical; " + ("; ".join(notes16) or "no divergence")))
-    return rows + _structured_rows(model_dir, expected.get("structured"), make_row)
+    return rows + control_row(expected, make_row) + _structured_rows(model_dir, expected.get("structured"), make_row)
+
+
+def control_row(expected: dict, make_row) -> list:
+    """The yardstick of the near-tie rule, from ``expected.json`` alone (``bench/smollm2_parts.py`` runs it on the
+    CPU): the torch reference in bf16 against itself in fp32, counted as :func:`divergence_report` counts the GPU
+    (no target: it shows how far bf16 arithmetic alone moves the greedy tokens). [] without it."""
+    control = expected.get("bf16_cpu")
+    if control is None or "top_logits" not in expected:
+        return []
+    got = control["tokens"]
+    entries = [[dict(enumerate(step)) for step in steps] for steps in control["top_logprobs"]]
+    allowed, notes = divergence_report(got, entries, expected["tokens"], expected["top_logits"])
+    same = sum(a == b for a, b in zip(got, expected["tokens"]))
+    return [make_row("SmolLM2 AWQ greedy, control: CPU reference in bf16 = itself in fp32 but at bf16 near-ties "
+                     "(counts, not µs)", f"{len(got)} prompts x 32 tokens", len(got),
+                     "identical, or first diverging where the fp32 top-2 logits are within one bf16 spacing",
+                     allowed, None, f"{same} of {len(got)} identical; " + ("; ".join(notes) or "no divergence"))]
 
 
 def follows_schema(text: str, schema: dict) -> bool:

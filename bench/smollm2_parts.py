@@ -99,7 +99,20 @@ def expected_tokens(model: Path) -> dict:
         tokens.append(out.outputs[0].token_ids)
         tops.append(seen)
     assert all(len(t) == 32 for t in tops), [len(t) for t in tops]
-    return {"prompts": PROMPTS, "tokens": tokens, "top_logits": tops, "structured": structured_tokens(llm)}
+    return {"prompts": PROMPTS, "tokens": tokens, "top_logits": tops, "structured": structured_tokens(llm),
+            "bf16_cpu": bf16_control(model)}
+
+
+def bf16_control(model: Path) -> dict:
+    """The same greedy run on the CPU torch reference in bfloat16: how far bf16 arithmetic alone moves the tokens
+    from the fp32 ones (the yardstick of the near-tie rule; ``engine_bench.control_row``): {"tokens", "top_logprobs"
+    (each step's two largest logprobs)}."""
+    from engine import LLM, SamplingParams
+    llm = LLM(str(model), device="cpu", dtype="bfloat16")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2))
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "top_logprobs": [[sorted(step.values(), reverse=True)[:2] for step in o.outputs[0].logprobs]
+                             for o in outs]}
 
 
 def structured_tokens(llm) -> dict:

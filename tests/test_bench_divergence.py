@@ -34,6 +34,25 @@ def test_only_divergences_at_a_near_tie_of_the_reference_are_allowed():
     assert across[0] == 1 and "one bf16 spacing (0.008)" in across[1][0]  # -1.0's spacing, not -0.995's 0.004
 
 
+def test_the_bf16_control_row_counts_the_cpu_bf16_run_by_the_same_rule():
+    """The control row (the torch reference in bf16 against itself in fp32, from expected.json alone) counts
+    identical runs and first divergences at a near-tie of the fp32 logits, and is absent without its data."""
+    from bench.engine_bench import control_row
+
+    expected = {"tokens": [[5, 6, 7], [5, 6, 7], [1, 2, 3]],
+                "top_logits": [[[20.0, 18.0], [20.3, 20.2], [20.0, 19.8]]] * 2 + [[[9.0, 8.0], [1.0, 0.0], [1.0, 0.0]]],
+                "bf16_cpu": {"tokens": [[5, 6, 7], [5, 9, 9], [4, 2, 3]],
+                             "top_logprobs": [[[-0.1, -2.5], [-0.6, -0.7], [-0.2, -0.4]]] * 3}}
+    rows = control_row(expected, lambda *args: args)
+    assert len(rows) == 1
+    measure, shape, total, _, allowed, goal, note = rows[0]
+    # prompt 1 first differs at step 1 (fp32 top-2 0.1 apart, within 0.125); prompt 2 at step 0 (1.0 apart: over)
+    assert (total, allowed, goal) == (3, 2, None) and "control" in measure and shape == "3 prompts x 32 tokens"
+    assert note.startswith("1 of 3 identical; prompt 1 diverges at token 1 (top-2 gap 0.100 nats here")
+    assert "prompt 2 diverges at token 0" in note and "over one bf16 spacing" in note
+    assert control_row({k: v for k, v in expected.items() if k != "bf16_cpu"}, lambda *a: a) == []
+
+
 def test_a_random_models_divergence_counts_only_at_a_near_tie_in_both_runs():
     from bench.engine_bench import TIE_NATS, tie_report
 
