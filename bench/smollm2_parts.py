@@ -1,5 +1,6 @@
 """Ready the SmolLM2 demo checkpoint for the GPU suite's ``smollm2_rows``: the CPU engine's greedy tokens
-(``expected.json``) and the checkpoint in two parts, each small enough for one device call (64 MiB a call).
+(``expected.json``: fp32, and bf16 as the rule's control) and the checkpoint in two parts, each small enough for
+one device call (64 MiB a call).
 
     python bench/smollm2_parts.py [AWQ_DIR]   # default: the checkpoint `appliance install` quantized last
 
