@@ -155,6 +155,27 @@ def test_logprobs_in_chat_and_completions_streamed_and_not(server):
     assert top0.top_logprobs == [{t: -0.25} for t in top0.tokens]  # the sampled token is always there (k + 1)
 
 
+def test_a_nan_logprob_comes_back_as_null_streamed_and_not():
+    """NaN logits give a NaN logprob: JSON has no NaN, so it is null in a whole response as in the streamed chunks
+    (a whole response failed with 500 while starlette's JSONResponse wrote it)."""
+    engine, srv = serve(FakeEngine(logprob=float("nan")))
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "logprobs": True, "top_logprobs": 1}
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=20)
+        assert r.status_code == 200
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert [t["logprob"] for t in content] == [None] * 3 and content[0]["top_logprobs"][0]["logprob"] is None
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 2, "logprobs": 1},
+                       timeout=20)
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["token_logprobs"] == [None, None]
+        events = sse_events(url, "/v1/chat/completions", {**chat, "stream": True})
+        streamed = [t["logprob"] for e in events[:-1] for c in json.loads(e)["choices"]
+                    if c.get("logprobs") for t in c["logprobs"]["content"]]
+        assert streamed == [None] * 3 and events[-1] == "[DONE]"
+    engine.shutdown()
+
+
 def test_echo_with_logprobs_gives_the_prompts_logprobs_too(server):
     """vLLM: with echo the prompt tokens come first in ``logprobs`` (the first one null), offsets from 0; with
     ``max_tokens`` 0 the prompt alone comes back; streamed, the first chunk carries the prompt's."""

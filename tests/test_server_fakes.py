@@ -99,12 +99,15 @@ def _prompt_entry(token: int, k: int) -> tuple[dict[int, float], int]:
 
 class FakeEngine:
     """Deterministic stand-in for ``LLMEngine``; ``step_delay`` slows steps, ``fail_at_step`` makes step N raise;
-    ``reply``: the text every choice writes (then its EOS) instead of :func:`fake_reply`'s."""
+    ``reply``: the text every choice writes (then its EOS) instead of :func:`fake_reply`'s; ``logprob``: each
+    sampled token's logprob (NaN: what NaN logits give)."""
 
     def __init__(self, max_model_len: int = 256, max_num_seqs: int = 4, block_size: int = 4, num_blocks: int = 512,
-                 step_delay: float = 0.0, fail_at_step: int | None = None, reply: str | None = None) -> None:
+                 step_delay: float = 0.0, fail_at_step: int | None = None, reply: str | None = None,
+                 logprob: float = -0.25) -> None:
         self.tokenizer = FakeTokenizer()
         self.reply = reply
+        self.logprob = logprob
         self.default_sampling: dict = {}  # the model's generation_config.json values (LLMEngine.default_sampling)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -195,7 +198,7 @@ class FakeEngine:
                 continue
             toks.append(ord(reply[len(toks) % len(reply)]))
             if r.params.logprobs is not None:
-                r.logprobs[c].append({toks[-1]: -0.25, ord("#"): -2.0, ord("~"): -3.0})
+                r.logprobs[c].append({toks[-1]: self.logprob, ord("#"): -2.0, ord("~"): -3.0})
             self.generation_tokens_total += 1
             r.metrics.first_token_time = r.metrics.first_token_time or now
             r.metrics.last_token_time = now

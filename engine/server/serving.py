@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple
 
 from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 from sse_starlette import EventSourceResponse
 
@@ -230,6 +232,13 @@ def usage(finals: list[RequestOutput | None]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in finals if o is not None)
     completion = sum(len(c.token_ids) for o in finals if o is not None for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def json_response(body: BaseModel) -> Response:
+    """A whole (non-streamed) response as the streamed chunks are written: pydantic's ``model_dump_json``, where a
+    NaN float (a logprob of NaN logits) becomes null. Starlette's ``JSONResponse`` (``json.dumps`` with
+    ``allow_nan=False``) refuses it, and the request failed with 500 after the generation was done."""
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.async_engine import RequestStream
 from engine.outputs import CompletionOutput
@@ -16,8 +16,8 @@ from engine.server.logprobs import chat_logprobs, response_prompt_logprobs
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                     TokenizeRequest, UsageInfo, random_id)
-from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
-                                   submit, usage)
+from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response, merge,
+                                   sse_response, submit, usage)
 from engine.server import reasoning, tool_parsers
 from engine.server.tools import AUTO_REFUSED, is_auto, new_call, tool_calls
 
@@ -111,7 +111,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage(finals),
                                   prompt_logprobs=response_prompt_logprobs(llm.tokenizer, finals[0],
                                                                            req.prompt_logprobs))
-    return JSONResponse(body.model_dump())
+    return json_response(body)
 
 
 def _message(req: ChatCompletionRequest, text: str, parser: str | None = None,

@@ -6,15 +6,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.async_engine import RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
 from engine.server.logprobs import completion_logprobs, response_prompt_logprobs
 from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, random_id
-from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, merge, sse_response,
-                                   submit, usage)
+from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response, merge,
+                                   sse_response, submit, usage)
 
 
 def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -61,7 +61,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                for i, out in enumerate(finals) for c in out.outputs]
     body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
                               choices=sorted(choices, key=lambda c: c.index), usage=usage(finals))
-    return JSONResponse(body.model_dump())
+    return json_response(body)
 
 
 def _engine_prompt_logprobs(req: CompletionRequest) -> int | None:
