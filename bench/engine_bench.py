@@ -715,15 +715,9 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
         # AWQ is an fp16 format (its scales are fp16; vLLM's plain AWQ kernel runs fp16 activations): the same
         # prompts with fp16 activations, whose rounding is 8x finer than bf16's
         half = _smollm2_outputs(model_dir, expected["prompts"], params, dtype="float16")
-        got16 = [o.outputs[0].token_ids for o in half]
-        same16 = sum(a == b for a, b in zip(got16, expected["tokens"]))
-        allowed16, notes16 = divergence_report(got16, [o.outputs[0].logprobs for o in half], expected["tokens"],
-                                               expected["top_logits"])
-        rows.append(make_row("SmolLM2 AWQ greedy, fp16 activations: GPU = CPU reference but at bf16 near-ties "
-                             "(counts, not µs)", f"{len(got16)} prompts x 32 tokens", len(got16),
-                             "identical, or first diverging where the reference's top-2 logits are within one bf16 "
-                             "spacing", allowed16, 1.0,
-                             f"{same16} of {len(got16)} identical; " + ("; ".join(notes16) or "no divergence")))
+        rows.append(_near_tie_row(make_row, "SmolLM2 AWQ greedy, fp16 activations: GPU = CPU reference but at bf16 "
+                                  "near-ties (counts, not µs)", "the reference's", 1.0, expected,
+                                  [o.outputs[0].token_ids for o in half], [o.outputs[0].logprobs for o in half]))
     return rows + control_row(expected, make_row) + _structured_rows(model_dir, expected.get("structured"), make_row)
 
 
@@ -734,14 +728,21 @@ def control_row(expected: dict, make_row) -> list:
     control = expected.get("bf16_cpu")
     if control is None or "top_logits" not in expected:
         return []
-    got = control["tokens"]
     entries = [[dict(enumerate(step)) for step in steps] for steps in control["top_logprobs"]]
-    allowed, notes = divergence_report(got, entries, expected["tokens"], expected["top_logits"])
+    return [_near_tie_row(make_row, "SmolLM2 AWQ greedy, control: CPU reference in bf16 = itself in fp32 but at bf16 "
+                          "near-ties (counts, not µs)", "the fp32", None, expected, control["tokens"], entries)]
+
+
+def _near_tie_row(make_row, measure: str, whose: str, goal: float | None, expected: dict, got: list[list[int]],
+                  logprobs: list[list[dict]]):
+    """One row counting the runs ``got`` (their per-step logprob entries ``logprobs``) that equal the CPU fp32
+    reference's tokens or first differ at a near-tie of its logits (:func:`divergence_report`), the identical ones
+    first in the note; ``whose`` names the logits in the baseline's text."""
+    allowed, notes = divergence_report(got, logprobs, expected["tokens"], expected["top_logits"])
     same = sum(a == b for a, b in zip(got, expected["tokens"]))
-    return [make_row("SmolLM2 AWQ greedy, control: CPU reference in bf16 = itself in fp32 but at bf16 near-ties "
-                     "(counts, not µs)", f"{len(got)} prompts x 32 tokens", len(got),
-                     "identical, or first diverging where the fp32 top-2 logits are within one bf16 spacing",
-                     allowed, None, f"{same} of {len(got)} identical; " + ("; ".join(notes) or "no divergence"))]
+    return make_row(measure, f"{len(got)} prompts x 32 tokens", len(got),
+                    f"identical, or first diverging where {whose} top-2 logits are within one bf16 spacing", allowed,
+                    goal, f"{same} of {len(got)} identical; " + ("; ".join(notes) or "no divergence"))
 
 
 def follows_schema(text: str, schema: dict) -> bool:
