@@ -64,7 +64,8 @@ SeqsOpt = typer.Option(None, "--max-num-seqs", help="most sequences in one batch
 LenOpt = typer.Option(None, "--max-model-len", help="prompt + completion tokens per request (default: tuned)")
 KvOpt = typer.Option(None, "--kv-cache-dtype", help="auto, fp8 (Ada/Hopper GPUs) or int8 (no fp8 hardware needed) (default: auto)")
 DtypeOpt = typer.Option(None, "--dtype", help="compute dtype: auto, float32, bfloat16 or float16 (default: tuned; "
-                                              "bfloat16 on a GPU or a CPU with bfloat16 instructions, else float32)")
+                                              "on a GPU auto: the checkpoint's float16 or bfloat16, as vLLM; "
+                                              "on a CPU bfloat16 with bfloat16 instructions, else float32)")
 
 
 @app.command()

@@ -60,7 +60,8 @@ class Config:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
-    dtype: str = "auto"  # compute dtype: auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16, float16
+    dtype: str = "auto"  # compute dtype: auto (on a GPU the checkpoint's 16-bit dtype, else bfloat16; float32 on a
+    # CPU), float32, bfloat16, float16
     swap_space: float = 0.0
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued beyond max_num_seqs before new ones get 503
     tune_kernels: bool = True  # measure the W4A16 kernel plans on this GPU at the first start (engine/kernel_plans.py)

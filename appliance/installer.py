@@ -427,7 +427,7 @@ def plan_table(model: tuner.ModelInfo, plan: tuner.Plan) -> Table:
     table.add_column("why", overflow="fold")
     rows = [
         ("device", plan.device, ""),
-        ("dtype", plan.dtype if plan.dtype != "auto" else f"auto ({compute_dtype('auto', plan.device)})",
+        ("dtype", plan.dtype if plan.dtype != "auto" else f"auto ({compute_dtype('auto', plan.device, model.dtype)})",
          plan.reasons["dtype"]),
         ("gpu_memory_utilization", f"{plan.gpu_memory_utilization:.2f}", plan.reasons["gpu_memory_utilization"]),
         ("cpu_kv_cache_gib", f"{plan.cpu_kv_cache_gib:g}", plan.reasons["cpu_kv_cache_gib"]),

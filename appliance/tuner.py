@@ -1,7 +1,8 @@
 """The serving plan: memory, context length, batch size and KV-cache size, from the model's config.json and the
 hardware, each value with the reason it was chosen. Flags given by the user win over the plan.
 
-The compute dtype (``dtype``): bfloat16 on a GPU (the engine's "auto"); on a CPU bfloat16 where the CPU multiplies
+The compute dtype (``dtype``): the engine's "auto" on a GPU (the checkpoint's float16 or bfloat16, as vLLM: float16
+for AWQ and GPTQ checkpoints; bfloat16 where it names float32 or nothing); on a CPU bfloat16 where the CPU multiplies
 it in hardware (``Hardware.cpu_bf16``: about twice float32's decode speed, half the bytes per weight read), else
 float32, the engine's exact reference path.
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x element size: for "auto" the compute dtype's
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from appliance.errors import ApplianceError
 from appliance.hardware import Hardware, gib
-from engine.config import DTYPES, KV_CACHE_DTYPES, compute_dtype
+from engine.config import DTYPES, KV_CACHE_DTYPES, checkpoint_dtype, compute_dtype
 from engine.memory import CUDA_CONTEXT_BYTES, PLAN_MARGIN_BYTES, default_step_tokens, gpu_kv_budget
 from engine.models.context import max_context
 from engine.models.rope import RopeError
@@ -61,6 +62,7 @@ class ModelInfo:
     hidden_size: int = 0  # the activations' width, for the memory plan
     vocab_size: int = 0  # the sampler's buffers' width
     gpu_extra_bytes: int = 0  # on a GPU beyond the files: the RoPE table, linears the engine dequantizes
+    dtype: str | None = None  # the weights' dtype config.json names (engine.config.checkpoint_dtype)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelInfo":
@@ -74,6 +76,7 @@ class ModelInfo:
                 context, context_why = max_context(cfg)
             except RopeError as exc:
                 raise TuneError(f"{cfg_file}: {exc}", "serve a model with a supported RoPE") from None
+            named_dtype = checkpoint_dtype(cfg)
             cfg = cfg.get("text_config") or cfg
             heads = cfg["num_attention_heads"]
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -87,7 +90,7 @@ class ModelInfo:
                 weight_bytes=sum(p.stat().st_size for p in model_dir.glob("*.safetensors")),
                 quantization=(quant or {}).get("quant_method") if quant else None,
                 hidden_size=cfg["hidden_size"], vocab_size=cfg.get("vocab_size") or 0,
-                gpu_extra_bytes=_gpu_extra_bytes(cfg, quant, head_dim, context),
+                gpu_extra_bytes=_gpu_extra_bytes(cfg, quant, head_dim, context), dtype=named_dtype,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TuneError(f"{cfg_file} is not a usable model config ({exc})", "check the model folder") from None
@@ -95,10 +98,10 @@ class ModelInfo:
     def gpu_kv_bytes(self, total: int, free: int, utilization: float, max_num_seqs: int, dtype: str = "auto") -> int:
         """KV-cache bytes the engine gets at least on a GPU of ``total`` bytes with ``free`` bytes free (NVML's, before
         the engine's CUDA context), at ``utilization`` and ``max_num_seqs``: ``engine.memory.gpu_kv_budget`` with
-        the engine's default step of chunked prefill and activations in ``dtype`` ("auto": bf16), the weights the
+        the engine's default step of chunked prefill and activations in ``dtype`` ("auto": 16-bit), the weights the
         files and ``gpu_extra_bytes``, less ``PLAN_MARGIN_BYTES``."""
         step = default_step_tokens(max_num_seqs, 0)
-        element = ELEMENT_BYTES[compute_dtype(dtype, "cuda")]
+        element = ELEMENT_BYTES[compute_dtype(dtype, "cuda", self.dtype)]
         return int(gpu_kv_budget(total, free - CUDA_CONTEXT_BYTES, self.weight_bytes + self.gpu_extra_bytes,
                                  utilization, step, self.hidden_size, element, max_num_seqs, self.vocab_size)
                    - PLAN_MARGIN_BYTES)
@@ -108,15 +111,18 @@ class ModelInfo:
         ``device``) sizes an "auto" KV cache."""
         if kv_cache_dtype == "int8":  # int8 codes and one fp32 scale per token and KV head
             return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)
-        element = 1 if kv_cache_dtype == "fp8" else ELEMENT_BYTES[compute_dtype(dtype, device)]
+        element = 1 if kv_cache_dtype == "fp8" else ELEMENT_BYTES[compute_dtype(dtype, device, self.dtype)]
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
-def choose_dtype(hw: Hardware) -> tuple[str, str]:
-    """The serving dtype for ``hw`` and the reason: "auto" (bfloat16) on a GPU; on a CPU bfloat16 when it has
-    bfloat16 instructions (``Hardware.cpu_bf16``), else float32."""
+def choose_dtype(hw: Hardware, named: str | None = None) -> tuple[str, str]:
+    """The serving dtype for ``hw`` and the reason, for a checkpoint whose config.json names ``named``: "auto" on a
+    GPU (``engine.config.compute_dtype``: ``named`` if float16 or bfloat16, else bfloat16); on a CPU bfloat16
+    when it has bfloat16 instructions (``Hardware.cpu_bf16``), else float32."""
     if hw.kind == "cuda":
-        return "auto", "bfloat16, the engine's default on a GPU"
+        if named in ("float16", "bfloat16"):
+            return "auto", f"{named}, the checkpoint's dtype (config.json), as vLLM's auto"
+        return "auto", "bfloat16, the engine's default on a GPU (the checkpoint names no 16-bit dtype)"
     if hw.cpu_bf16:
         return "bfloat16", ("the CPU has bfloat16 instructions: up to about 2x float32's tokens/s (1.8-1.9x on 2 "
                             "idle AVX512-BF16 cores); --dtype float32 for the exact reference path")
@@ -191,7 +197,7 @@ def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float
     check_choices(kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     if dtype == "float32" and hw.kind == "cuda":  # the GPU plan counts 16-bit weights and activations
         raise TuneError("--dtype float32 is the CPU's exact reference path; a GPU plan counts 16-bit weights and "
-                        "activations", "use --dtype auto (bfloat16) or float16")
+                        "activations", "use --dtype auto, bfloat16 or float16")
     if kv_cache_dtype == "fp8" and hw.kind == "cuda" and hw.gpu is not None and hw.gpu.capability < (8, 9):
         raise TuneError(f"--kv-cache-dtype fp8 needs compute capability 8.9+ (Ada or Hopper); {hw.gpu.name} has "
                         f"{hw.gpu.compute_capability}", "use --kv-cache-dtype int8 (any GPU) or auto")
@@ -216,13 +222,13 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
                 max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     reasons: dict[str, str] = {}
     if dtype is None:
-        dtype, reasons["dtype"] = choose_dtype(hw)
+        dtype, reasons["dtype"] = choose_dtype(hw, model.dtype)
     else:
         reasons["dtype"] = "set by --dtype"
     if kv_cache_dtype is None:
         kv_cache_dtype = "auto"
-        reasons["kv_cache_dtype"] = (f"the compute dtype ({compute_dtype(dtype, hw.kind)}) keeps the KV cache "
-                                     "exact")
+        computed = compute_dtype(dtype, hw.kind, model.dtype)
+        reasons["kv_cache_dtype"] = f"the compute dtype ({computed}) keeps the KV cache exact"
     else:
         reasons["kv_cache_dtype"] = "set by --kv-cache-dtype"
     bpt = model.kv_bytes_per_token(kv_cache_dtype, hw.kind, dtype)

@@ -28,6 +28,7 @@ import torch
 
 from bench.random_model import write_random_awq_model
 from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.config import checkpoint_dtype, compute_dtype
 from kernels import ops, w4a16
 from kernels._triton import pdl, without_early_trigger, without_pdl
 
@@ -154,10 +155,10 @@ def _step_profile(llm: LLM, steps: int = 8, top: int = 12) -> list[tuple[str, fl
     return rows[:top]
 
 
-def _decode_engine(model_dir: str, eager: bool = False, batch: int = 1) -> LLM:
+def _decode_engine(model_dir: str, eager: bool = False, batch: int = 1, dtype: str = "auto") -> LLM:
     """The 7B-shaped model on the GPU for ``batch`` sequences, warmed up (graphs captured unless ``eager``)."""
     llm = LLM(model_dir, device="cuda", **BUILT_IN, max_num_seqs=batch, max_model_len=1024, enforce_eager=eager,
-              gpu_memory_utilization=0.3)
+              gpu_memory_utilization=0.3, dtype=dtype)
     _batch_decode_tok_s(llm, batch, 32, 16, warm_steps=2 if batch == 1 else 4)
     return llm
 
@@ -189,10 +190,11 @@ def cuda_core_gemv():
         w4a16.choose_plan.cache_clear()
 
 
-def _bs1_tok_s_under(model_dir: str, context) -> float:
-    """Batch-1 tok/s of a graphs-on engine built, captured and timed inside ``context``; the engine is freed."""
+def _bs1_tok_s_under(model_dir: str, context, dtype: str = "auto") -> float:
+    """Batch-1 tok/s of a graphs-on engine in ``dtype`` built, captured and timed inside ``context``; the engine is
+    freed."""
     with context:
-        llm = _decode_engine(model_dir)
+        llm = _decode_engine(model_dir, dtype=dtype)
         tok_s = _decode_tok_s(llm, 32, 256)
     del llm
     _free()
@@ -204,8 +206,9 @@ def decode_rows(ctx: dict, make_row) -> list:
     scheduling (the default) vs reading every step back before scheduling the next, and programmatic dependent
     launch (the default on Hopper) vs not (``APPLIANCE_PDL=0`` while the engine is built and captured), its early
     trigger vs not (``APPLIANCE_PDL_TRIGGER=0``), and the tensor-core GEMV vs the CUDA-core one
-    (:func:`cuda_core_gemv` while the engine is built and captured); and a
-    decode step of 8 sequences (the M = 8 products) against its bandwidth bound (no target)."""
+    (:func:`cuda_core_gemv` while the engine is built and captured); the dtype "auto" picks (the float16 the
+    random checkpoint names, as an AWQ checkpoint's config.json does) vs bfloat16 (no target); and a decode step of
+    8 sequences (the M = 8 products) against its bandwidth bound (no target)."""
     model_dir = _model_7b(ctx)
     tok_s, notes = {}, {}
     for eager in (False, True):
@@ -232,6 +235,7 @@ def decode_rows(ctx: dict, make_row) -> list:
         tok_s["nopdl"] = _bs1_tok_s_under(model_dir, without_pdl())
         tok_s["late"] = _bs1_tok_s_under(model_dir, without_early_trigger())
     tok_s["cuda_core"] = _bs1_tok_s_under(model_dir, cuda_core_gemv())
+    auto = _decode_dtype(tok_s, model_dir)
     llm = _decode_engine(model_dir, batch=8)
     tok_s["batch8"] = _batch_decode_tok_s(llm, 8, 32, 256)
     bytes8 = _bytes_per_step(llm, batch=8)
@@ -265,12 +269,28 @@ def decode_rows(ctx: dict, make_row) -> list:
     rows.append(make_row("7B AWQ decode bs1, tensor-core GEMV vs CUDA-core", "same, graphs on", 1e6 / tok_s[False],
                          "M=1 q/k/v, gate/up, down on the CUDA-core GEMV", 1e6 / tok_s["cuda_core"], 1.0,
                          f"{tok_s['cuda_core']:.0f} tok/s with the CUDA-core GEMV"))
+    if "other" in tok_s:
+        rows.append(make_row(f"7B AWQ decode bs1, {auto} (auto) vs {OTHER_16_BIT[auto]}", "same, graphs on",
+                             1e6 / tok_s[False], f"the same engine in {OTHER_16_BIT[auto]}", 1e6 / tok_s["other"], None,
+                             f"{tok_s['other']:.0f} tok/s in {OTHER_16_BIT[auto]}"))
     step8 = 8e6 / tok_s["batch8"]  # µs per step of 8 sequences
     rows.append(make_row("7B AWQ decode, 8 sequences, CUDA graphs, vs bandwidth bound", "same, ctx ~160 each",
                          step8, "bytes/step ÷ copy BW", bytes8 / ctx["copy_bw"] * 1e6, None,
                          f"{tok_s['batch8']:.0f} tok/s in all ({tok_s['batch8'] / tok_s[False]:.2f}x bs1); "
                          f"{bytes8 / 1e9:.2f} GB/step"))
     return rows
+
+
+OTHER_16_BIT = {"float16": "bfloat16", "bfloat16": "float16"}
+
+
+def _decode_dtype(tok_s: dict, model_dir: str) -> str:
+    """The dtype "auto" computes the checkpoint in on CUDA; with it, ``tok_s["other"]``: batch-1 tok/s in the other
+    16-bit dtype."""
+    auto = compute_dtype("auto", "cuda", checkpoint_dtype(json.loads((Path(model_dir) / "config.json").read_text())))
+    if auto in OTHER_16_BIT:
+        tok_s["other"] = _bs1_tok_s_under(model_dir, contextlib.nullcontext(), OTHER_16_BIT[auto])
+    return auto
 
 
 @contextlib.contextmanager
@@ -682,16 +702,19 @@ def divergence_report(got: list[list[int]], logprobs: list[list[dict]], refs: li
 def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
     """Greedy GPU tokens vs the CPU reference's (fp32) on the SmolLM2 AWQ checkpoint, when it was brought over
     (``expected.json`` beside it: {"prompts": [...], "tokens": [[...]], "top_logits": [[[l1, l2] per step]]};
-    ``bench/smollm2_parts.py`` makes both, in two parts for two device calls), and vs the torch references run on
-    the GPU in bf16 (``APPLIANCE_KERNELS=torch``, eager), and again with fp16 activations; then the CPU reference
-    in bf16 against itself in fp32 (:func:`control_row`, when ``expected.json`` has it). The rows' numbers are
-    counts: sequences identical, and sequences identical or diverging first at a near-tie of the CPU reference
-    (:func:`divergence_report`).
+    ``bench/smollm2_parts.py`` makes both, in two parts for two device calls), in the engine's default dtype for it
+    (``dtype="auto"``: the float16 its config.json names, as vLLM), and vs the torch references run on the GPU in
+    that dtype (``APPLIANCE_KERNELS=torch``, eager); then again with the other 16-bit dtype's activations
+    (bfloat16), and the CPU reference in bf16 against itself in fp32 (:func:`control_row`, when ``expected.json``
+    has it). The rows' numbers are counts: sequences identical, and sequences identical or diverging first at a
+    near-tie of the CPU reference (:func:`divergence_report`).
     """
     expected_path = Path(model_dir).parent / "expected.json"
     if not expected_path.is_file():
         return []
     expected = json.loads(expected_path.read_text())
+    auto = compute_dtype("auto", "cuda", checkpoint_dtype(json.loads((Path(model_dir) / "config.json").read_text())))
+    other = OTHER_16_BIT[auto]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     outs = _smollm2_outputs(model_dir, expected["prompts"], params)
     with _torch_references():
@@ -700,24 +723,21 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
     logprobs = [o.outputs[0].logprobs for o in outs]
     rows = []
     for what, refs in (("CPU reference (fp32)", expected["tokens"]),
-                       ("torch reference on the GPU (bf16)", [o.outputs[0].token_ids for o in ref_outs])):
+                       (f"torch reference on the GPU ({auto})", [o.outputs[0].token_ids for o in ref_outs])):
         same = sum(a == b for a, b in zip(got, refs))
         _, notes = divergence_report(got, logprobs, refs, None)
         total = len(refs)
-        rows.append(make_row(f"SmolLM2 AWQ greedy: GPU = {what} (counts, not µs)", f"{total} prompts x 32 tokens",
-                             total, "sequences identical", same, 1.0, "; ".join(notes) or "no divergence"))
+        rows.append(make_row(f"SmolLM2 AWQ greedy, {auto} (auto): GPU = {what} (counts, not µs)",
+                             f"{total} prompts x 32 tokens", total, "sequences identical", same, 1.0,
+                             "; ".join(notes) or "no divergence"))
     if "top_logits" in expected:
-        allowed, notes = divergence_report(got, logprobs, expected["tokens"], expected["top_logits"])
-        rows.append(make_row("SmolLM2 AWQ greedy: GPU = CPU reference but at bf16 near-ties (counts, not µs)",
-                             f"{len(got)} prompts x 32 tokens", len(got),
-                             "identical, or first diverging where the reference's top-2 logits are within one bf16 "
-                             "spacing", allowed, 1.0, "; ".join(notes) or "no divergence"))
-        # AWQ is an fp16 format (its scales are fp16; vLLM's plain AWQ kernel runs fp16 activations): the same
-        # prompts with fp16 activations, whose rounding is 8x finer than bf16's
-        half = _smollm2_outputs(model_dir, expected["prompts"], params, dtype="float16")
-        rows.append(_near_tie_row(make_row, "SmolLM2 AWQ greedy, fp16 activations: GPU = CPU reference but at bf16 "
-                                  "near-ties (counts, not µs)", "the reference's", 1.0, expected,
-                                  [o.outputs[0].token_ids for o in half], [o.outputs[0].logprobs for o in half]))
+        rows.append(_near_tie_row(make_row, f"SmolLM2 AWQ greedy, {auto} (auto): GPU = CPU reference but at bf16 "
+                                  "near-ties (counts, not µs)", "the reference's", 1.0, expected, got, logprobs))
+        # the other 16-bit dtype: bfloat16 rounds 8x coarser than float16 (7 against 10 mantissa bits)
+        again = _smollm2_outputs(model_dir, expected["prompts"], params, dtype=other)
+        rows.append(_near_tie_row(make_row, f"SmolLM2 AWQ greedy, {other} activations: GPU = CPU reference but at "
+                                  "bf16 near-ties (counts, not µs)", "the reference's", 1.0, expected,
+                                  [o.outputs[0].token_ids for o in again], [o.outputs[0].logprobs for o in again]))
     return rows + control_row(expected, make_row) + _structured_rows(model_dir, expected.get("structured"), make_row)
 
 

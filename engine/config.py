@@ -26,12 +26,28 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
-def compute_dtype(dtype: str, device_type: str) -> str:
-    """The dtype name the engine computes in for the setting ``dtype`` on a ``device_type`` ("cuda" or "cpu") device:
-    "auto" is float32 on CPU (the exact reference path) and bfloat16 on CUDA; any other setting is itself."""
+def checkpoint_dtype(model_config: dict) -> str | None:
+    """The float dtype a config.json dict names for its weights: transformers' ``dtype`` (``torch_dtype`` before
+    transformers 4.56), a multimodal config's in its ``text_config``; None when it names none of float32,
+    bfloat16 and float16."""
+    for cfg in (model_config, model_config.get("text_config") or {}):
+        name = cfg.get("dtype") or cfg.get("torch_dtype")
+        if isinstance(name, str) and name.removeprefix("torch.") in DTYPES[1:]:
+            return name.removeprefix("torch.")
+    return None
+
+
+def compute_dtype(dtype: str, device_type: str, checkpoint: str | None = None) -> str:
+    """The dtype name the engine computes in for the setting ``dtype`` on a ``device_type`` ("cuda" or "cpu") device,
+    serving a checkpoint whose config.json names ``checkpoint`` (:func:`checkpoint_dtype`). "auto" is float32 on
+    CPU (the exact reference path); on CUDA it is vLLM's rule: the checkpoint's own float16 or bfloat16, and
+    bfloat16 for a float32 checkpoint or one that names none. AWQ and GPTQ checkpoints name float16 (their scales
+    are fp16), so they run in float16 as in vLLM. Any other setting is itself."""
     if dtype != "auto":
         return dtype
-    return "float32" if device_type == "cpu" else "bfloat16"
+    if device_type == "cpu":
+        return "float32"
+    return checkpoint if checkpoint in ("float16", "bfloat16") else "bfloat16"
 
 
 @dataclass
@@ -44,8 +60,9 @@ class EngineConfig:
     folder's name.
     ``tokenizer``: a folder with the tokenizer files; None = ``model``.
     ``device``: "auto" (CUDA when available, else CPU), "cuda" or "cpu".
-    ``dtype``: of activations and unquantized weights: "auto" (float32 on CPU, the exact reference path;
-    bfloat16 on CUDA), "float32", "bfloat16" or "float16".
+    ``dtype``: of activations and unquantized weights: "auto" (float32 on CPU, the exact reference path; on
+    CUDA the checkpoint's float16 or bfloat16, else bfloat16: :func:`compute_dtype`), "float32", "bfloat16" or
+    "float16".
     ``gpu_memory_utilization``: the fraction of the GPU's total memory the engine may use (weights, activations,
     the sampler's buffers for ``max_num_seqs`` rows, and the KV cache, which gets the rest:
     ``engine.memory.gpu_kv_budget``), in (0, 1]; as in vLLM V1, other processes' memory is not counted in it, but

@@ -13,13 +13,15 @@ penalties count that token.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from engine import kernel_plans
 from engine.attention import AttentionMetadata
-from engine.config import MIN_CAPABILITY, EngineConfig, compute_dtype
+from engine.config import MIN_CAPABILITY, EngineConfig, checkpoint_dtype, compute_dtype
 from engine.memory import gpu_kv_budget
 from engine.cuda_graphs import StepGraphs, prefill_graphs_on
 from engine.models.llama import load_model
@@ -73,10 +75,11 @@ def int8_views(blocks: torch.Tensor, block_size: int, heads: int, head_dim: int)
             blocks[:, codes:].view(torch.float32).view(num_blocks, heads, block_size))
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The torch dtype of ``config.compute_dtype``: "auto" = float32 on CPU (exact reference path), bfloat16 on
-    CUDA."""
-    return getattr(torch, compute_dtype(name, device.type))
+def resolve_dtype(name: str, device: torch.device, model_dir: str) -> torch.dtype:
+    """The torch dtype of ``config.compute_dtype`` for the checkpoint in ``model_dir``: "auto" = float32 on CPU
+    (exact reference path); on CUDA the dtype its config.json names if float16 or bfloat16, else bfloat16."""
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    return getattr(torch, compute_dtype(name, device.type, checkpoint_dtype(model_config)))
 
 
 @dataclass
@@ -115,7 +118,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, max_model_len: int):
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.model)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         #: free GPU memory before the weights load (the CUDA context made first): the KV budget's starting point

@@ -110,7 +110,23 @@ def test_gpu_plan_on_a_free_gpu(tmp_path):
     assert plan.max_num_seqs == 256
     assert plan.expected_concurrency == 256
     assert plan.cpu_kv_cache_gib == 0.0
-    assert plan.dtype == "auto" and plan.reasons["dtype"] == "bfloat16, the engine's default on a GPU"
+    assert plan.dtype == "auto"
+    assert plan.reasons["dtype"] == "bfloat16, the engine's default on a GPU (the checkpoint names no 16-bit dtype)"
+    assert "(bfloat16)" in plan.reasons["kv_cache_dtype"]
+
+
+def test_gpu_plan_takes_the_dtype_the_checkpoint_names(tmp_path):
+    """vLLM's auto: an AWQ checkpoint's float16 (transformers 5 writes "dtype"); a float32 one runs in bfloat16."""
+    named = "the checkpoint's dtype (config.json), as vLLM's auto"
+    fallback = "the engine's default on a GPU (the checkpoint names no 16-bit dtype)"
+    for cfg, reason in (({"dtype": "float16"}, f"float16, {named}"),
+                        ({"torch_dtype": "bfloat16"}, f"bfloat16, {named}"),
+                        ({"torch_dtype": "float32"}, f"bfloat16, {fallback}")):
+        info = ModelInfo.from_dir(model_dir(tmp_path, {**LLAMA_8B, **cfg}, 4 * GIB))
+        plan = tuner.plan(info, gpu(80 * GIB, 80 * GIB))
+        assert plan.dtype == "auto" and plan.reasons["dtype"] == reason
+        assert f"({reason.split(',')[0]})" in plan.reasons["kv_cache_dtype"]
+        assert plan.num_kv_blocks == 33261  # 16-bit either way: the same plan
 
 
 def test_gpu_plan_when_other_processes_hold_memory(tmp_path):
