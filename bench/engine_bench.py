@@ -284,10 +284,14 @@ def decode_rows(ctx: dict, make_row) -> list:
 OTHER_16_BIT = {"float16": "bfloat16", "bfloat16": "float16"}
 
 
+def auto_dtype(model_dir: str) -> str:
+    """The dtype "auto" computes the checkpoint in ``model_dir`` in on CUDA (the float16 an AWQ config.json names)."""
+    return compute_dtype("auto", "cuda", checkpoint_dtype(json.loads((Path(model_dir) / "config.json").read_text())))
+
+
 def _decode_dtype(tok_s: dict, model_dir: str) -> str:
-    """The dtype "auto" computes the checkpoint in on CUDA; with it, ``tok_s["other"]``: batch-1 tok/s in the other
-    16-bit dtype."""
-    auto = compute_dtype("auto", "cuda", checkpoint_dtype(json.loads((Path(model_dir) / "config.json").read_text())))
+    """:func:`auto_dtype`; with it, ``tok_s["other"]``: batch-1 tok/s in the other 16-bit dtype."""
+    auto = auto_dtype(model_dir)
     if auto in OTHER_16_BIT:
         tok_s["other"] = _bs1_tok_s_under(model_dir, contextlib.nullcontext(), OTHER_16_BIT[auto])
     return auto
@@ -713,7 +717,7 @@ def smollm2_rows(ctx: dict, make_row, model_dir: str = "/tmp/smol/awq") -> list:
     if not expected_path.is_file():
         return []
     expected = json.loads(expected_path.read_text())
-    auto = compute_dtype("auto", "cuda", checkpoint_dtype(json.loads((Path(model_dir) / "config.json").read_text())))
+    auto = auto_dtype(model_dir)
     other = OTHER_16_BIT[auto]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     outs = _smollm2_outputs(model_dir, expected["prompts"], params)
@@ -976,7 +980,7 @@ def _equality_rows(small: str, what: str, make_row) -> list:
     eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
     with _torch_references():
         ref = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
-    n, distinct = len(ref), len({t for tokens, _ in ref for t in tokens})
+    n, distinct, auto = len(ref), len({t for tokens, _ in ref for t in tokens}), auto_dtype(small)
     _, same_ge, note_ge = tie_report(graphs, eager)
     _, same_er, note_er = tie_report(eager, ref)
     return [make_row(f"engine greedy, {what}: CUDA graphs = eager (counts, not µs)",
@@ -984,14 +988,15 @@ def _equality_rows(small: str, what: str, make_row) -> list:
                      "identical or a near tie", same_ge, 1.0,
                      note_ge),
             make_row(f"engine greedy, {what}: Triton = torch reference (counts, not µs)", "same", n,
-                     "identical or a near tie", same_er, 1.0, f"bf16 both; {distinct} distinct tokens; {note_er}")]
+                     "identical or a near tie", same_er, 1.0, f"{auto} both; {distinct} distinct tokens; {note_er}")]
 
 
 def cuda_path_rows(ctx: dict, make_row) -> list:
     """On a small random AWQ model: CUDA graphs, eager Triton and the torch references give the same greedy
     tokens (six prompts of 1-100 tokens across block boundaries, 24 tokens each; the Triton and torch paths up to
-    near ties, :func:`tie_report`). "Graphs on" is the default, decode and prefill graphs; the first row checks
-    the decode graphs alone. Counts, not µs."""
+    near ties, :func:`tie_report`), in the dtype "auto" picks (float16: the model's config.json names it, as an
+    AWQ checkpoint's does), and Triton = torch in the other 16-bit dtype too. "Graphs on" is the default, decode
+    and prefill graphs; the first row checks the decode graphs alone. Counts, not µs."""
     small = str(write_random_awq_model("/tmp/rand_small", hidden_size=1024, intermediate_size=2816,
                                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                                        vocab_size=4096, max_position_embeddings=2048))
@@ -1003,6 +1008,8 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
     eager = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
     fp8 = _small_model_tokens(small, lp, kv_cache_dtype="fp8", outputs=True)
     int8 = _small_model_tokens(small, lp, kv_cache_dtype="int8", outputs=True)
+    auto = auto_dtype(small)
+    other = _small_model_tokens(small, lp, enforce_eager=True, dtype=OTHER_16_BIT[auto], outputs=True)
     unsynced = _launches_without_sync(small)
     penalties = dict(presence_penalty=0.2, **PENALTIES)
     penalised = _small_model_tokens(small, penalties)
@@ -1013,9 +1020,10 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
         ref = _small_model_tokens(small, lp, enforce_eager=True, outputs=True)
         ref_fp8 = _small_model_tokens(small, lp, enforce_eager=True, kv_cache_dtype="fp8", outputs=True)
         ref_int8 = _small_model_tokens(small, lp, enforce_eager=True, kv_cache_dtype="int8", outputs=True)
+        ref_other = _small_model_tokens(small, lp, enforce_eager=True, dtype=OTHER_16_BIT[auto], outputs=True)
     n = len(ref)
-    ties = {kv: tie_report(got, want) for kv, got, want in (("bf16", eager, ref), ("fp8", fp8, ref_fp8),
-                                                            ("int8", int8, ref_int8))}
+    ties = {kv: tie_report(got, want) for kv, got, want in ((auto, eager, ref), ("fp8", fp8, ref_fp8),
+                                                            ("int8", int8, ref_int8), ("other", other, ref_other))}
     distinct = len({t for tokens, _ in ref for t in tokens})
     return [make_row("engine greedy: CUDA graphs = eager (counts, not µs)",
                      "random 4-layer AWQ, 6 prompts, decode graphs only", n,
@@ -1029,7 +1037,10 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
             make_row("engine greedy: async scheduling = not (counts, not µs)", "same, graphs on", n,
                      "sequences identical", sum(a == b for a, b in zip(graphs, unoverlapped)), 1.0, ""),
             make_row("engine greedy: Triton = torch reference (counts, not µs)", "same", n,
-                     "identical or a near tie", ties["bf16"][1], 1.0, f"bf16 both; {ties['bf16'][2]}"),
+                     "identical or a near tie", ties[auto][1], 1.0, f"{auto} both; {ties[auto][2]}"),
+            make_row(f"engine greedy, {OTHER_16_BIT[auto]}: Triton = torch reference (counts, not µs)", "same", n,
+                     "identical or a near tie", ties["other"][1], 1.0,
+                     f"{OTHER_16_BIT[auto]} both; {ties['other'][2]}"),
             make_row("decode launches without a host sync (counts, not µs)", "same, graphs, 6 mixed rows", 4,
                      "launches", unsynced, 1.0,
                      "greedy, top-k/p + min-p, seeded + min_tokens, penalised, logit_bias, logprobs rows"),
@@ -1041,7 +1052,7 @@ def cuda_path_rows(ctx: dict, make_row) -> list:
                      "repetition 1.05, frequency 0.3, presence 0.2: a pending token counted on the device"),
             *(make_row(f"engine greedy, {kv} KV: Triton = torch reference (counts, not µs)", "same", n,
                        "identical or a near tie", ties[kv][1], 1.0,
-                       f"{ties[kv][2]}; {sum(a[0] == b[0] for a, b in zip(got, graphs))} of {n} equal to the bf16 "
+                       f"{ties[kv][2]}; {sum(a[0] == b[0] for a, b in zip(got, graphs))} of {n} equal to the {auto} "
                        "cache's") for kv, got in (("fp8", fp8), ("int8", int8)))]
 
 

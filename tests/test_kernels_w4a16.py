@@ -388,7 +388,8 @@ def test_tc_tuned_large_m_tiles(key):
 @pytest.mark.parametrize("swap", [False, True])
 def test_tc_path_ragged_k_act_order_every_mode(dtype, swap):
     """The tc kernel with K not a multiple of its tile (192 = 128 + a short last group), N not a multiple of
-    BLOCK_N, act-order (x permuted by the caller), bias, and each dequantization mode (fp16 x runs mode 0)."""
+    BLOCK_N, act-order (x permuted by the caller), bias, and each dequantization mode (in the interpreter every
+    mode runs as mode 0)."""
     qw, w = make_weight("gptq_v2", 192, 80, 128, True, scale_dtype=dtype)
     x = torch.randn(20, 192, dtype=dtype)
     bias = torch.randn(80, dtype=dtype)
@@ -418,6 +419,27 @@ def test_pre_hopper_packed_bf16_gives_the_same_bits(plan, monkeypatch):
     got = w4a16.run_plan(x, qw, None, p)
     assert torch.equal(got, want)
     check_product(got, x, w)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled PTX: GPU only")
+@pytest.mark.parametrize("swap", [False, True])
+def test_tc_fp16_modes_give_mode_0s_bits(swap, monkeypatch):
+    """With fp16 x the tc GEMM's modes 1 and 3 multiply c - z by the fp16 scale in packed fp16 (one rounding of an
+    exact product): the bits of the plain mode 0, fp16 scales half of them negative, 104 columns (the last tile
+    partly masked), on this GPU and with the pre-Hopper forms of the packed subtraction. Mode 2 (the scale after
+    the dot) rounds otherwise: within the product's tolerance."""
+    qw, w = make_weight("awq", 256, 104, 128, False, scale_dtype=torch.float16)
+    qw.scales[:, ::2] *= -1
+    w[::2] *= -1
+    x = torch.randn(24, 256, dtype=torch.float16)
+    plan = w4a16.Plan("tc", block_m=16, block_n=64, block_k=128, swap=swap, mode=0)
+    want = w4a16.run_plan(x, qw, None, plan)
+    check_product(want, x, w)
+    for mode in (1, 3):
+        assert torch.equal(w4a16.run_plan(x, qw, None, dataclasses.replace(plan, mode=mode)), want), mode
+    check_product(w4a16.run_plan(x, qw, None, dataclasses.replace(plan, mode=2)), x, w)
+    monkeypatch.setattr(w4a16, "hopper", lambda t: False)
+    assert torch.equal(w4a16.run_plan(x, qw, None, dataclasses.replace(plan, mode=3)), want)
 
 
 @pytest.mark.parametrize("ahead", [8, 16])
