@@ -158,6 +158,7 @@ def filter_batch(logits: torch.Tensor, params: list) -> torch.Tensor:
         probs = ordered.softmax(-1)
         p_lim = to_device(top_p, logits.dtype, dev)[:, None]
         drop = (probs.cumsum(-1) - probs >= p_lim) & (p_lim < 1.0)
+        drop[:, 0] = False  # the most likely token stays, also where top_p rounds to 0 in float32 (1e-46)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):

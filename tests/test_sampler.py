@@ -181,6 +181,7 @@ def kept(seq_params: dict) -> set[int]:
     ({"top_p": 0.8, "temperature": 0.5}, {7}),  # temperature first: 7 alone already holds 0.86
     ({"top_p": 0.7}, {7, 3}),
     ({"top_p": 0.7, "top_k": 2}, {7}),  # top-p on the top-k renormalised: 7 holds 0.73 of {7, 3}
+    ({"top_p": 1e-46}, {7}),  # valid (> 0) but 0 in float32: the most likely token still stays
     ({"min_p": 0.1}, {7, 3, 0}),  # floor 0.061: token 6 (0.050) goes
     ({"min_p": 0.3}, {7, 3}),
     ({"min_p": 1.0}, {7}),
