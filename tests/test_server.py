@@ -371,6 +371,25 @@ def test_more_bad_fields_are_400_naming_the_field(server, path, body, param):
     assert not err["message"].startswith(f"{param}: {param}:")  # named once
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "a \\ud800 b"}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x \\udfff"}]}', "messages"),
+    ("/v1/completions", '{"prompt": "a", "stop": ["\\udc00"]}', "stop"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+])
+def test_a_lone_surrogate_is_400_naming_its_field_and_the_connection_serves_on(server, path, body, param):
+    """JSON's unpaired "\\ud800" escapes decode to no text a tokenizer encodes (it raised TypeError: a 500, and
+    uvicorn closed the kept-alive connection under the client); a well-formed pair is one character."""
+    url, _, _ = server
+    with httpx.Client() as client:
+        r = client.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
+        assert "lone UTF-16 surrogate" in _error(r, 400, param=param)["message"]
+        assert client.get(f"{url}/health").status_code == 200
+    pair = httpx.post(f"{url}/tokenize", content='{"prompt": "\\ud83d\\ude00"}',
+                      headers={"content-type": "application/json"})
+    assert pair.status_code == 200 and pair.json()["count"] > 0
+
+
 def test_null_means_the_default(server):
     """OpenAI's spec makes these nullable; clients that send every field send ``null``: the default, never a 400."""
     url, _, _ = server

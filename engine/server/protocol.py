@@ -4,10 +4,13 @@ Range checks live in ``SamplingParams.validate`` (one source of truth); the mode
 Unknown request fields are ignored, as OpenAI's and vLLM's servers do. A ``null`` in a field whose type excludes
 it (at the top level, or in ``stream_options``) means the field's default (OpenAI's spec makes ``n``, ``stream``,
 ``logprobs``, ``echo``... nullable; clients that send every field send them as ``null``); fields that take None
-keep it (``max_tokens: null`` on completions: up to the context, as in vLLM).
+keep it (``max_tokens: null`` on completions: up to the context, as in vLLM). A string holding a lone UTF-16
+surrogate (JSON's ``"\ud800"`` escape unpaired: no text, and no tokenizer encodes it) is refused with a 400
+naming its field.
 """
 from __future__ import annotations
 
+import re
 import time
 import types
 import typing
@@ -24,6 +27,21 @@ from engine.structured_output import check
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+#: UTF-16 surrogate code points: JSON decodes a well-formed pair to one character, so any left stand alone
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holds_lone_surrogate(value: Any) -> bool:
+    """Whether a decoded JSON value (str, list, dict; keys too) holds a lone surrogate anywhere."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_lone_surrogate(v) for v in value)
+    return False
 
 
 def _accepts_none(annotation: Any) -> bool:
@@ -46,7 +64,8 @@ Tools = Annotated[list[dict[str, Any]] | None, AfterValidator(_checked_tools)]
 
 
 class RequestModel(BaseModel):
-    """A request body: unknown fields are ignored; ``null`` in a field whose type excludes it means its default."""
+    """A request body: unknown fields are ignored; ``null`` in a field whose type excludes it means its default; a
+    field holding a lone UTF-16 surrogate is refused (ValueError: a 400 naming it)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -56,6 +75,9 @@ class RequestModel(BaseModel):
         field = cls.model_fields[info.field_name]
         if value is None and not field.is_required() and not _accepts_none(field.annotation):
             return field.get_default(call_default_factory=True)
+        if _holds_lone_surrogate(value):
+            raise ValueError("holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                             "text: send valid UTF-16 pairs or the characters themselves")
         return value
 
 
