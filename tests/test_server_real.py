@@ -175,7 +175,11 @@ def test_tool_calls_through_the_sdk(live):
     assert "".join(d[0].function.arguments for d in streamed) == call.function.arguments
     required = sdk(url).chat.completions.create(**{**named, "tool_choice": "required", "max_tokens": 80})
     calls = required.choices[0].message.tool_calls
-    assert required.choices[0].finish_reason == "stop" and calls
+    assert required.choices[0].finish_reason == "tool_calls" and calls  # vLLM's, OpenAI's (a named call: "stop")
+    assert sdk(url).chat.completions.create(**named).choices[0].finish_reason == "stop"
+    last = [c.choices[0] for c in sdk(url).chat.completions.create(
+        stream=True, **{**named, "tool_choice": "required", "max_tokens": 80}) if c.choices][-1]
+    assert last.finish_reason == "tool_calls" and last.delta.tool_calls
     for c in calls:
         args = json.loads(c.function.arguments)
         assert (c.function.name, set(args)) in (("get_weather", {"city"}), ("get_time", {"zone"}))

@@ -103,7 +103,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     choices = []
     for c in finals[0].outputs:
         message = _message(req, c.text, parser, open_)
-        called = message.tool_calls and auto  # vLLM: "tool_calls" then
+        # vLLM (as OpenAI): "tool_calls" for calls "auto" or "required" made; "stop" for a named function's
+        called = message.tool_calls and (auto or req.tool_choice == "required")
         choices.append(ChatCompletionChoice(index=c.index, message=message,
                                             logprobs=_logprobs(llm.tokenizer, req, c, 0),
                                             finish_reason="tool_calls" if called else c.finish_reason,
@@ -176,7 +177,7 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
                   request_id: str, parser: str | None = None, open_: bool | None = None) -> AsyncIterator[str]:
     """``chat.completion.chunk`` JSON texts: per choice first a delta with only the role (content ""), as vLLM sends
     before any token, then text or tool-call deltas (:func:`_delta`), the last one with its ``finish_reason``
-    ("tool_calls" where "auto" made calls); with ``include_usage`` every chunk has ``usage: null`` and one final
+    ("tool_calls" where "auto" or "required" made calls); with ``include_usage`` every chunk has ``usage: null`` and one final
     chunk has ``choices: []`` and the usage."""
     created, tracker, final = int(time.time()), DeltaTracker(req.n), None
 
@@ -197,7 +198,8 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
             if delta.content is None and delta.tool_calls is None and delta.reasoning is None and not d.finish_reason:
                 continue  # a "required" array or a tool call still being written, a possible tag's start held back
             start, tokens_sent[d.index] = tokens_sent[d.index], len(d.choice.token_ids)
-            reason = "tool_calls" if d.finish_reason and state is not None and state.calls else d.finish_reason
+            called = (state is not None and state.calls) or (req.tool_choice == "required" and delta.tool_calls)
+            reason = "tool_calls" if d.finish_reason and called else d.finish_reason
             yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=reason,
                                           stop_reason=d.choice.stop_reason if d.finish_reason else None,
                                           logprobs=_logprobs(tokenizer, req, d.choice, start))])
