@@ -71,19 +71,28 @@ def prompt_token_ids(tokenizer, vocab_size: int, max_model_len: int, prompt: str
                      params: SamplingParams) -> list[int]:
     """A request's prompt as token ids, checked as ``LLMEngine.add_request`` checks it (also where the engine runs
     in a process of its own, ``engine/engine_process.py``): a string is encoded with the tokenizer's special
-    tokens, ids are taken as they are. Raises ContextLengthError when prompt + max_tokens exceed ``max_model_len``
-    (tokens), ValueError for an empty prompt or a prompt, stop or logit-bias token id outside [0, ``vocab_size``)."""
+    tokens, ids are taken as they are; with ``truncate_prompt_tokens`` k only the last k are kept (-1: the last
+    ``max_model_len``), as vLLM. Raises ContextLengthError when prompt + max_tokens exceed ``max_model_len``
+    (tokens), ValueError for an empty prompt, a prompt, stop, logit-bias or allowed token id outside [0,
+    ``vocab_size``), or min_tokens over the tokens left in the context when max_tokens is None."""
     ids = tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+    if params.truncate_prompt_tokens is not None:
+        keep = max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+        ids = ids[-keep:]
     if not ids:
         raise ValueError("prompt: must not be empty")
-    # the embedding and the sampler (stop ids, biases) index with them
+    # the embedding and the sampler (stop ids, biases, the allowed-token mask) index with them
     for name, tokens in (("prompt", ids), ("stop_token_ids", params.stop_token_ids),
-                         ("logit_bias", params.logit_bias or {})):
+                         ("logit_bias", params.logit_bias or {}),
+                         ("allowed_token_ids", params.allowed_token_ids or [])):
         if any(not 0 <= t < vocab_size for t in tokens):
             raise ValueError(f"{name}: token ids must be in [0, {vocab_size})")
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
     if len(ids) + max(max_tokens, 1) > max_model_len:
         raise ContextLengthError(max_model_len, len(ids), max_tokens)
+    if params.min_tokens > max_tokens:  # max_tokens None: what the context leaves (vLLM's check after defaulting)
+        raise ValueError(f"min_tokens: must not exceed max_tokens ({max_tokens}: what max_model_len={max_model_len} "
+                         f"leaves after {len(ids)} prompt tokens), got {params.min_tokens}")
     return ids
 
 

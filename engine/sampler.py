@@ -111,6 +111,17 @@ def _put(logits: torch.Tensor, rows: list[dict[int, float]], accumulate: bool) -
     logits.index_put_(index, to_device(list(v), logits.dtype, logits.device), accumulate=accumulate)
 
 
+def _allow_only(logits: torch.Tensor, allowed: list[list[int] | None]) -> None:
+    """-inf in place on row i for every token not in ``allowed[i]`` (None: the row is left as it is); the mask is
+    built on the device from one index list (no host sync)."""
+    if not any(allowed):
+        return
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    _put(keep, [dict.fromkeys(ids or [], True) for ids in allowed], accumulate=False)
+    restricted = to_device([bool(ids) for ids in allowed], torch.bool, logits.device)[:, None]
+    logits.masked_fill_(restricted & ~keep, float("-inf"))
+
+
 def _map_rows(logits: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
     """``logits`` with rows ``rows`` (a host list of row numbers) replaced by ``fn(part)`` of them, gathered and
     put back without a sync (in place: the caller owns ``logits``); all rows: ``fn(logits)``, a new tensor."""
@@ -127,8 +138,9 @@ def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set
     mask and penalties on every row; temperature and the filters on the rows that are not greedy. ``pending``: as
     :func:`apply_penalties`, for all S rows. Returns a new tensor."""
     logits = logits.clone()
-    # logit_bias first (vLLM V1 applies it with min_tokens, before the penalties)
+    # logit_bias first (vLLM V1 applies it with min_tokens, before the penalties), and allowed_token_ids' mask
     _put(logits, [seq.params.logit_bias or {} for seq in seqs], accumulate=True)
+    _allow_only(logits, [seq.params.allowed_token_ids for seq in seqs])
     _put(logits, [dict.fromkeys(_stop_ids(seq, eos_token_ids), float("-inf"))
                   if seq.num_output_tokens < seq.params.min_tokens else {} for seq in seqs], accumulate=False)
     penalised = [i for i, seq in enumerate(seqs) if _penalised(seq)]
@@ -279,4 +291,4 @@ def penalised_pending(seq: Sequence) -> bool:
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.params
     return (p.greedy and seq.logprobs is None and seq.num_output_tokens >= p.min_tokens and not _penalised(seq)
-            and not p.logit_bias)
+            and not p.logit_bias and not p.allowed_token_ids)

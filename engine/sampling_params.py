@@ -59,7 +59,9 @@ class SamplingParams:
     before any text; vLLM refuses it too); ``stop_token_ids`` non-negative (the engine also checks them against
     the vocabulary);
     ``seed`` a signed 64-bit integer (vLLM's range); ``logit_bias`` maps non-negative token ids (checked against
-    the vocabulary by the engine) to finite biases, which are clamped to [-100, 100] (OpenAI's range, as vLLM).
+    the vocabulary by the engine) to finite biases, which are clamped to [-100, 100] (OpenAI's range, as vLLM);
+    ``allowed_token_ids`` None or a non-empty list of non-negative ids (checked against the vocabulary by the
+    engine); ``truncate_prompt_tokens`` None, -1 or at least 1.
     """
 
     n: int = 1
@@ -82,6 +84,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # added to the token's logit before everything else (OpenAI)
     structured_outputs: StructuredOutputsParams | None = None  # a schema, JSON, regex, choice or grammar to follow
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled (vLLM): the others masked
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: its last max_model_len (vLLM)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +124,11 @@ class SamplingParams:
             ("seed", self.seed is None or -2**63 <= self.seed < 2**63, "must be a signed 64-bit integer"),
             ("logit_bias", all(int(t) >= 0 and math.isfinite(b) for t, b in (self.logit_bias or {}).items()),
              "must map token ids to finite numbers"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids)),
+             "must be a non-empty list of non-negative token ids"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+             or self.truncate_prompt_tokens >= 1, "must be -1 (max_model_len) or at least 1"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -261,6 +261,22 @@ def test_logit_bias_is_added_first_and_clamped_to_100():
     assert sample(LOGITS[None].clone(), [ban], {EOS}) == [3]
 
 
+def test_allowed_token_ids_mask_every_other_token_of_their_row_only():
+    """vLLM's allowed_token_ids: the other tokens -inf (after logit_bias), in that row alone; a greedy row with them
+    leaves the plain arg-max path; they must be a non-empty list of token ids."""
+    only = seq_with(PROMPT, [], allowed_token_ids=[2, 5], temperature=0)
+    free = seq_with(PROMPT, [], temperature=0)
+    rows = process_batch(torch.stack([LOGITS, LOGITS]), [only, free], {EOS})
+    assert rows[0].tolist() == [INF, INF, LOGITS[2].item(), INF, INF, LOGITS[5].item(), INF, INF]
+    assert rows[1].tolist() == LOGITS.tolist()
+    assert sample(torch.stack([LOGITS, LOGITS]), [only, free], {EOS}) == [2, 7]
+    biased = seq_with(PROMPT, [], allowed_token_ids=[2, 5], logit_bias={5: 10.0}, temperature=0)
+    assert sample(LOGITS[None].clone(), [biased], {EOS}) == [5]
+    for bad in ([], [-1]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+
+
 @pytest.mark.parametrize("bias", [{-1: 1.0}, {3: float("nan")}, {3: float("inf")}])
 def test_logit_bias_needs_token_ids_and_finite_values(bias):
     with pytest.raises(ValueError, match="logit_bias"):

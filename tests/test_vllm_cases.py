@@ -522,3 +522,25 @@ def test_logit_bias_bans_and_forces_tokens(live):
     [forced_id] = tok.encode(" banana", add_special_tokens=False)
     forced = post(client, "/v1/completions", {**body, "max_tokens": 3, "logit_bias": {str(forced_id): 100}})
     assert forced["choices"][0]["text"] == " banana" * 3
+
+
+def test_allowed_token_ids_truncate_prompt_tokens_and_the_fields_not_followed(live):
+    """vLLM's allowed_token_ids (only those sampled) and truncate_prompt_tokens (the prompt's last k tokens) on the
+    real engine; min_tokens over what the context leaves (no max_tokens) is a 400, as vLLM checks after defaulting;
+    best_of, beam search and bad_words, which this server does not follow, are 400s naming them, not ignored."""
+    client, model, _, _, tok = live
+    allowed = [tok.encode(w, add_special_tokens=False)[0] for w in (" banana", " apple")]
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0.9,
+            "seed": 1, "allowed_token_ids": allowed}
+    out = post(client, "/v1/completions", body)["choices"][0]
+    assert out["text"] and set(tok.encode(out["text"], add_special_tokens=False)) <= set(allowed)
+    words = {"model": model, "prompt": "one two three four five six", "max_tokens": 1}
+    full = post(client, "/v1/completions", words)
+    cut = post(client, "/v1/completions", {**words, "truncate_prompt_tokens": 3})
+    assert full["usage"]["prompt_tokens"] > 3 and cut["usage"]["prompt_tokens"] == 3
+    for extra, param in (({"max_tokens": None, "min_tokens": 10**6}, "min_tokens"), ({"best_of": 3}, "best_of"),
+                         ({"use_beam_search": True}, "use_beam_search"), ({"bad_words": ["Paris"]}, "bad_words"),
+                         ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
+        r = client.post("/v1/completions", json={"model": model, "prompt": "hi", **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -125,9 +125,29 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     user: str | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI: token id (a JSON key, so a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM: only these may be sampled
+    truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens (-1: max_model_len)
+    #: vLLM fields this server does not follow: a 400 naming them where they ask for something (vLLM would act;
+    #: ignoring them would answer something else than asked)
+    best_of: int | None = None
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
     #: vLLM's extra parameter: each prompt token's logprob and rank, and the k most likely tokens at its position
     #: (the response's ``prompt_logprobs``: per choice in completions, once for the request in chat)
     prompt_logprobs: int | None = None
+
+    @field_validator("best_of", "use_beam_search", "bad_words")
+    @classmethod
+    def _not_followed(cls, value: Any, info: ValidationInfo) -> Any:
+        """best_of other than n (vLLM V1 refuses it too), beam search, bad words: 400s naming them."""
+        name = info.field_name
+        if name == "best_of" and value is not None and value != info.data.get("n", 1):
+            raise ValueError(f"best_of is not supported (got {value}; use n for several completions)")
+        if name == "use_beam_search" and value:
+            raise ValueError("beam search is not supported: sample with n, temperature and seed instead")
+        if name == "bad_words" and value:
+            raise ValueError("bad_words is not supported: use logit_bias (-100) on their tokens instead")
+        return value
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -227,7 +247,8 @@ class SamplingRequest(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
-            structured_outputs=self.constraint(),
+            structured_outputs=self.constraint(), allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             **with_defaults({**given, "max_tokens": max_tokens}, defaults or {}))
 
 
