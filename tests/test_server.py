@@ -299,6 +299,7 @@ def _error(r: httpx.Response, status: int, param: str | None = None, code: str |
 @pytest.mark.parametrize("body,param", [
     ({"messages": MESSAGES, "max_tokens": "ten"}, "max_tokens"),
     ({"messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ({"messages": MESSAGES, "max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens"),  # it wins
     ({"messages": MESSAGES, "temperature": -1}, "temperature"),
     ({"messages": MESSAGES, "top_p": 0}, "top_p"),
     ({"messages": MESSAGES, "stop": ["ok", ""]}, "stop"),

@@ -91,8 +91,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         req.skip_special_tokens = False  # the tags are special tokens of this tokenizer: keep them to split on
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_params(req.sampling_params, max_tokens, logprobs, llm.default_sampling,
-                          req.engine_prompt_logprobs)
+    try:
+        params = build_params(req.sampling_params, max_tokens, logprobs, llm.default_sampling,
+                              req.engine_prompt_logprobs)
+    except APIError as e:  # name the field the request used for the completion's length
+        if req.max_completion_tokens is not None and e.param == "max_tokens":
+            e.param, e.message = "max_completion_tokens", "max_completion_tokens" + e.message.removeprefix("max_tokens")
+        raise
     request_id = random_id("chatcmpl")
     streams = await submit(ctx, [prompt], params, request_id, "messages")
     if req.stream:
@@ -177,8 +182,8 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
                   request_id: str, parser: str | None = None, open_: bool | None = None) -> AsyncIterator[str]:
     """``chat.completion.chunk`` JSON texts: per choice first a delta with only the role (content ""), as vLLM sends
     before any token, then text or tool-call deltas (:func:`_delta`), the last one with its ``finish_reason``
-    ("tool_calls" where "auto" or "required" made calls); with ``include_usage`` every chunk has ``usage: null`` and one final
-    chunk has ``choices: []`` and the usage."""
+    ("tool_calls" where "auto" or "required" made calls); with ``include_usage`` every chunk has ``usage: null``
+    and one final chunk has ``choices: []`` and the usage."""
     created, tracker, final = int(time.time()), DeltaTracker(req.n), None
 
     def chunk(choices: list[ChatStreamChoice], counts: UsageInfo | None = None) -> str:
