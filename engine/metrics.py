@@ -4,7 +4,7 @@ Two sources:
 - ``EngineStats`` snapshots (gauges and the engine's cumulative counters), read at scrape time by a custom
   collector, so the exported counters equal the engine's own totals.
 - ``RequestOutput``s observed after every step (on the engine thread): per-request latencies (TTFT, ITL, e2e,
-  queue time, all in seconds) and ``vllm:request_success_total{finished_reason}``.
+  queue time, all in seconds) and ``vllm:request_success_total{finished_reason}`` (one per completion of n).
 """
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ class EngineMetrics:
         self._lock = threading.Lock()
 
     def observe(self, outputs: list[RequestOutput]) -> None:
-        """Record one engine step's outputs: an ITL sample per request that advanced, latencies on finish."""
+        """Record one engine step's outputs: TTFT at a request's first token (as vLLM V1, whether or not it is
+        aborted later), an ITL sample per request that advanced, the other latencies on finish."""
         now = time.monotonic()
         with self._lock:
             for out in outputs:
@@ -103,19 +104,23 @@ class EngineMetrics:
                 if n > prev_n:
                     if prev_n > 0:
                         self.itl.observe(max(0.0, t - prev_t))
+                    elif out.metrics is not None:
+                        first = out.metrics.first_token_time or t
+                        self.ttft.observe(max(0.0, first - out.metrics.arrival_time))
                     self._progress[out.request_id] = (n, t)
                 if out.finished:
                     self._progress.pop(out.request_id, None)
                     self._observe_finished(out, now)
 
     def _observe_finished(self, out: RequestOutput, now: float) -> None:
-        reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
-        self.request_success.labels(self.model_name, reason).inc()
+        """``request_success`` once per completion (vLLM V1 runs each of n as a request of its own), by its finish
+        reason ("abort" where it has none); queue time and e2e latency unless aborted."""
+        reasons = [c.finish_reason or "abort" for c in out.outputs] or ["abort"]
+        for reason in reasons:
+            self.request_success.labels(self.model_name, reason).inc()
         m = out.metrics
-        if m is None or reason == "abort":  # aborted requests would skew the latency histograms
+        if m is None or "abort" in reasons:  # aborted requests would skew the latency histograms
             return
-        if m.first_token_time is not None:
-            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.first_scheduled_time is not None:
             self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))

@@ -817,6 +817,21 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
     wait_for(lambda: 'vllm:num_requests_running{model_name="fake-model"} 0.0' in httpx.get(f"{url}/metrics").text,
              what="running gauge back to 0")
     assert engine.get_stats().kv_cache_usage == 0
+    lines = set(httpx.get(f"{url}/metrics").text.splitlines())
+    # as vLLM V1: its first token counted in TTFT though it was aborted; no e2e latency for it
+    assert 'vllm:time_to_first_token_seconds_count{model_name="fake-model"} 1.0' in lines
+    assert 'vllm:e2e_request_latency_seconds_count{model_name="fake-model"} 0.0' in lines
+    assert 'vllm:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in lines
+
+
+def test_metrics_count_each_of_n_completions(server):
+    """request_success once per completion (vLLM V1 runs each of n as a request; the engine's token counters count
+    each completion's prompt too); TTFT once for the request."""
+    url, _, _ = server
+    sdk(url).completions.create(model=MODEL, prompt="12345", max_tokens=7, n=3)
+    lines = set(httpx.get(f"{url}/metrics").text.splitlines())
+    assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"} 3.0' in lines
+    assert 'vllm:time_to_first_token_seconds_count{model_name="fake-model"} 1.0' in lines
 
 
 def test_non_streaming_disconnect_aborts(server):
