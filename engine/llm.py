@@ -26,12 +26,14 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """One finished ``RequestOutput`` per prompt, in the order given.
 
-        A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``; ``sampling_params`` is one
-        for all prompts or one per prompt (None: the model's generation_config.json values, else SamplingParams()'s
-        defaults, as in vLLM). Raises ContextLengthError / ValueError before anything runs.
+        A prompt is a string, a list of token ids, or vLLM's ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``;
+        ``sampling_params`` is one for all prompts or one per prompt (None: the model's generation_config.json
+        values, else SamplingParams()'s defaults, as in vLLM); ``use_tqdm``: a progress bar of finished prompts
+        (vLLM's argument; off by default here). Raises ContextLengthError / ValueError before anything runs.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -42,17 +44,56 @@ class LLM:
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                if isinstance(prompt, dict):
-                    prompt = prompt["prompt_token_ids"]
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, _prompt_of(prompt), p)
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             self.engine.step()
             raise
         finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
         return [finished[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list of them,
+        each rendered by the tokenizer's chat template (ending with the assistant's header, or inside the last
+        message with ``continue_final_message``), then :meth:`generate`. Raises ValueError for both of those set,
+        or for messages the template refuses."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message: cannot set both it and add_generation_prompt")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer, prompts = self.engine.tokenizer, []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message,
+                                                 **(chat_template_kwargs or {}))
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))  # the template wrote them
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _prompt_of(prompt: Prompt) -> str | list[int]:
+    """A prompt's text or token ids; a dict is vLLM's TextPrompt / TokensPrompt (ValueError for another)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"prompt: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm  # transformers' dependency
+    return tqdm(total=total, desc="Processed prompts", unit="prompt")

@@ -1,0 +1,44 @@
+"""The offline ``LLM`` API's vLLM forms: ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` prompts, ``use_tqdm``
+and ``LLM.chat`` (the tokenizer's chat template, then generate), on the demo model on the CPU."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine_fixtures import demo_dir
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(demo_dir(), device="cpu", max_model_len=256, max_num_seqs=4)
+
+
+def test_dict_prompts_and_use_tqdm_as_vllm(llm, capsys):
+    text = "The capital of France is"
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=True)
+    want = llm.generate([text], GREEDY)[0].outputs[0].token_ids
+    got = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=True)
+    assert [o.outputs[0].token_ids for o in got] == [want, want]
+    assert got[0].prompt == text and got[1].prompt_token_ids == ids
+    assert "Processed prompts" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'"):
+        llm.generate([{"text": text}], GREEDY)
+
+
+def test_chat_renders_the_template_then_generates(llm):
+    tokenizer = llm.get_tokenizer()
+    talk = [{"role": "user", "content": "What is the capital of France?"}]
+    rendered = tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True)
+    want = llm.generate([tokenizer.encode(rendered, add_special_tokens=False)], GREEDY)[0]
+    one = llm.chat(talk, GREEDY)
+    assert [o.outputs[0].token_ids for o in one] == [want.outputs[0].token_ids]
+    assert one[0].prompt_token_ids == want.prompt_token_ids
+    two = llm.chat([talk, [{"role": "user", "content": "Name a colour."}]], GREEDY)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == want.outputs[0].token_ids
+    goes_on = [*talk, {"role": "assistant", "content": "The capital"}]
+    cont = llm.chat(goes_on, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert tokenizer.decode(cont.prompt_token_ids).rstrip().endswith("The capital")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(goes_on, GREEDY, continue_final_message=True)
