@@ -22,6 +22,9 @@ from engine.stats import EngineStats
 
 disable_created_metrics()  # no `*_created` series, as in vLLM (process-wide setting of prometheus_client)
 
+#: the finish reasons whose ``vllm:request_success_total`` series exist (at 0) before any request finishes
+FINISH_REASONS = ("stop", "length", "abort")
+
 # vLLM's bucket boundaries (seconds), so existing dashboards' quantiles line up.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -81,6 +84,8 @@ class EngineMetrics:
         kw = {"labelnames": labels, "registry": self.registry}
         self.request_success = Counter("vllm:request_success", "Finished requests, by finish reason.",
                                        labelnames=labels + ["finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # at 0 from the start, as vLLM: a dashboard's rate() reads 0, not "no data"
+            self.request_success.labels(model_name, reason)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                               buckets=TTFT_BUCKETS, **kw).labels(model_name)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.",

@@ -786,6 +786,9 @@ def test_engine_death_mid_stream_ends_the_stream_with_an_error_event():
 
 def test_metrics_names_and_values(server):
     url, _, _ = server
+    fresh = set(httpx.get(f"{url}/metrics").text.splitlines())
+    for reason in ("stop", "length", "abort"):  # at 0 before any request finishes, as vLLM
+        assert f'vllm:request_success_total{{finished_reason="{reason}",model_name="fake-model"}} 0.0' in fresh
     sdk(url).completions.create(model=MODEL, prompt="12345", max_tokens=7)
     text = httpx.get(f"{url}/metrics").text
     for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

@@ -71,7 +71,7 @@ def test_view_of_two_scrapes_counts_what_happened_between(server):
     finished(server, 3)
     after = scrape(server)
     assert (after.model, after.generation_tokens - before.generation_tokens, after.finished) == \
-        ("fake-model", 15.0, {"length": 3.0})
+        ("fake-model", 15.0, {"stop": 0.0, "length": 3.0, "abort": 0.0})
     v = view(before, after)
     assert v.generation_tok_s * v.seconds == pytest.approx(15.0)
     assert v.requests_per_s * v.seconds == pytest.approx(3.0) and v.finished == 3.0
