@@ -505,7 +505,10 @@ def test_completion_strings_get_the_tokenizers_special_tokens(live, monkeypatch)
     messages = [{"role": "user", "content": "Hello there"}]
     chat = post(client, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 1})
     assert chat["usage"]["prompt_tokens"] == chat_prompt_len(tok, messages)
-    assert post(client, "/tokenize", {"prompt": "Hello there"})["tokens"] == [1, *ids]
+    tokenized = post(client, "/tokenize", {"prompt": "Hello there"})
+    assert tokenized["tokens"] == [1, *ids] and tokenized["token_strs"] is None
+    pieces = post(client, "/tokenize", {"prompt": "Hello there", "return_token_strs": True})["token_strs"]
+    assert pieces == tok.convert_ids_to_tokens([1, *ids]) and pieces[1:] == ["Hello", "Ġthere"]
 
 
 def test_logit_bias_bans_and_forces_tokens(live):

@@ -102,7 +102,8 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
         tokens = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
         raise APIError(400, "prompt: either prompt or messages is required", param="prompt")
-    return TokenizeResponse(count=len(tokens), max_model_len=llm.max_model_len, tokens=list(tokens))
+    strs = llm.tokenizer.convert_ids_to_tokens(list(tokens)) if req.return_token_strs else None
+    return TokenizeResponse(count=len(tokens), max_model_len=llm.max_model_len, tokens=list(tokens), token_strs=strs)
 
 
 @router.post("/detokenize")

@@ -441,12 +441,14 @@ class TokenizeRequest(RequestModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Tools = None  # shown to the template, as the chat endpoint does (vLLM)
+    return_token_strs: bool = False  # vLLM: each token's string too (the tokenizer's own pieces)
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
 
 
 class DetokenizeRequest(RequestModel):
