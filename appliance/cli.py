@@ -372,13 +372,23 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
     config: Optional[Path] = typer.Option(None, "--config"),
 ):
-    """The server's log (the background log file, or the unit's journal)."""
+    """The server's log (the background log file, or the unit's journal). Exit status 4, as `status`, when there
+    is none and nothing is installed."""
     mgr = _manager(_config(config))
     if follow:
         mgr.follow(lines)
         return
-    for line in mgr.log_lines(lines):
+    shown = mgr.log_lines(lines)
+    for line in shown:
         print(line)
+    path = config or cfgmod.config_path()
+    if not shown and lines:
+        st = mgr.status()
+        if not st.running and (not st.installed or not path.is_file()):  # as `status` tells "not installed"
+            why = "removed by `appliance uninstall`" if path.is_file() else f"no config at {path}"
+            console.print(f"[yellow]not installed[/yellow]: no log, {why}; `appliance install` sets it up",
+                          highlight=False)
+            raise typer.Exit(4)
 
 
 @app.command()
