@@ -275,7 +275,7 @@ def test_models_health_version_tokenize_kv(server):
     assert httpx.get(f"{url}/health").json()["status"] == "ready"
     assert httpx.get(f"{url}/version").json()["version"]
     tok = httpx.post(f"{url}/tokenize", json={"prompt": "hey"}).json()
-    assert tok == {"count": 3, "max_model_len": 256, "tokens": [104, 101, 121]}
+    assert tok == {"count": 3, "max_model_len": 256, "tokens": [104, 101, 121], "token_strs": None}
     chat_tok = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
     assert chat_tok["count"] == CHAT_PROMPT_LEN
     assert httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": "hey"}
@@ -671,6 +671,18 @@ def test_continue_final_message_leaves_the_last_message_open(server):
     assert tok["tokens"] == [ord(c) for c in expected]
     chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 3}).json()
     assert chat["usage"]["prompt_tokens"] == len(expected)
+    # vLLM's echo: the answer starts with the open message's text, streamed first after the role
+    echo = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 3, "echo": True}).json()
+    answer = chat["choices"][0]["message"]["content"]
+    assert echo["choices"][0]["message"]["content"] == "The capital is" + answer
+    chunks = [json.loads(e) for e in sse_events(url, "/v1/chat/completions",
+                                               {**body, "max_tokens": 3, "echo": True, "stream": True})[:-1]]
+    deltas = [c["choices"][0]["delta"].get("content") for c in chunks]
+    assert deltas[:2] == ["", "The capital is"] and "".join(d or "" for d in deltas) == "The capital is" + answer
+    asked = {"messages": MESSAGES, "max_tokens": 3}  # the last message is the user's: nothing echoed
+    plain = httpx.post(f"{url}/v1/chat/completions", json={**asked, "echo": True}).json()["choices"][0]["message"]
+    assert plain["content"] == httpx.post(f"{url}/v1/chat/completions", json=asked).json()["choices"][0][
+        "message"]["content"]
 
 
 def test_malformed_json_and_unknown_routes(server):

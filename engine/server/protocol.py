@@ -279,11 +279,21 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant turn's header
     continue_final_message: bool = False  # vLLM: leave the last (assistant) message open, the model continues it
+    echo: bool = False  # vLLM: the answer starts with the last message's text where it has the answer's role
     chat_template_kwargs: dict[str, Any] | None = None
     #: the chat template sees them; tool_choice "required" or a named function constrains the output to a call
     #: (engine/server/tools.py); "auto" reads calls out of free text where the model has a parser (tool_parsers.py)
     tools: Tools = None
     tool_choice: str | dict[str, Any] | None = Field(default=None, validate_default=True)
+
+    def echoed(self) -> str:
+        """With ``echo``, the text the answer starts with (vLLM): the last message's, where its role is the
+        answer's ("assistant" after the generation prompt, else the last message's own); else ""."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return last.text() if last.role == role else ""
 
     @field_validator("tool_choice")
     @classmethod

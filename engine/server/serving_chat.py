@@ -105,9 +105,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
-    choices = []
+    choices, echoed = [], req.echoed()
     for c in finals[0].outputs:
         message = _message(req, c.text, parser, open_)
+        if echoed and message.content is not None:
+            message.content = echoed + message.content
         # vLLM (as OpenAI): "tool_calls" for calls "auto" or "required" made; "stop" for a named function's
         called = message.tool_calls and (auto or req.tool_choice == "required")
         choices.append(ChatCompletionChoice(index=c.index, message=message,
@@ -195,6 +197,9 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
     tokens_sent = [0] * req.n  # per choice: the tokens whose logprobs went out (a held-back delta sends none)
     for index in range(req.n):  # the role on its own: a client sees it whatever the engine's outputs coalesce to
         yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+    if req.echoed():  # vLLM: the echoed text next, before any token
+        for index in range(req.n):
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=req.echoed()))])
     async for i, out in merge(streams):
         final = out
         for d in tracker.update(i, out):
