@@ -350,9 +350,9 @@ def _tc_pair(qs, zz, zero, scale, ss, MODE: tl.constexpr, IS_BF16: tl.constexpr,
     16-19) as two weights in x's dtype; ``zero`` / ``scale`` [BLOCK_N, 1] int / fp32. MODE 0 (any dtype; the
     interpreter): plain Triton, (c - z) * s in fp32 rounded once. MODES 1-3 start from c - z exact in x's dtype
     (:func:`_codes_minus_zeros`). MODE 2: c - z alone (the scale is applied after the dot). fp16 x, MODES 1 and 3:
-    c - z times the scale in packed fp16 ``ss`` (``mul.rn.f16x2``, any GPU): the exact product of a 4-bit integer
-    and an 11-bit significand rounded once, MODE 0's bits for every scale that is an fp16 normal number (an AWQ or
-    GPTQ file's scales are fp16). bf16 x: MODE 1: each half widened to fp32 (a shift, a mask), multiplied by the
+    c - z times the fp16 scale in packed fp16 ``ss`` (``mul.rn.f16x2``, any GPU): the exact product of a 4-bit
+    integer and an 11-bit significand rounded once, MODE 0's bits (``run_plan`` takes these modes for fp16 x only
+    with fp16 scales, as AWQ and GPTQ files have). bf16 x: MODE 1: each half widened to fp32 (a shift, a mask), multiplied by the
     fp32 scale and the pair rounded once (``cvt.rn.bf16x2``): the same bits as MODE 0. MODE 3: c - z times the
     scale in packed bf16 ``ss`` (a second rounding for fp16 scales); before sm_90 (HOPPER false), which has no
     packed bf16 ``mul``, as t * s + (-0) in one ``fma.rn.bf16x2`` (adding -0 changes no product, a +0 one
@@ -432,11 +432,15 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
         grp = k0 // GROUP
         scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
         zero = (tl.load(z_ptr + grp * (N // 8) + n // 8, mask=nmask, other=0) >> ((n % 8) * 4)) & 15
-        if IS_BF16:  # (magic + z) in both 16-bit halves; the scale in x's dtype in both halves
-            zz = ((zero + 0x4300) * 0x10001)[:, None]
+        if IS_BF16:  # (magic + z) in both 16-bit halves; the scale in x's 16-bit dtype in both halves (bf16 for
+            zz = ((zero + 0x4300) * 0x10001)[:, None]  # fp32 x, whose mode 0 does not read it)
+            sb = scale.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        elif dtype == tl.float16:
+            zz = ((zero + 0x6400) * 0x10001)[:, None]
+            sb = scale.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         else:
             zz = ((zero + 0x6400) * 0x10001)[:, None]
-        sb = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            sb = scale.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         ss = (sb | (sb << 16))[:, None]
         zc, sc = zero[:, None], scale[:, None]
         lo0, hi0 = _tc_pair(q, zz, zc, sc, ss, MODE, IS_BF16, dtype, HOPPER)
@@ -513,8 +517,8 @@ class Plan:
     product in the GEMM; ``fast`` its scale-after-the-dot dequantization (4-bit, block_k >= 128, fp16/bf16
     activations; see ``_gemm_kernel``); ``serial``: the GEMV adds its split-K partial sums in the same launch (see
     ``_gemv_kernel``; unless the call defers them, ``run_plan``'s ``defer_sum``), else in a second kernel. ``tc``
-    (4-bit): ``_gemm_tc_kernel``, ``swap`` as for the GEMM, ``mode`` its dequantization (``_tc_pair``; bf16 or fp16
-    x on a GPU only, else 0)."""
+    (4-bit): ``_gemm_tc_kernel``, ``swap`` as for the GEMM, ``mode`` its dequantization (``_tc_pair``; bf16 x, or
+    fp16 x with fp16 scales, on a GPU only, else 0)."""
 
     path: str
     block_m: int = 16
@@ -564,7 +568,7 @@ M_BUCKETS = (1, 8, 16, 64, 128, 256)
 #: get 99 KB: tests/compile_targets.py); other GPUs and shapes use choose_plan's rules, or measure their own.
 #: The "tc" plans use mode 3 (the scale multiplied in packed bf16): 5-10% faster than the exact mode 1 at M = 16
 #: and 64 (same sweep); with fp16 scales each weight is rounded twice (scale to bf16, then the product). With fp16
-#: x, mode 3 multiplies in packed fp16: one rounding, mode 0's bits (``_tc_pair``).
+#: x and fp16 scales, mode 3 multiplies in packed fp16: one rounding, mode 0's bits (``_tc_pair``).
 TUNED = {
     # 4096 -> 4096 in 16 splits, thirteenth session: 6.9 us in the suite (run 56) against 7.7 for 8 splits (run 48);
     # kernels/w4a16_tune.py in the 7B engine, same process: 7.05-7.08 against 7.67-7.71, the mma GEMV 7.99-8.11
@@ -806,7 +810,9 @@ def run_plan(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, pl
         if plan.k_per_split % plan.block_k and plan.k_per_split < k:
             raise ValueError(f"the tc path takes k_per_split a multiple of block_k (got {plan.k_per_split})")
         xk = x if qw.perm is None else x[:, qw.perm.long()]  # act-order: kernel row k reads x[:, perm[k]]
-        mode = plan.mode if x.dtype in (torch.bfloat16, torch.float16) and not dot_f32(x) else 0
+        # fp16 x multiplies by the scale in fp16: exact only from fp16 scales (others run mode 0, exact)
+        fast = x.dtype == torch.bfloat16 or (x.dtype == torch.float16 and qw.scales.dtype == torch.float16)
+        mode = plan.mode if fast and not dot_f32(x) else 0
         _gemm_tc_kernel[(cdiv(m, plan.block_m), cdiv(n, plan.block_n), splits)](
             xk, qw.qweight, qw.scales, qw.qzeros, bias_arg, target, m, n, k, xk.stride(0), plan.k_per_split,
             GROUP=qw.group_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,

@@ -424,10 +424,12 @@ def test_pre_hopper_packed_bf16_gives_the_same_bits(plan, monkeypatch):
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled PTX: GPU only")
 @pytest.mark.parametrize("swap", [False, True])
 def test_tc_fp16_modes_give_mode_0s_bits(swap, monkeypatch):
-    """With fp16 x the tc GEMM's modes 1 and 3 multiply c - z by the fp16 scale in packed fp16 (one rounding of an
-    exact product): the bits of the plain mode 0, fp16 scales half of them negative, 104 columns (the last tile
-    partly masked), on this GPU and with the pre-Hopper forms of the packed subtraction. Mode 2 (the scale after
-    the dot) rounds otherwise: within the product's tolerance."""
+    """With fp16 x and fp16 scales the tc GEMM runs the plan's mode, whose modes 1 and 3 multiply c - z by the scale
+    in packed fp16 (one rounding of an exact product): the bits of the plain mode 0, half the scales negative, 104
+    columns (the last tile partly masked). Mode 2 (the scale after the dot) rounds otherwise: within the product's
+    tolerance. bf16 scales with fp16 x run mode 0 (an fp16 scale could round them)."""
+    launched = []
+    monkeypatch.setattr(w4a16, "_gemm_tc_kernel", Launches(w4a16._gemm_tc_kernel, launched))
     qw, w = make_weight("awq", 256, 104, 128, False, scale_dtype=torch.float16)
     qw.scales[:, ::2] *= -1
     w[::2] *= -1
@@ -436,10 +438,13 @@ def test_tc_fp16_modes_give_mode_0s_bits(swap, monkeypatch):
     want = w4a16.run_plan(x, qw, None, plan)
     check_product(want, x, w)
     for mode in (1, 3):
-        assert torch.equal(w4a16.run_plan(x, qw, None, dataclasses.replace(plan, mode=mode)), want), mode
+        got = w4a16.run_plan(x, qw, None, dataclasses.replace(plan, mode=mode))
+        assert launched[-1]["MODE"] == mode and torch.equal(got, want), mode
     check_product(w4a16.run_plan(x, qw, None, dataclasses.replace(plan, mode=2)), x, w)
-    monkeypatch.setattr(w4a16, "hopper", lambda t: False)
-    assert torch.equal(w4a16.run_plan(x, qw, None, dataclasses.replace(plan, mode=3)), want)
+    assert launched[-1]["MODE"] == 2
+    qw.scales = qw.scales.to(torch.bfloat16)
+    w4a16.run_plan(x, qw, None, dataclasses.replace(plan, mode=3))
+    assert launched[-1]["MODE"] == 0
 
 
 @pytest.mark.parametrize("ahead", [8, 16])
