@@ -1,10 +1,10 @@
 """Turning logits into next tokens with vLLM's semantics, one batch at a time on the logits' device.
 
-Order (vLLM ``Sampler``): logit_bias, min_tokens mask on stop tokens, repetition / presence / frequency
-penalties, temperature, top-k, top-p, min-p, then sample (a structured output's grammar mask comes before, in the
-model runner: ``structured_output.apply_masks``). Temperature 0 is greedy (arg-max of the penalised logits).
-Every step is a tensor operation over the rows that need it, so a batch of 256 sampled requests costs a few
-kernels and no host sync, not 256 row loops on the CPU (host lists go over by non-blocking copies,
+Order (vLLM ``Sampler``): logit_bias, allowed_token_ids, min_tokens mask on stop tokens, repetition / presence /
+frequency penalties, temperature, top-k, top-p, min-p, then sample (a structured output's grammar mask comes
+before, in the model runner: ``structured_output.apply_masks``). Temperature 0 is greedy (arg-max of the
+penalised logits). Every step is a tensor operation over the rows that need it, so a batch of 256 sampled
+requests costs a few kernels and no host sync, not 256 row loops on the CPU (host lists go over by non-blocking copies,
 :func:`to_device`; the tokens, and the logprobs asked for, come back by the engine's copies after the step).
 Sampling is the exponential race vLLM V1 uses: token = argmax(probs / q) with q ~ Exp(1) drawn per token, which
 picks token i with probability probs[i] (Gumbel-max in another form). A request with ``seed`` draws its q from
@@ -111,15 +111,25 @@ def _put(logits: torch.Tensor, rows: list[dict[int, float]], accumulate: bool) -
     logits.index_put_(index, to_device(list(v), logits.dtype, logits.device), accumulate=accumulate)
 
 
-def _allow_only(logits: torch.Tensor, allowed: list[list[int] | None]) -> None:
-    """-inf in place on row i for every token not in ``allowed[i]`` (None: the row is left as it is); the mask is
-    built on the device from one index list (no host sync)."""
-    if not any(allowed):
-        return
-    keep = torch.zeros_like(logits, dtype=torch.bool)
-    _put(keep, [dict.fromkeys(ids or [], True) for ids in allowed], accumulate=False)
-    restricted = to_device([bool(ids) for ids in allowed], torch.bool, logits.device)[:, None]
-    logits.masked_fill_(restricted & ~keep, float("-inf"))
+def _allow_only(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``logits`` with -inf on each row of a sequence with ``allowed_token_ids`` for every other token (the rows
+    without them as they are): one stack of each such sequence's mask, made once per sequence on the device
+    (``Sequence.allowed_mask``), no host sync."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.allowed_token_ids]
+    if not rows:
+        return logits
+    keep = torch.stack([_allowed_mask(seqs[i], logits) for i in rows])
+    return _map_rows(logits, rows, lambda part: part.masked_fill(~keep, float("-inf")))
+
+
+def _allowed_mask(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    """``seq``'s allowed tokens as a bool [V] row on ``logits``' device, made at its first use."""
+    mask = seq.allowed_mask
+    if mask is None or mask.device != logits.device or mask.shape[0] != logits.shape[-1]:
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        mask[to_device(seq.params.allowed_token_ids, torch.int64, logits.device)] = True
+        seq.allowed_mask = mask
+    return mask
 
 
 def _map_rows(logits: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
@@ -134,13 +144,13 @@ def _map_rows(logits: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
 
 def process_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
                   pending: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows [S, V] (float32, row i for ``seqs[i]``; not changed in place) in vLLM's order: logit_bias, min_tokens
-    mask and penalties on every row; temperature and the filters on the rows that are not greedy. ``pending``: as
-    :func:`apply_penalties`, for all S rows. Returns a new tensor."""
+    """Rows [S, V] (float32, row i for ``seqs[i]``; not changed in place) in vLLM's order: logit_bias, the
+    allowed_token_ids mask, min_tokens mask and penalties on every row; temperature and the filters on the rows
+    that are not greedy. ``pending``: as :func:`apply_penalties`, for all S rows. Returns a new tensor."""
     logits = logits.clone()
     # logit_bias first (vLLM V1 applies it with min_tokens, before the penalties), and allowed_token_ids' mask
     _put(logits, [seq.params.logit_bias or {} for seq in seqs], accumulate=True)
-    _allow_only(logits, [seq.params.allowed_token_ids for seq in seqs])
+    logits = _allow_only(logits, seqs)
     _put(logits, [dict.fromkeys(_stop_ids(seq, eos_token_ids), float("-inf"))
                   if seq.num_output_tokens < seq.params.min_tokens else {} for seq in seqs], accumulate=False)
     penalised = [i for i, seq in enumerate(seqs) if _penalised(seq)]

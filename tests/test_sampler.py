@@ -270,8 +270,9 @@ def test_allowed_token_ids_mask_every_other_token_of_their_row_only():
     assert rows[0].tolist() == [INF, INF, LOGITS[2].item(), INF, INF, LOGITS[5].item(), INF, INF]
     assert rows[1].tolist() == LOGITS.tolist()
     assert sample(torch.stack([LOGITS, LOGITS]), [only, free], {EOS}) == [2, 7]
-    biased = seq_with(PROMPT, [], allowed_token_ids=[2, 5], logit_bias={5: 10.0}, temperature=0)
-    assert sample(LOGITS[None].clone(), [biased], {EOS}) == [5]
+    biased = seq_with(PROMPT, [], allowed_token_ids=[2, 5], logit_bias={3: 10.0}, temperature=0)
+    assert sample(LOGITS[None].clone(), [biased], {EOS}) == [2]  # a bias lifts no token out of the mask
+    assert biased.allowed_mask is not None and biased.allowed_mask.tolist() == [i in (2, 5) for i in range(8)]
     for bad in ([], [-1]):
         with pytest.raises(ValueError, match="allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
