@@ -4,7 +4,7 @@ Two sources:
 - ``EngineStats`` snapshots (gauges and the engine's cumulative counters), read at scrape time by a custom
   collector, so the exported counters equal the engine's own totals.
 - ``RequestOutput``s observed after every step (on the engine thread): per-request latencies (TTFT, ITL, e2e,
-  queue time, all in seconds) and ``vllm:request_success_total{finished_reason}`` (one per completion of n).
+  queue time, all in seconds) and ``vllm:request_success_total{finished_reason}``, per completion of n.
 """
 from __future__ import annotations
 
@@ -98,37 +98,40 @@ class EngineMetrics:
         self._lock = threading.Lock()
 
     def observe(self, outputs: list[RequestOutput]) -> None:
-        """Record one engine step's outputs: TTFT at a request's first token (as vLLM V1, whether or not it is
-        aborted later), an ITL sample per request that advanced, the other latencies on finish."""
+        """Record one engine step's outputs, per completion (vLLM V1 runs each of n as a request of its own): TTFT
+        at its first token (also of one aborted later, as vLLM V1), an ITL sample each time it advanced, the other
+        latencies and ``request_success`` when the request finished."""
         now = time.monotonic()
         with self._lock:
             for out in outputs:
-                n = max((len(c.token_ids) for c in out.outputs), default=0)
                 t = (out.metrics.last_token_time if out.metrics else None) or now
-                prev_n, prev_t = self._progress.get(out.request_id, (0, 0.0))
-                if n > prev_n:
-                    if prev_n > 0:
-                        self.itl.observe(max(0.0, t - prev_t))
-                    elif out.metrics is not None:
-                        first = out.metrics.first_token_time or t
-                        self.ttft.observe(max(0.0, first - out.metrics.arrival_time))
-                    self._progress[out.request_id] = (n, t)
+                for c in out.outputs:
+                    key, n = (out.request_id, c.index), len(c.token_ids)
+                    prev_n, prev_t = self._progress.get(key, (0, 0.0))
+                    if n > prev_n:
+                        if prev_n > 0:
+                            self.itl.observe(max(0.0, t - prev_t))
+                        elif out.metrics is not None:
+                            first = out.metrics.first_token_time or t
+                            self.ttft.observe(max(0.0, first - out.metrics.arrival_time))
+                        self._progress[key] = (n, t)
                 if out.finished:
-                    self._progress.pop(out.request_id, None)
+                    for c in out.outputs:
+                        self._progress.pop((out.request_id, c.index), None)
                     self._observe_finished(out, now)
 
     def _observe_finished(self, out: RequestOutput, now: float) -> None:
-        """``request_success`` once per completion (vLLM V1 runs each of n as a request of its own), by its finish
-        reason ("abort" where it has none); queue time and e2e latency unless aborted."""
-        reasons = [c.finish_reason or "abort" for c in out.outputs] or ["abort"]
-        for reason in reasons:
-            self.request_success.labels(self.model_name, reason).inc()
+        """Per completion: ``request_success`` by its finish reason ("abort" where it has none); queue time and
+        e2e latency unless aborted (they would skew the histograms)."""
         m = out.metrics
-        if m is None or "abort" in reasons:  # aborted requests would skew the latency histograms
-            return
-        if m.first_scheduled_time is not None:
-            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+        for c in out.outputs or [None]:
+            reason = (c.finish_reason if c is not None else None) or "abort"
+            self.request_success.labels(self.model_name, reason).inc()
+            if m is None or reason == "abort":
+                continue
+            if m.first_scheduled_time is not None:
+                self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

@@ -840,13 +840,15 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
 
 
 def test_metrics_count_each_of_n_completions(server):
-    """request_success once per completion (vLLM V1 runs each of n as a request; the engine's token counters count
-    each completion's prompt too); TTFT once for the request."""
+    """request_success and the latencies per completion (vLLM V1 runs each of n as a request; the engine's token
+    counters count each completion's prompt too)."""
     url, _, _ = server
     sdk(url).completions.create(model=MODEL, prompt="12345", max_tokens=7, n=3)
     lines = set(httpx.get(f"{url}/metrics").text.splitlines())
     assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"} 3.0' in lines
-    assert 'vllm:time_to_first_token_seconds_count{model_name="fake-model"} 1.0' in lines
+    for name, count in (("time_to_first_token_seconds", 3), ("e2e_request_latency_seconds", 3),
+                        ("request_queue_time_seconds", 3), ("inter_token_latency_seconds", 3 * 6)):
+        assert f'vllm:{name}_count{{model_name="fake-model"}} {count:.1f}' in lines, name
 
 
 def test_non_streaming_disconnect_aborts(server):
