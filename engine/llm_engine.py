@@ -78,7 +78,10 @@ def prompt_token_ids(tokenizer, vocab_size: int, max_model_len: int, prompt: str
     ids = tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
     if params.truncate_prompt_tokens is not None:
         keep = max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-        ids = ids[-keep:]
+        if keep > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {keep} is over max_model_len ({max_model_len}); use at most "
+                             f"{max_model_len}, or -1")
+        ids = _left_truncated(tokenizer, prompt, ids, keep)
     if not ids:
         raise ValueError("prompt: must not be empty")
     # the embedding and the sampler (stop ids, biases, the allowed-token mask) index with them
@@ -94,6 +97,19 @@ def prompt_token_ids(tokenizer, vocab_size: int, max_model_len: int, prompt: str
         raise ValueError(f"min_tokens: must not exceed max_tokens ({max_tokens}: what max_model_len={max_model_len} "
                          f"leaves after {len(ids)} prompt tokens), got {params.min_tokens}")
     return ids
+
+
+def _left_truncated(tokenizer, prompt: str | list[int], ids: list[int], keep: int) -> list[int]:
+    """The prompt's last ``keep`` tokens, as vLLM truncates (on the left, in the tokenizer): token ids as they are,
+    a text keeps the special tokens its encoding added around it (a BOS) and the text's last tokens fill the rest."""
+    if len(ids) <= keep:
+        return ids
+    body = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else ids
+    start = next((i for i in range(len(ids) - len(body) + 1) if ids[i:i + len(body)] == body), None)
+    if start is None or keep <= len(ids) - len(body):
+        return ids[-keep:]
+    room = keep - (len(ids) - len(body))
+    return ids[:start] + body[-room:] + ids[start + len(body):]
 
 
 class LLMEngine:

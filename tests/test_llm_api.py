@@ -42,3 +42,30 @@ def test_chat_renders_the_template_then_generates(llm):
     assert tokenizer.decode(cont.prompt_token_ids).rstrip().endswith("The capital")
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat(goes_on, GREEDY, continue_final_message=True)
+
+
+class _BosTokenizer:
+    """Letters a-z as ids 10-35, a BOS (1) in front when special tokens are asked for, as a Llama tokenizer."""
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [10 + ord(c) - ord("a") for c in text]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_a_texts_bos():
+    """vLLM truncates on the left inside the tokenizer: a text keeps the BOS its encoding adds, and its last tokens
+    fill the rest; token ids lose their first ones; -1 means max_model_len; more than that is refused."""
+    from engine.errors import ContextLengthError
+    from engine.llm_engine import prompt_token_ids
+
+    def ids(prompt, k, max_model_len=16, max_tokens=2):
+        params = SamplingParams(max_tokens=max_tokens, truncate_prompt_tokens=k)
+        return prompt_token_ids(_BosTokenizer(), 100, max_model_len, prompt, params)
+
+    assert ids("abcdef", 3) == [1, 14, 15]
+    assert ids("abcdef", 7) == ids("abcdef", 12) == [1, 10, 11, 12, 13, 14, 15]  # nothing to cut
+    assert ids([1, 10, 11, 12, 13, 14, 15], 3) == [13, 14, 15]
+    assert ids("abc", -1, 8) == [1, 10, 11, 12]  # -1: max_model_len (8) tokens at most
+    with pytest.raises(ContextLengthError, match=r"8 in the prompt"):  # which leave no room to generate
+        ids("abcdefghij", -1, 8)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens: 20 is over max_model_len \(16\)"):
+        ids("abcdef", 20)
