@@ -685,6 +685,18 @@ def test_continue_final_message_leaves_the_last_message_open(server):
         "message"]["content"]
 
 
+def test_list_content_is_its_text_parts_one_per_line_and_other_parts_are_refused(server):
+    """vLLM joins a message's text parts with newlines; an image part is a 400 naming messages.content."""
+    url, _, _ = server
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    as_list = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()
+    as_text = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "Hello\nthere"}]}).json()
+    assert as_list["tokens"] == as_text["tokens"]
+    image = [*parts, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": image}]})
+    assert "only text parts are supported" in _error(r, 400, param="messages.content")["message"]
+
+
 def test_malformed_json_and_unknown_routes(server):
     url, _, _ = server
     r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})

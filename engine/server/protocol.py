@@ -260,7 +260,8 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        """The message text; list content keeps its ``{"type": "text"}`` parts (other parts are refused)."""
+        """The message text; list content keeps its ``{"type": "text"}`` parts, one per line as vLLM joins them
+        (other parts are refused)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
@@ -268,7 +269,7 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text":
                 raise ValueError(f"messages.content: only text parts are supported, got {part.get('type')!r}")
             parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "\n".join(parts)
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -108,8 +108,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     choices, echoed = [], req.echoed()
     for c in finals[0].outputs:
         message = _message(req, c.text, parser, open_)
-        if echoed and message.content is not None:
-            message.content = echoed + message.content
+        if echoed:  # also before no content (a model stopped in its reasoning), as vLLM
+            message.content = echoed + (message.content or "")
         # vLLM (as OpenAI): "tool_calls" for calls "auto" or "required" made; "stop" for a named function's
         called = message.tool_calls and (auto or req.tool_choice == "required")
         choices.append(ChatCompletionChoice(index=c.index, message=message,
