@@ -41,8 +41,9 @@ def compute_dtype(dtype: str, device_type: str, checkpoint: str | None = None) -
     """The dtype name the engine computes in for the setting ``dtype`` on a ``device_type`` ("cuda" or "cpu") device,
     serving a checkpoint whose config.json names ``checkpoint`` (:func:`checkpoint_dtype`). "auto" is float32 on
     CPU (the exact reference path); on CUDA it is vLLM's rule: the checkpoint's own float16 or bfloat16, and
-    bfloat16 for a float32 checkpoint or one that names none. AWQ and GPTQ checkpoints name float16 (their scales
-    are fp16), so they run in float16 as in vLLM. Any other setting is itself."""
+    bfloat16 for a float32 checkpoint or one that names none (where vLLM would look at the safetensors' dtype).
+    AWQ and GPTQ checkpoints name float16 (their scales are fp16), so they run in float16 as in vLLM. Any other
+    setting is itself."""
     if dtype != "auto":
         return dtype
     if device_type == "cpu":

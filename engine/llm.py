@@ -75,10 +75,13 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer, prompts = self.engine.tokenizer, []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message,
-                                                 **(chat_template_kwargs or {}))
+            try:
+                text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message,
+                                                     **(chat_template_kwargs or {}))
+            except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages it refuses
+                raise ValueError(f"messages: the chat template rejected them: {e}") from e
             prompts.append(tokenizer.encode(text, add_special_tokens=False))  # the template wrote them
         return self.generate(prompts, sampling_params, use_tqdm)
 

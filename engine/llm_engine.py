@@ -175,7 +175,9 @@ class LLMEngine:
         compiles on a worker thread); None compiles it here.
 
         Raises ContextLengthError when prompt + max_tokens exceed max_model_len, ValueError for an empty prompt,
-        a duplicate id or a prompt or stop token id outside the vocabulary.
+        a duplicate id, what :func:`prompt_token_ids` refuses (a token id outside the vocabulary in the prompt,
+        stop_token_ids, logit_bias or allowed_token_ids; truncate_prompt_tokens over max_model_len; min_tokens over
+        what the context leaves).
         """
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")

@@ -42,6 +42,8 @@ def test_chat_renders_the_template_then_generates(llm):
     assert tokenizer.decode(cont.prompt_token_ids).rstrip().endswith("The capital")
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat(goes_on, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="messages: the chat template rejected them"):  # jinja's own error
+        llm.chat([{"role": "user"}], GREEDY)  # no content: the template's concatenation fails
 
 
 class _BosTokenizer:

@@ -139,9 +139,9 @@ class SamplingRequest(RequestModel):
     @field_validator("best_of", "use_beam_search", "bad_words")
     @classmethod
     def _not_followed(cls, value: Any, info: ValidationInfo) -> Any:
-        """best_of other than n (vLLM V1 refuses it too), beam search, bad words: 400s naming them."""
+        """best_of above 1 (vLLM V1 refuses it too), beam search, bad words: 400s naming them."""
         name = info.field_name
-        if name == "best_of" and value is not None and value != info.data.get("n", 1):
+        if name == "best_of" and value is not None and value > 1:
             raise ValueError(f"best_of is not supported (got {value}; use n for several completions)")
         if name == "use_beam_search" and value:
             raise ValueError("beam search is not supported: sample with n, temperature and seed instead")
