@@ -53,6 +53,9 @@ VARIANTS = {
     "GPTQ 8-bit": dict(bits=8, group=128, act_order=True),
     "GPTQ 2-bit": dict(bits=2, group=64),
     "fp8 KV cache": dict(kv_dtype=torch.float8_e4m3fn),  # sm_89 only: the engine refuses it on older GPUs
+    # float16 is what an AWQ / GPTQ checkpoint runs in (dtype "auto" follows its config.json, as vLLM)
+    "fp16, int8 KV cache": dict(dtype=torch.float16, kv_dtype=torch.int8),
+    "fp16, fp8 KV cache": dict(dtype=torch.float16, kv_dtype=torch.float8_e4m3fn),
 }
 
 
@@ -60,7 +63,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variants_compile(gpu, variant):
     capability, sms = ct.TARGETS[gpu]
-    if variant == "fp8 KV cache" and capability < 89:
+    if "fp8 KV cache" in variant and capability < 89:
         pytest.skip("fp8 KV needs sm_89 (engine.model_runner refuses it before any kernel runs)")
     with ct.compile_only(capability, sms) as seen:
         ct.model_launches(ct.MODELS["Llama-3-8B"], **VARIANTS[variant], rows=(1, 16, 64, 256), batches=(1, 64))
