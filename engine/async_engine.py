@@ -192,6 +192,7 @@ class AsyncLLMEngine:
         self._routes: dict[str, RequestStream | _FailedRoute] = {}
         self._parked: dict[str, tuple] = {}  # engine thread only: "add"s waiting for an old request of their id to end
         self._listeners: list[OutputListener] = []
+        self._failure_listeners: list[Callable[[list[str]], None]] = []
         self._stats: EngineStats | None = None
         self._stop = False
         self._failed_steps = 0  # engine steps that raised in a row
@@ -248,6 +249,15 @@ class AsyncLLMEngine:
     def remove_output_listener(self, fn: OutputListener) -> None:
         if fn in self._listeners:
             self._listeners.remove(fn)
+
+    def add_failure_listener(self, fn: Callable[[list[str]], None]) -> None:
+        """Call ``fn(request_ids)`` on the engine thread for the requests a failed step ended (they get no finished
+        output; metrics forget them); exceptions are logged."""
+        self._failure_listeners.append(fn)
+
+    def remove_failure_listener(self, fn: Callable[[list[str]], None]) -> None:
+        if fn in self._failure_listeners:
+            self._failure_listeners.remove(fn)
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -426,6 +436,11 @@ class AsyncLLMEngine:
                          e.request_ids, exc_info=e.cause)
             if self._failed_steps >= MAX_FAILED_STEPS:
                 raise e
+        for fn in list(self._failure_listeners):
+            try:
+                fn(list(e.request_ids))
+            except Exception:  # noqa: BLE001 - a broken listener must not kill serving
+                logger.exception("failure listener failed")
         for request_id in e.request_ids:
             stream = self._routes.get(request_id)
             if stream is None:

@@ -101,15 +101,19 @@ def prompt_token_ids(tokenizer, vocab_size: int, max_model_len: int, prompt: str
 
 def _left_truncated(tokenizer, prompt: str | list[int], ids: list[int], keep: int) -> list[int]:
     """The prompt's last ``keep`` tokens, as vLLM truncates (on the left, in the tokenizer): token ids as they are,
-    a text keeps the special tokens its encoding added around it (a BOS) and the text's last tokens fill the rest."""
+    a text keeps the special tokens its encoding added around it (a BOS) and the text's last tokens fill the rest.
+    Raises ValueError for a ``keep`` below the number of those special tokens."""
     if len(ids) <= keep:
         return ids
     body = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else ids
     start = next((i for i in range(len(ids) - len(body) + 1) if ids[i:i + len(body)] == body), None)
-    if start is None or keep <= len(ids) - len(body):
+    if start is None:
         return ids[-keep:]
-    room = keep - (len(ids) - len(body))
-    return ids[:start] + body[-room:] + ids[start + len(body):]
+    specials = len(ids) - len(body)
+    if keep < specials:
+        raise ValueError(f"truncate_prompt_tokens: {keep} is fewer than the {specials} special tokens the prompt's "
+                         "encoding adds")
+    return ids[:start] + body[len(body) - (keep - specials):] + ids[start + len(body):]
 
 
 class LLMEngine:

@@ -94,44 +94,54 @@ class EngineMetrics:
                              buckets=REQUEST_BUCKETS, **kw).labels(model_name)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.",
                                     buckets=REQUEST_BUCKETS, **kw).labels(model_name)
-        self._progress: dict[str, tuple[int, float]] = {}  # request_id -> (tokens so far, time of last token)
+        #: (request_id, completion index) -> (tokens so far, time of its last token, finished)
+        self._progress: dict[tuple[str, int], tuple[int, float, bool]] = {}
         self._lock = threading.Lock()
 
     def observe(self, outputs: list[RequestOutput]) -> None:
-        """Record one engine step's outputs, per completion (vLLM V1 runs each of n as a request of its own): TTFT
-        at its first token (also of one aborted later, as vLLM V1), an ITL sample each time it advanced, the other
-        latencies and ``request_success`` when the request finished."""
+        """Record one engine step's outputs, per completion (vLLM V1 runs each of n as a request of its own): TTFT at
+        its first token (also of one aborted later, as vLLM V1), an ITL sample each time it advanced, e2e latency,
+        queue time and ``request_success`` when it finishes (queue time is the request's first scheduling: the
+        completions of one request are admitted together); an aborted completion (finish reason "abort", or none
+        when its request ends) counts in ``request_success`` only."""
         now = time.monotonic()
         with self._lock:
             for out in outputs:
                 t = (out.metrics.last_token_time if out.metrics else None) or now
                 for c in out.outputs:
-                    key, n = (out.request_id, c.index), len(c.token_ids)
-                    prev_n, prev_t = self._progress.get(key, (0, 0.0))
-                    if n > prev_n:
-                        if prev_n > 0:
-                            self.itl.observe(max(0.0, t - prev_t))
-                        elif out.metrics is not None:
-                            first = out.metrics.first_token_time or t
-                            self.ttft.observe(max(0.0, first - out.metrics.arrival_time))
-                        self._progress[key] = (n, t)
+                    self._observe_completion(out, c, t)
                 if out.finished:
                     for c in out.outputs:
-                        self._progress.pop((out.request_id, c.index), None)
-                    self._observe_finished(out, now)
+                        if not self._progress.pop((out.request_id, c.index), (0, 0.0, False))[2]:
+                            self.request_success.labels(self.model_name, "abort").inc()
+                    if not out.outputs:
+                        self.request_success.labels(self.model_name, "abort").inc()
 
-    def _observe_finished(self, out: RequestOutput, now: float) -> None:
-        """Per completion: ``request_success`` by its finish reason ("abort" where it has none); queue time and
-        e2e latency unless aborted (they would skew the histograms)."""
+    def _observe_completion(self, out: RequestOutput, c, t: float) -> None:
+        key, n = (out.request_id, c.index), len(c.token_ids)
+        prev_n, prev_t, done = self._progress.get(key, (0, 0.0, False))
         m = out.metrics
-        for c in out.outputs or [None]:
-            reason = (c.finish_reason if c is not None else None) or "abort"
-            self.request_success.labels(self.model_name, reason).inc()
-            if m is None or reason == "abort":
-                continue
-            if m.first_scheduled_time is not None:
-                self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-            self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+        if n > prev_n:
+            if prev_n > 0:
+                self.itl.observe(max(0.0, t - prev_t))
+            elif m is not None:
+                self.ttft.observe(max(0.0, t - m.arrival_time))
+            prev_n, prev_t = n, t
+        if c.finish_reason and not done:
+            done = True
+            self.request_success.labels(self.model_name, c.finish_reason).inc()
+            if m is not None and c.finish_reason != "abort":  # an abort's latencies would skew the histograms
+                self.e2e.observe(max(0.0, t - m.arrival_time))
+                if m.first_scheduled_time is not None:
+                    self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        self._progress[key] = (prev_n, prev_t, done)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop what is kept of requests that ended without a finished output (a failed step)."""
+        gone = set(request_ids)
+        with self._lock:
+            for key in [k for k in self._progress if k[0] in gone]:
+                del self._progress[key]
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

@@ -119,7 +119,7 @@ def _allow_only(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if not rows:
         return logits
     keep = torch.stack([_allowed_mask(seqs[i], logits) for i in rows])
-    return _map_rows(logits, rows, lambda part: part.masked_fill(~keep, float("-inf")))
+    return _map_rows(logits, rows, lambda part: part.masked_fill_(~keep, float("-inf")))
 
 
 def _allowed_mask(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
@@ -127,7 +127,8 @@ def _allowed_mask(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
     mask = seq.allowed_mask
     if mask is None or mask.device != logits.device or mask.shape[0] != logits.shape[-1]:
         mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        mask[to_device(seq.params.allowed_token_ids, torch.int64, logits.device)] = True
+        # index_fill_ takes True as a kernel argument: an index assignment would copy it over with a sync
+        mask.index_fill_(0, to_device(seq.params.allowed_token_ids, torch.int64, logits.device), True)
         seq.allowed_mask = mask
     return mask
 

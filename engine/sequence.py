@@ -69,7 +69,9 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
     matcher: Any = None  # structured outputs: the grammar matcher of this choice (engine/structured_output.py)
-    allowed_mask: Any = None  # params.allowed_token_ids as a bool [V] row on the logits' device (the sampler's)
+    #: params.allowed_token_ids as a bool [V] row on the logits' device (the sampler's; not in repr: printing a
+    #: CUDA tensor waits for the device)
+    allowed_mask: Any = field(default=None, repr=False)
     num_prompt_logprobs: int = 1
     num_prompt_logprobs_read: int = 1
     _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False)

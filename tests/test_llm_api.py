@@ -35,6 +35,10 @@ def test_chat_renders_the_template_then_generates(llm):
     one = llm.chat(talk, GREEDY)
     assert [o.outputs[0].token_ids for o in one] == [want.outputs[0].token_ids]
     assert one[0].prompt_token_ids == want.prompt_token_ids
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    lines = [{"role": "user", "content": "What is the capital\nof France?"}]
+    assert llm.chat(parts, GREEDY)[0].prompt_token_ids == llm.chat(lines, GREEDY)[0].prompt_token_ids
     two = llm.chat([talk, [{"role": "user", "content": "Name a colour."}]], GREEDY)
     assert len(two) == 2 and two[0].outputs[0].token_ids == want.outputs[0].token_ids
     goes_on = [*talk, {"role": "assistant", "content": "The capital"}]
@@ -71,3 +75,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_and_a_texts_bos():
         ids("abcdefghij", -1, 8)
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens: 20 is over max_model_len \(16\)"):
         ids("abcdef", 20)
+
+    class Wrapped(_BosTokenizer):  # a BOS and an EOS around the text
+        def encode(self, text, add_special_tokens=True):
+            return super().encode(text, add_special_tokens) + ([2] if add_special_tokens else [])
+
+    def wrapped(k):
+        return prompt_token_ids(Wrapped(), 100, 16, "abcdef", SamplingParams(max_tokens=2, truncate_prompt_tokens=k))
+
+    assert wrapped(4) == [1, 14, 15, 2] and wrapped(2) == [1, 2]  # the specials stay, the text fills the rest
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: 1 is fewer than the 2 special tokens"):
+        wrapped(1)

@@ -185,7 +185,10 @@ async def _text(eng, prompt, request_id, params):
 
 
 def test_async_engine_fails_the_step_requests_and_serves_the_rest():
+    """... and tells its failure listeners (the server's metrics forget those requests)."""
     eng = _serve(FlakyEngine({2}, max_model_len=128, max_num_seqs=4, step_delay=0.01))
+    told: list[list[str]] = []
+    eng.add_failure_listener(told.append)
     params = SamplingParams(temperature=0, max_tokens=8)
 
     async def main():
@@ -194,7 +197,7 @@ def test_async_engine_fails_the_step_requests_and_serves_the_rest():
 
     try:
         victim, ok = asyncio.run(asyncio.wait_for(main(), 20))
-        assert isinstance(victim, StepFailed) and victim.request_ids == ["victim"]
+        assert isinstance(victim, StepFailed) and victim.request_ids == ["victim"] and told == [["victim"]]
         assert ok == fake_completion(2, params)
         assert eng.is_ready and not eng.is_dead
         assert asyncio.run(asyncio.wait_for(_text(eng, "cccc", "later", params), 20)) == fake_completion(4, params)

@@ -542,6 +542,7 @@ def test_allowed_token_ids_truncate_prompt_tokens_and_the_fields_not_followed(li
     cut = post(client, "/v1/completions", {**words, "truncate_prompt_tokens": 3})
     assert full["usage"]["prompt_tokens"] > 3 and cut["usage"]["prompt_tokens"] == 3
     for extra, param in (({"max_tokens": None, "min_tokens": 10**6}, "min_tokens"), ({"best_of": 3}, "best_of"),
+                         ({"best_of": 2, "n": 2}, "best_of"), ({"best_of": 1, "n": 2}, "best_of"),
                          ({"use_beam_search": True}, "use_beam_search"), ({"bad_words": ["Paris"]}, "bad_words"),
                          ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
                          ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):

@@ -151,10 +151,12 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         async_engine.add_output_listener(metrics.observe)
+        async_engine.add_failure_listener(metrics.forget)
         try:
             yield
         finally:
             async_engine.remove_output_listener(metrics.observe)
+            async_engine.remove_failure_listener(metrics.forget)
 
     app = FastAPI(title="edge-appliance", lifespan=lifespan)
     app.state.ctx = ServingContext(async_engine, name, metrics, api_key, tool_call_parser, reasoning_parser)

@@ -139,9 +139,10 @@ class SamplingRequest(RequestModel):
     @field_validator("best_of", "use_beam_search", "bad_words")
     @classmethod
     def _not_followed(cls, value: Any, info: ValidationInfo) -> Any:
-        """best_of above 1 (vLLM V1 refuses it too), beam search, bad words: 400s naming them."""
+        """best_of but None or 1 with n = 1 (vLLM V1 refuses best_of above 1, and any best_of below n), beam
+        search, bad words: 400s naming them."""
         name = info.field_name
-        if name == "best_of" and value is not None and value > 1:
+        if name == "best_of" and value is not None and not value == info.data.get("n", 1) == 1:
             raise ValueError(f"best_of is not supported (got {value}; use n for several completions)")
         if name == "use_beam_search" and value:
             raise ValueError("beam search is not supported: sample with n, temperature and seed instead")

@@ -1,0 +1,46 @@
+"""engine.metrics per completion of n, on hand-made outputs: each completion's TTFT, ITL, e2e and finish reason at
+its own step (vLLM V1's child requests), aborts in request_success only, and requests a failed step ended
+forgotten."""
+from __future__ import annotations
+
+from engine.metrics import EngineMetrics
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+def output(t: float, tokens: list[int], reasons: list[str | None], request_id: str = "r") -> RequestOutput:
+    """Request ``request_id`` (arrived at 0, first scheduled at 0.5) after a step at time ``t``: completion i has
+    ``tokens[i]`` tokens and finish reason ``reasons[i]``."""
+    outs = [CompletionOutput(i, "", [0] * n, reason) for i, (n, reason) in enumerate(zip(tokens, reasons))]
+    return RequestOutput(request_id, None, [1], outs, all(reasons), RequestMetrics(0.0, 0.5, 1.0, t))
+
+
+def samples(metrics: EngineMetrics, name: str) -> dict[str, float]:
+    return {s.name.removeprefix(name): s.value for m in metrics.registry.collect() if m.name == name
+            for s in m.samples if s.name.endswith(("_count", "_sum", "_total"))}
+
+
+def test_each_completion_is_timed_at_its_own_steps():
+    metrics = EngineMetrics("m", lambda: None)
+    metrics.observe([output(1.0, [1, 0], [None, None])])  # completion 1's prefill spilled into the next step
+    metrics.observe([output(2.0, [2, 1], [None, None])])
+    metrics.observe([output(3.0, [3, 2], ["stop", None])])
+    metrics.observe([output(5.0, [3, 3], ["stop", "length"])])
+    assert samples(metrics, "vllm:time_to_first_token_seconds") == {"_count": 2.0, "_sum": 1.0 + 2.0}
+    assert samples(metrics, "vllm:inter_token_latency_seconds") == {"_count": 4.0, "_sum": 1 + 1 + 1 + 2.0}
+    assert samples(metrics, "vllm:e2e_request_latency_seconds") == {"_count": 2.0, "_sum": 3.0 + 5.0}
+    assert samples(metrics, "vllm:request_queue_time_seconds") == {"_count": 2.0, "_sum": 0.5 + 0.5}
+    success = {s.labels["finished_reason"]: s.value for m in metrics.registry.collect()
+               if m.name == "vllm:request_success" for s in m.samples if s.name.endswith("_total")}
+    assert success == {"stop": 1.0, "length": 1.0, "abort": 0.0}
+    assert metrics._progress == {}
+
+
+def test_an_abort_counts_in_request_success_only_and_a_failed_request_is_forgotten():
+    metrics = EngineMetrics("m", lambda: None)
+    metrics.observe([output(1.0, [1, 1], [None, None])])
+    metrics.observe([output(2.0, [2, 1], ["abort", "abort"])])
+    assert samples(metrics, "vllm:e2e_request_latency_seconds")["_count"] == 0.0
+    assert samples(metrics, "vllm:time_to_first_token_seconds")["_count"] == 2.0  # as vLLM V1: at the token
+    metrics.observe([output(1.0, [1], [None], "failing"), output(1.0, [1], [None], "other")])
+    metrics.forget(["failing"])
+    assert set(metrics._progress) == {("other", 0)}
