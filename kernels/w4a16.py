@@ -352,11 +352,11 @@ def _tc_pair(qs, zz, zero, scale, ss, MODE: tl.constexpr, IS_BF16: tl.constexpr,
     (:func:`_codes_minus_zeros`). MODE 2: c - z alone (the scale is applied after the dot). fp16 x, MODES 1 and 3:
     c - z times the fp16 scale in packed fp16 ``ss`` (``mul.rn.f16x2``, any GPU): the exact product of a 4-bit
     integer and an 11-bit significand rounded once, MODE 0's bits (``run_plan`` takes these modes for fp16 x only
-    with fp16 scales, as AWQ and GPTQ files have). bf16 x: MODE 1: each half widened to fp32 (a shift, a mask), multiplied by the
-    fp32 scale and the pair rounded once (``cvt.rn.bf16x2``): the same bits as MODE 0. MODE 3: c - z times the
-    scale in packed bf16 ``ss`` (a second rounding for fp16 scales); before sm_90 (HOPPER false), which has no
-    packed bf16 ``mul``, as t * s + (-0) in one ``fma.rn.bf16x2`` (adding -0 changes no product, a +0 one
-    included): the same bits."""
+    with fp16 scales, as AWQ and GPTQ files have). bf16 x: MODE 1: each half widened to fp32 (a shift, a mask),
+    multiplied by the fp32 scale and the pair rounded once (``cvt.rn.bf16x2``): the same bits as MODE 0. MODE 3:
+    c - z times the scale in packed bf16 ``ss`` (a second rounding for fp16 scales); before sm_90 (HOPPER false),
+    which has no packed bf16 ``mul``, as t * s + (-0) in one ``fma.rn.bf16x2`` (adding -0 changes no product, a
+    +0 one included): the same bits."""
     if MODE == 0:
         lo = (((qs & 15) - zero).to(tl.float32) * scale).to(dtype)
         hi = ((((qs >> 16) & 15) - zero).to(tl.float32) * scale).to(dtype)
