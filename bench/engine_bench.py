@@ -235,7 +235,8 @@ def decode_rows(ctx: dict, make_row) -> list:
         tok_s["nopdl"] = _bs1_tok_s_under(model_dir, without_pdl())
         tok_s["late"] = _bs1_tok_s_under(model_dir, without_early_trigger())
     tok_s["cuda_core"] = _bs1_tok_s_under(model_dir, cuda_core_gemv())
-    auto = _decode_dtype(tok_s, model_dir)
+    auto = auto_dtype(model_dir)  # float16 or bfloat16: the other one's tok/s for the dtype row
+    tok_s["other"] = _bs1_tok_s_under(model_dir, contextlib.nullcontext(), OTHER_16_BIT[auto])
     llm = _decode_engine(model_dir, batch=8)
     tok_s["batch8"] = _batch_decode_tok_s(llm, 8, 32, 256)
     bytes8 = _bytes_per_step(llm, batch=8)
@@ -269,10 +270,9 @@ def decode_rows(ctx: dict, make_row) -> list:
     rows.append(make_row("7B AWQ decode bs1, tensor-core GEMV vs CUDA-core", "same, graphs on", 1e6 / tok_s[False],
                          "M=1 q/k/v, gate/up, down on the CUDA-core GEMV", 1e6 / tok_s["cuda_core"], 1.0,
                          f"{tok_s['cuda_core']:.0f} tok/s with the CUDA-core GEMV"))
-    if "other" in tok_s:
-        rows.append(make_row(f"7B AWQ decode bs1, {auto} (auto) vs {OTHER_16_BIT[auto]}", "same, graphs on",
-                             1e6 / tok_s[False], f"the same engine in {OTHER_16_BIT[auto]}", 1e6 / tok_s["other"], None,
-                             f"{tok_s['other']:.0f} tok/s in {OTHER_16_BIT[auto]}"))
+    rows.append(make_row(f"7B AWQ decode bs1, {auto} (auto) vs {OTHER_16_BIT[auto]}", "same, graphs on",
+                         1e6 / tok_s[False], f"the same engine in {OTHER_16_BIT[auto]}", 1e6 / tok_s["other"], None,
+                         f"{tok_s['other']:.0f} tok/s in {OTHER_16_BIT[auto]}"))
     step8 = 8e6 / tok_s["batch8"]  # µs per step of 8 sequences
     rows.append(make_row("7B AWQ decode, 8 sequences, CUDA graphs, vs bandwidth bound", "same, ctx ~160 each",
                          step8, "bytes/step ÷ copy BW", bytes8 / ctx["copy_bw"] * 1e6, None,
@@ -287,14 +287,6 @@ OTHER_16_BIT = {"float16": "bfloat16", "bfloat16": "float16"}
 def auto_dtype(model_dir: str) -> str:
     """The dtype "auto" computes the checkpoint in ``model_dir`` in on CUDA (the float16 an AWQ config.json names)."""
     return compute_dtype("auto", "cuda", checkpoint_dtype(json.loads((Path(model_dir) / "config.json").read_text())))
-
-
-def _decode_dtype(tok_s: dict, model_dir: str) -> str:
-    """:func:`auto_dtype`; with it, ``tok_s["other"]``: batch-1 tok/s in the other 16-bit dtype."""
-    auto = auto_dtype(model_dir)
-    if auto in OTHER_16_BIT:
-        tok_s["other"] = _bs1_tok_s_under(model_dir, contextlib.nullcontext(), OTHER_16_BIT[auto])
-    return auto
 
 
 @contextlib.contextmanager

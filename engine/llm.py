@@ -7,6 +7,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.server.protocol import ChatMessage
 
 Prompt = str | list[int] | dict
 
@@ -75,7 +76,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer, prompts = self.engine.tokenizer, []
         for conversation in conversations:
-            conversation = [_joined_text(m) for m in conversation]
+            # list content as the server reads it (ChatMessage.text: text parts one per line, as vLLM)
+            conversation = [{**m, "content": ChatMessage(**m).text()} if isinstance(m.get("content"), list) else m
+                            for m in conversation]
             try:
                 text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                                      add_generation_prompt=add_generation_prompt,
@@ -85,17 +88,6 @@ class LLM:
                 raise ValueError(f"messages: the chat template rejected them: {e}") from e
             prompts.append(tokenizer.encode(text, add_special_tokens=False))  # the template wrote them
         return self.generate(prompts, sampling_params, use_tqdm)
-
-
-def _joined_text(message: dict) -> dict:
-    """A message whose content is a list of ``{"type": "text"}`` parts with them joined one per line, as vLLM's
-    ``LLM.chat`` and the server do; ValueError for another kind of part."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    if any(part.get("type") != "text" for part in content):
-        raise ValueError("messages.content: only text parts are supported")
-    return {**message, "content": "\n".join(str(part.get("text", "")) for part in content)}
 
 
 def _prompt_of(prompt: Prompt) -> str | list[int]:

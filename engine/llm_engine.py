@@ -138,7 +138,7 @@ class LLMEngine:
         #: token ids a request may name: the tokenizer's, and no more than the model's logits have rows for
         self.vocab_size = min(len(self.tokenizer), model_cfg.get("vocab_size") or len(self.tokenizer))
         budget = config.token_budget(self.max_model_len)  # raises before the model loads
-        self.runner = ModelRunner(config, self.max_model_len)
+        self.runner = ModelRunner(config, self.max_model_len, model_cfg)
         if self.runner.num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"max_model_len: the KV cache holds {self.runner.num_blocks * config.block_size} tokens, fewer than "

@@ -13,9 +13,7 @@ penalties count that token.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -75,10 +73,10 @@ def int8_views(blocks: torch.Tensor, block_size: int, heads: int, head_dim: int)
             blocks[:, codes:].view(torch.float32).view(num_blocks, heads, block_size))
 
 
-def resolve_dtype(name: str, device: torch.device, model_dir: str) -> torch.dtype:
-    """The torch dtype of ``config.compute_dtype`` for the checkpoint in ``model_dir``: "auto" = float32 on CPU
-    (exact reference path); on CUDA the dtype its config.json names if float16 or bfloat16, else bfloat16."""
-    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+def resolve_dtype(name: str, device: torch.device, model_config: dict) -> torch.dtype:
+    """The torch dtype of ``config.compute_dtype`` for the checkpoint whose config.json is ``model_config``:
+    "auto" = float32 on CPU (exact reference path); on CUDA the dtype it names if float16 or bfloat16, else
+    bfloat16."""
     return getattr(torch, compute_dtype(name, device.type, checkpoint_dtype(model_config)))
 
 
@@ -115,10 +113,11 @@ class ModelRunner:
     (``swap_space`` GiB) on the CPU, pinned when the cache is on CUDA.
     """
 
-    def __init__(self, config: EngineConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, max_model_len: int, model_config: dict):
+        """``model_config``: the checkpoint's config.json, as the engine read it."""
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         #: free GPU memory before the weights load (the CUDA context made first): the KV budget's starting point

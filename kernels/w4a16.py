@@ -432,14 +432,13 @@ def _gemm_tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, str
         grp = k0 // GROUP
         scale = tl.load(s_ptr + grp * N + n, mask=nmask, other=0.0).to(tl.float32)
         zero = (tl.load(z_ptr + grp * (N // 8) + n // 8, mask=nmask, other=0) >> ((n % 8) * 4)) & 15
-        if IS_BF16:  # (magic + z) in both 16-bit halves; the scale in x's 16-bit dtype in both halves (bf16 for
-            zz = ((zero + 0x4300) * 0x10001)[:, None]  # fp32 x, whose mode 0 does not read it)
-            sb = scale.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        elif dtype == tl.float16:
-            zz = ((zero + 0x6400) * 0x10001)[:, None]
-            sb = scale.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        if IS_BF16:  # (magic + z) in both 16-bit halves
+            zz = ((zero + 0x4300) * 0x10001)[:, None]
         else:
             zz = ((zero + 0x6400) * 0x10001)[:, None]
+        if dtype == tl.float16:  # the scale in x's 16-bit dtype in both halves (bf16 for fp32 x: mode 0 skips it)
+            sb = scale.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        else:
             sb = scale.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         ss = (sb | (sb << 16))[:, None]
         zc, sc = zero[:, None], scale[:, None]

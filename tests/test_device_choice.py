@@ -1,8 +1,6 @@
 """engine.model_runner's device choice: "auto" takes an Ampere or newer GPU, else the CPU; a GPU older than the
 kernels' compute capability 8.0 named outright is refused with the fix (torch.cuda stood in for: no GPU here).
 And the compute dtype "auto" picks for a checkpoint on each device (vLLM's rule on CUDA)."""
-import json
-
 import pytest
 import torch
 
@@ -48,7 +46,7 @@ def test_fp8_kv_needs_ada(gpu):
     assert resolve_kv_dtype("fp8", torch.bfloat16, torch.device("cuda")) == torch.float8_e4m3fn
 
 
-def test_auto_dtype_follows_the_checkpoint_on_cuda_and_is_float32_on_cpu(tmp_path):
+def test_auto_dtype_follows_the_checkpoint_on_cuda_and_is_float32_on_cpu():
     # an AWQ checkpoint as gptqmodel writes it (transformers 5's "dtype"), an older one ("torch_dtype"), a bf16 one
     # inside a multimodal config's text_config, a float32 one and one naming nothing
     configs = [({"dtype": "float16"}, "float16"), ({"torch_dtype": "bfloat16"}, "bfloat16"),
@@ -61,7 +59,6 @@ def test_auto_dtype_follows_the_checkpoint_on_cuda_and_is_float32_on_cpu(tmp_pat
         assert compute_dtype("bfloat16", "cuda", named) == "bfloat16"  # a setting is itself
         assert compute_dtype("float16", "cpu", named) == "float16"
     assert checkpoint_dtype({"torch_dtype": "int8"}) is None and checkpoint_dtype({"dtype": "float32"}) == "float32"
-    tmp_path.joinpath("config.json").write_text(json.dumps({"dtype": "float16"}))
-    assert resolve_dtype("auto", torch.device("cuda"), str(tmp_path)) == torch.float16
-    assert resolve_dtype("auto", torch.device("cpu"), str(tmp_path)) == torch.float32
-    assert resolve_dtype("bfloat16", torch.device("cuda"), str(tmp_path)) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), {"dtype": "float16"}) == torch.float16
+    assert resolve_dtype("auto", torch.device("cpu"), {"dtype": "float16"}) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cuda"), {"dtype": "float16"}) == torch.bfloat16

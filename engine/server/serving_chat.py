@@ -197,9 +197,10 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
     tokens_sent = [0] * req.n  # per choice: the tokens whose logprobs went out (a held-back delta sends none)
     for index in range(req.n):  # the role on its own: a client sees it whatever the engine's outputs coalesce to
         yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-    if req.echoed():  # vLLM: the echoed text next, before any token
+    echoed = req.echoed()
+    if echoed:  # vLLM: the echoed text next, before any token
         for index in range(req.n):
-            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=req.echoed()))])
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=echoed))])
     async for i, out in merge(streams):
         final = out
         for d in tracker.update(i, out):
