@@ -7,7 +7,6 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.server.protocol import ChatMessage
 
 Prompt = str | list[int] | dict
 
@@ -75,8 +74,11 @@ class LLM:
             raise ValueError("continue_final_message: cannot set both it and add_generation_prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer, prompts = self.engine.tokenizer, []
+        # list content as the server reads it (ChatMessage.text: text parts one per line, as vLLM); imported here
+        # so that the offline API needs the server's pydantic models only when a chat is asked for
+        from engine.server.protocol import ChatMessage
+
         for conversation in conversations:
-            # list content as the server reads it (ChatMessage.text: text parts one per line, as vLLM)
             conversation = [{**m, "content": ChatMessage(**m).text()} if isinstance(m.get("content"), list) else m
                             for m in conversation]
             try:

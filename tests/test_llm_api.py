@@ -86,3 +86,23 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_and_a_texts_bos():
     assert wrapped(4) == [1, 14, 15, 2] and wrapped(2) == [1, 2]  # the specials stay, the text fills the rest
     with pytest.raises(ValueError, match="truncate_prompt_tokens: 1 is fewer than the 2 special tokens"):
         wrapped(1)
+
+
+def test_offline_api_imports_without_the_server_stack():
+    """``engine.LLM`` (and the GPU bench that builds on it) must import where pydantic / FastAPI are absent: the
+    GPU machine has neither, and an offline script should not need the server's models."""
+    import subprocess
+    import sys
+
+    blocker = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('pydantic', 'fastapi', 'starlette', 'uvicorn'):\n"
+               "            raise ImportError('blocked ' + name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "from engine import LLM, SamplingParams\n"
+               "import engine.llm, engine.llm_engine\n"
+               "print(sorted(m for m in sys.modules if m.startswith('engine.server')))\n")
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
