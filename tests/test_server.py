@@ -117,6 +117,36 @@ def test_stream_include_usage_adds_one_final_usage_chunk(server):
     assert {json.loads(e)["object"] for e in plain[:-1]} == {"text_completion"}
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server):
+    """vLLM's ``stream_options.continuous_usage_stats``: with ``include_usage`` every chunk carries its prompt's
+    tokens and its own choice's tokens so far (the role chunk 0); alone it changes nothing."""
+    url, _, _ = server
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True, "stream_options": options}
+    chunks = [json.loads(e) for e in sse_events(url, "/v1/chat/completions", body)[:-1]]
+    assert chunks[0]["usage"] == {"prompt_tokens": CHAT_PROMPT_LEN, "completion_tokens": 0,
+                                  "total_tokens": CHAT_PROMPT_LEN}
+    counts = [c["usage"]["completion_tokens"] for c in chunks[1:-1]]
+    assert counts == sorted(counts) and counts[-1] == 5  # outputs may coalesce into fewer chunks
+    assert all(c["usage"]["prompt_tokens"] == CHAT_PROMPT_LEN for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+    body = {"model": MODEL, "prompt": ["ab", "abcd"], "n": 2, "max_tokens": 3, "stream": True,
+            "stream_options": options}
+    chunks = [json.loads(e) for e in sse_events(url, "/v1/completions", body)[:-1]]
+    last = {}  # choice index -> its last chunk's usage
+    for c in chunks[:-1]:
+        index = c["choices"][0]["index"]
+        assert c["usage"]["prompt_tokens"] == (2 if index < 2 else 4)
+        assert c["usage"]["completion_tokens"] >= last.get(index, {"completion_tokens": 0})["completion_tokens"]
+        last[index] = c["usage"]
+    assert {i: u["completion_tokens"] for i, u in last.items()} == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18}
+
+    alone = {**body, "stream_options": {"continuous_usage_stats": True}}
+    assert all("usage" not in json.loads(e) for e in sse_events(url, "/v1/completions", alone)[:-1])
+
+
 def test_n_and_batched_prompts_get_their_own_indices(server):
     url, _, _ = server
     r = sdk(url).completions.create(model=MODEL, prompt=["ab", "abcd"], n=2, max_tokens=6)

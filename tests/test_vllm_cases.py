@@ -541,6 +541,12 @@ def test_allowed_token_ids_truncate_prompt_tokens_and_the_fields_not_followed(li
     full = post(client, "/v1/completions", words)
     cut = post(client, "/v1/completions", {**words, "truncate_prompt_tokens": 3})
     assert full["usage"]["prompt_tokens"] > 3 and cut["usage"]["prompt_tokens"] == 3
+    chat = {"model": model, "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 2,
+            "truncate_prompt_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = stream(client, "/v1/chat/completions", chat)  # the role chunk, sent before any token, counts 4 too
+    assert [c["usage"]["prompt_tokens"] for c in chunks] == [4] * len(chunks)
+    assert chunks[0]["usage"]["completion_tokens"] == 0 and chunks[-1]["usage"]["completion_tokens"] == 2
     for extra, param in (({"max_tokens": None, "min_tokens": 10**6}, "min_tokens"), ({"best_of": 3}, "best_of"),
                          ({"best_of": 2, "n": 2}, "best_of"), ({"best_of": 1, "n": 2}, "best_of"),
                          ({"use_beam_search": True}, "use_beam_search"), ({"bad_words": ["Paris"]}, "bad_words"),

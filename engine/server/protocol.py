@@ -94,6 +94,8 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    #: vLLM's: with ``include_usage``, every chunk carries the usage so far (its choice's tokens) instead of null
+    continuous_usage_stats: bool = False
 
 
 class UsageInfo(BaseModel):
@@ -234,6 +236,11 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: only together with ``include_usage`` (alone it changes nothing)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
                         defaults: dict[str, Any] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:

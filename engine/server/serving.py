@@ -227,6 +227,12 @@ class DeltaTracker:
         return news
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """A chunk's usage with ``continuous_usage_stats`` (vLLM): its prompt's tokens and its choice's tokens so far."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
 def usage(finals: list[RequestOutput | None]) -> UsageInfo:
     """Token counts: the prompts once each, plus every choice's generated tokens."""
     prompt = sum(len(o.prompt_token_ids) for o in finals if o is not None)

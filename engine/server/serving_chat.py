@@ -17,7 +17,7 @@ from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, C
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                     TokenizeRequest, UsageInfo, random_id)
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response, merge,
-                                   sse_response, submit, usage)
+                                   running_usage, sse_response, submit, usage)
 from engine.server import reasoning, tool_parsers
 from engine.server.tools import AUTO_REFUSED, is_auto, new_call, tool_calls
 
@@ -101,7 +101,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     streams = await submit(ctx, [prompt], params, request_id, "messages")
     if req.stream:
-        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, parser, open_))
+        keep = params.truncate_prompt_tokens  # the engine keeps the last k of these ids (-1: max_model_len)
+        kept = len(prompt) if keep is None else min(len(prompt), llm.max_model_len if keep == -1 else keep)
+        return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, kept, parser, open_))
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
@@ -181,14 +183,18 @@ def _logprobs(tokenizer: Any, req: ChatCompletionRequest, choice: CompletionOutp
 
 
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionRequest, streams: list[RequestStream],
-                  request_id: str, parser: str | None = None, open_: bool | None = None) -> AsyncIterator[str]:
+                  request_id: str, prompt_tokens: int, parser: str | None = None,
+                  open_: bool | None = None) -> AsyncIterator[str]:
     """``chat.completion.chunk`` JSON texts: per choice first a delta with only the role (content ""), as vLLM sends
     before any token, then text or tool-call deltas (:func:`_delta`), the last one with its ``finish_reason``
     ("tool_calls" where "auto" or "required" made calls); with ``include_usage`` every chunk has ``usage: null``
-    and one final chunk has ``choices: []`` and the usage."""
+    (with ``continuous_usage_stats`` the ``prompt_tokens`` and its choice's tokens so far, as vLLM) and one final
+    chunk has ``choices: []`` and the usage."""
     created, tracker, final = int(time.time()), DeltaTracker(req.n), None
 
-    def chunk(choices: list[ChatStreamChoice], counts: UsageInfo | None = None) -> str:
+    def chunk(choices: list[ChatStreamChoice], counts: UsageInfo | None = None, generated: int = 0) -> str:
+        if counts is None and req.continuous_usage:
+            counts = running_usage(prompt_tokens, generated)
         body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=counts)
         return body.model_dump_json(exclude=None if req.include_usage else {"usage"})
 
@@ -213,6 +219,7 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: ChatCompletionReques
             reason = "tool_calls" if d.finish_reason and called else d.finish_reason
             yield chunk([ChatStreamChoice(index=d.index, delta=delta, finish_reason=reason,
                                           stop_reason=d.choice.stop_reason if d.finish_reason else None,
-                                          logprobs=_logprobs(tokenizer, req, d.choice, start))])
+                                          logprobs=_logprobs(tokenizer, req, d.choice, start))],
+                        generated=len(d.choice.token_ids))
     if req.include_usage:
         yield chunk([], usage([final]))

@@ -14,7 +14,7 @@ from engine.server.errors import APIError
 from engine.server.logprobs import completion_logprobs, response_prompt_logprobs
 from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, random_id
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response, merge,
-                                   sse_response, submit, usage)
+                                   running_usage, sse_response, submit, usage)
 
 
 def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -103,11 +103,15 @@ def _logprobs(tokenizer: Any, req: CompletionRequest, choice: CompletionOutput, 
 async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, streams: list[RequestStream],
                   request_id: str, created: int, echo: list[str], echo_only: bool) -> AsyncIterator[str]:
     """``text_completion`` chunk JSON texts, one choice each: text deltas (the first prefixed by the echoed prompt, and
-    its logprobs by the prompt's), the last one with its ``finish_reason``; usage as in chat."""
+    its logprobs by the prompt's), the last one with its ``finish_reason``; usage as in chat (with
+    ``continuous_usage_stats`` a chunk's is its prompt's tokens and its choice's so far)."""
     tracker = DeltaTracker(req.n)
     finals: list[Any] = [None] * len(streams)
 
-    def chunk(choices: list[CompletionChoice], counts: UsageInfo | None = None) -> str:
+    def chunk(choices: list[CompletionChoice], counts: UsageInfo | None = None, prompt_tokens: int = 0,
+              generated: int = 0) -> str:
+        if counts is None and req.continuous_usage:
+            counts = running_usage(prompt_tokens, generated)
         body = CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=counts)
         return body.model_dump_json(exclude=None if req.include_usage else {"usage"})
 
@@ -124,6 +128,7 @@ async def _chunks(ctx: ServingContext, tokenizer: Any, req: CompletionRequest, s
             if text or d.finish_reason or (logprobs and logprobs["tokens"]):
                 yield chunk([CompletionChoice(index=d.index, text=text, finish_reason=d.finish_reason,
                                               stop_reason=d.choice.stop_reason if d.finish_reason else None,
-                                              logprobs=logprobs)])
+                                              logprobs=logprobs)],
+                            prompt_tokens=len(out.prompt_token_ids), generated=len(d.choice.token_ids))
     if req.include_usage:
         yield chunk([], usage(finals))
