@@ -205,6 +205,10 @@ def serve(
     reasoning_parser: Optional[str] = typer.Option(
         None, "--reasoning-parser", help="chat answers' <think> blocks as their reasoning: deepseek_r1, qwen3, "
                                          "none, or auto (when the model's chat template writes <think>; the default)"),
+    allowed_origins: Optional[str] = typer.Option(
+        None, "--allowed-origins", help="web pages that may call the API from a browser: origins, comma-separated "
+                                        "or a JSON list, * a wildcard ('*' any page, '' none; default: pages "
+                                        "served from this machine)"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
     from appliance.environment import check_kernels_package
@@ -217,7 +221,7 @@ def serve(
                  "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
                  "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
                  "swap_space": swap_space, "max_waiting": max_waiting, "tool_call_parser": tool_call_parser,
-                 "reasoning_parser": reasoning_parser}
+                 "reasoning_parser": reasoning_parser, "allowed_origins": allowed_origins}
     for key, value in overrides.items():
         if value is not None:
             setattr(conf, key, value)
@@ -232,6 +236,12 @@ def serve(
         if getattr(conf, key) not in settings:
             raise ApplianceError(f"{key}: must be {', '.join(settings)}; got {getattr(conf, key)!r}",
                                  f"fix it in the config file, APPLIANCE_{key.upper()} or --{key.replace('_', '-')}")
+    from engine.server.cors import origin_regex
+    try:
+        origin_regex(conf.allowed_origins)
+    except ValueError as exc:
+        raise ApplianceError(str(exc), "fix it in the config file, APPLIANCE_ALLOWED_ORIGINS or --allowed-origins, "
+                                       "e.g. http://localhost:3000,http://127.0.0.1:*") from None
     # CUDA numbers GPUs fastest first, NVML (`appliance detect`, the tuner's plan) in PCI bus order: serve in the
     # order the plan was made in (read when CUDA starts, so before the engine touches it; the env file may override)
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -240,7 +250,8 @@ def serve(
     except ImportError as exc:
         raise ApplianceError(f"the server is not available ({exc})", "reinstall with `pip install -e .`") from None
     run_server(engine_config, host=conf.host, port=conf.port, api_key=conf.api_key, max_waiting=conf.max_waiting,
-               tool_call_parser=conf.tool_call_parser, reasoning_parser=conf.reasoning_parser)
+               tool_call_parser=conf.tool_call_parser, reasoning_parser=conf.reasoning_parser,
+               allowed_origins=conf.allowed_origins)
 
 
 # -------------------------------------------------------------------------------------------------- lifecycle

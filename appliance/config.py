@@ -29,6 +29,7 @@ import tomli_w
 
 from appliance.errors import ApplianceError
 from engine.async_engine import DEFAULT_MAX_WAITING
+from engine.server.cors import LOCAL_ORIGINS
 
 SYSTEM_CONFIG = Path("/etc/appliance/config.toml")
 SYSTEM_DATA_DIR = Path("/var/lib/appliance")
@@ -67,6 +68,7 @@ class Config:
     tune_kernels: bool = True  # measure the W4A16 kernel plans on this GPU at the first start (engine/kernel_plans.py)
     tool_call_parser: str = "auto"  # tool_choice "auto": hermes, mistral, llama3_json, none, or auto (the template)
     reasoning_parser: str = "auto"  # <think> blocks as reasoning: deepseek_r1, qwen3, none, or auto (the template)
+    allowed_origins: str = LOCAL_ORIGINS  # web pages that may call the API from a browser (engine/server/cors.py)
     data_dir: str | None = None
 
     def engine_config(self):

@@ -272,6 +272,22 @@ def test_serve_passes_max_waiting_to_the_server(tmp_path, monkeypatch):
     one_line_error(runner.invoke(app, ["serve", model, "--max-waiting", "-1"]), "max_waiting: must be at least 0")
 
 
+def test_serve_passes_allowed_origins_to_the_server(tmp_path, monkeypatch):
+    from engine.server import api_server
+    from engine.server.cors import LOCAL_ORIGINS
+
+    started = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(kw["allowed_origins"]))
+    model = str(make_model(tmp_path / "m"))
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    assert runner.invoke(app, ["serve", model, "--allowed-origins", "*"]).exit_code == 0
+    monkeypatch.setenv("APPLIANCE_ALLOWED_ORIGINS", "")
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    assert started == [LOCAL_ORIGINS, "*", ""]
+    one_line_error(runner.invoke(app, ["serve", model, "--allowed-origins", "[1]"]),
+                   "allowed_origins: a JSON list must hold origins as strings")
+
+
 @pytest.mark.parametrize("root", [False, True])
 def test_background_install_removes_the_unit_of_an_earlier_install(monkeypatch, tmp_path, root):
     """`install --no-service` where an earlier install of the same kind (system-wide as root, else the user's) left

@@ -802,6 +802,60 @@ def test_api_key_guards_v1_only():
     engine.shutdown()
 
 
+def _preflight(url: str, origin: str) -> httpx.Response:
+    return httpx.options(f"{url}/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_cors_lets_pages_of_this_machine_in_and_the_api_key_lets_preflights_through():
+    """By default (as Ollama) a page served from this machine may call the API from a browser, another site's may
+    not; with an API key the preflight (which never carries it) still passes, and a 401 names the page's origin so
+    that its script can read the error."""
+    engine, srv = serve(api_key="sekrit")
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        for origin in ("http://localhost:3000", "http://127.0.0.1", "https://[::1]:8443"):
+            r = _preflight(url, origin)
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, origin
+            assert "POST" in r.headers["access-control-allow-methods"]
+            assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        for origin in ("https://evil.example", "http://localhost.evil.example", "http://localhost:3000.evil"):
+            r = _preflight(url, origin)
+            assert r.status_code == 400 and "access-control-allow-origin" not in r.headers, origin
+        page = {"Origin": "http://localhost:5173"}
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}, headers=page)
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:5173"
+        r = httpx.get(f"{url}/v1/models", headers={**page, "Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:5173"
+        r = httpx.get(f"{url}/v1/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("setting, allowed, refused", [
+    ("*", ["https://evil.example", "http://localhost:3000"], []),
+    ("", [], ["http://localhost:3000"]),
+    ('["chrome-extension://*", "https://ui.example.com"]', ["chrome-extension://abcdef", "https://ui.example.com"],
+     ["http://localhost:3000", "https://ui.example.com:444"]),
+    ("http://localhost:3000, https://ui.example.com:*", ["http://localhost:3000", "https://ui.example.com:8443"],
+     ["http://localhost:3001", "http://ui.example.com"]),
+])
+def test_allowed_origins_setting(setting, allowed, refused):
+    engine, srv = serve(allowed_origins=setting)
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        for origin in allowed:
+            r = _preflight(url, origin)
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, origin
+        for origin in refused:
+            r = httpx.get(f"{url}/v1/models", headers={"Origin": origin})
+            assert r.status_code == 200 and "access-control-allow-origin" not in r.headers, origin
+    engine.shutdown()
+    with pytest.raises(ValueError, match="allowed_origins: not a JSON list"):
+        build_app(engine, allowed_origins="[oops")
+
+
 def test_health_is_503_while_loading_then_200():
     gate = threading.Event()
     engine, srv = serve(gate=gate)

@@ -11,11 +11,13 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import DEFAULT_MAX_WAITING, AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
+from engine.server.cors import LOCAL_ORIGINS, origin_regex
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -118,7 +120,8 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse
 
 
 class ApiKeyMiddleware:
-    """401 for any ``/v1/*`` request without ``Authorization: Bearer <key>`` (checked before the body is read)."""
+    """401 for any ``/v1/*`` request without ``Authorization: Bearer <key>`` (checked before the body is read; a
+    browser's CORS preflight, which never carries the key, is answered before this by the CORS layer)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
@@ -136,11 +139,14 @@ class ApiKeyMiddleware:
 
 def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = None,
               api_key: str | None = None, tool_call_parser: str = "auto",
-              reasoning_parser: str = "auto") -> FastAPI:
+              reasoning_parser: str = "auto", allowed_origins: str = LOCAL_ORIGINS) -> FastAPI:
     """The OpenAI-compatible app over ``async_engine``; its lifespan starts the engine (idempotent) and feeds
     a fresh per-app metrics registry from the engine's outputs. ``tool_call_parser``: for tool_choice "auto"
     (``tool_parsers.SETTINGS``); ``reasoning_parser``: whether chat answers' ``<think>`` blocks become their
-    ``reasoning`` (``reasoning.SETTINGS``); ValueError for another setting."""
+    ``reasoning`` (``reasoning.SETTINGS``); ValueError for another setting. ``allowed_origins``: the web pages
+    that may call it from a browser (``engine.server.cors``; ValueError for a malformed list): the CORS layer
+    is outermost, so it answers preflights and labels every answer, a 401 included."""
+    cors = origin_regex(allowed_origins)
     name = served_model_name or async_engine.model_name
     config = async_engine.config
     cache_config = {} if config is None else {"gpu_memory_utilization": config.gpu_memory_utilization,
@@ -164,6 +170,8 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
     app.include_router(router)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if cors:  # added last: the outermost layer (vLLM's defaults but the origins: any method and header, no cookies)
+        app.add_middleware(CORSMiddleware, allow_origin_regex=cors, allow_methods=["*"], allow_headers=["*"])
     return app
 
 
@@ -189,12 +197,13 @@ class QuietPolls(logging.Filter):
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, log_level: str = "info",
                max_waiting: int = DEFAULT_MAX_WAITING, tool_call_parser: str = "auto",
-               reasoning_parser: str = "auto", engine_process: bool | None = None) -> None:
+               reasoning_parser: str = "auto", engine_process: bool | None = None,
+               allowed_origins: str = LOCAL_ORIGINS) -> None:
     """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM.
 
     ``max_waiting``: requests queued beyond ``max_num_seqs`` before new ones get 503 (``AsyncLLMEngine``).
     ``engine_process``: the engine in a process of its own (``AsyncLLMEngine.from_config``; None: on CUDA).
-    ``tool_call_parser``, ``reasoning_parser``: see :func:`build_app`.
+    ``tool_call_parser``, ``reasoning_parser``, ``allowed_origins``: see :func:`build_app`.
     The engine's own log lines (loading, ready, failed steps, CPU thread counts) go to stderr at ``log_level``
     unless the caller set up logging first.
     """
@@ -204,7 +213,8 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     logging.getLogger("uvicorn.access").addFilter(QuietPolls())  # uvicorn's logging set-up keeps filters
     try:
         uvicorn.run(build_app(engine, api_key=api_key, tool_call_parser=tool_call_parser,
-                              reasoning_parser=reasoning_parser), host=host, port=port,
+                              reasoning_parser=reasoning_parser, allowed_origins=allowed_origins),
+                    host=host, port=port,
                     log_level=log_level,
                     timeout_graceful_shutdown=5)
     finally:
