@@ -257,35 +257,26 @@ def test_serve_numbers_gpus_as_nvml_does(tmp_path, monkeypatch):
     assert order == ["PCI_BUS_ID", "FASTEST_FIRST"]
 
 
-def test_serve_passes_max_waiting_to_the_server(tmp_path, monkeypatch):
+@pytest.mark.parametrize("key, flag, given, env, fault, error", [
+    ("max_waiting", "7", 7, "9", "-1", "max_waiting: must be at least 0"),
+    ("allowed_origins", "*", "*", "", "[1]", "allowed_origins: a JSON list must hold origins as strings"),
+])
+def test_serve_passes_server_settings_to_the_server(tmp_path, monkeypatch, key, flag, given, env, fault, error):
+    """The default, then the flag, then ``APPLIANCE_<KEY>`` reach ``run_server``; a bad value is a one-line error."""
     from engine.async_engine import DEFAULT_MAX_WAITING
-    from engine.server import api_server
-
-    started = []
-    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(kw["max_waiting"]))
-    model = str(make_model(tmp_path / "m"))
-    assert runner.invoke(app, ["serve", model]).exit_code == 0
-    assert runner.invoke(app, ["serve", model, "--max-waiting", "7"]).exit_code == 0
-    monkeypatch.setenv("APPLIANCE_MAX_WAITING", "9")
-    assert runner.invoke(app, ["serve", model]).exit_code == 0
-    assert started == [DEFAULT_MAX_WAITING, 7, 9] and DEFAULT_MAX_WAITING == 512
-    one_line_error(runner.invoke(app, ["serve", model, "--max-waiting", "-1"]), "max_waiting: must be at least 0")
-
-
-def test_serve_passes_allowed_origins_to_the_server(tmp_path, monkeypatch):
     from engine.server import api_server
     from engine.server.cors import LOCAL_ORIGINS
 
     started = []
-    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(kw["allowed_origins"]))
-    model = str(make_model(tmp_path / "m"))
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(kw[key]))
+    model, option = str(make_model(tmp_path / "m")), "--" + key.replace("_", "-")
     assert runner.invoke(app, ["serve", model]).exit_code == 0
-    assert runner.invoke(app, ["serve", model, "--allowed-origins", "*"]).exit_code == 0
-    monkeypatch.setenv("APPLIANCE_ALLOWED_ORIGINS", "")
+    assert runner.invoke(app, ["serve", model, option, flag]).exit_code == 0
+    monkeypatch.setenv("APPLIANCE_" + key.upper(), env)
     assert runner.invoke(app, ["serve", model]).exit_code == 0
-    assert started == [LOCAL_ORIGINS, "*", ""]
-    one_line_error(runner.invoke(app, ["serve", model, "--allowed-origins", "[1]"]),
-                   "allowed_origins: a JSON list must hold origins as strings")
+    default = {"max_waiting": DEFAULT_MAX_WAITING, "allowed_origins": LOCAL_ORIGINS}[key]
+    assert started == [default, given, type(given)(env)] and DEFAULT_MAX_WAITING == 512
+    one_line_error(runner.invoke(app, ["serve", model, option, fault]), error)
 
 
 @pytest.mark.parametrize("root", [False, True])
