@@ -5,7 +5,7 @@ import itertools
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, with_logprob_objects
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -33,7 +33,9 @@ class LLM:
         A prompt is a string, a list of token ids, or vLLM's ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``;
         ``sampling_params`` is one for all prompts or one per prompt (None: the model's generation_config.json
         values, else SamplingParams()'s defaults, as in vLLM); ``use_tqdm``: a progress bar of finished prompts
-        (vLLM's argument; off by default here). Raises ContextLengthError / ValueError before anything runs.
+        (vLLM's argument; off by default here). Logprobs and prompt logprobs come as vLLM's
+        {token_id: ``Logprob(logprob, rank, decoded_token)``} (``engine.outputs.Logprob``), with each choice's
+        ``cumulative_logprob``. Raises ContextLengthError / ValueError before anything runs.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -60,7 +62,9 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [finished[i] for i in ids]
+        tokenizer = self.engine.tokenizer
+        return [with_logprob_objects(finished[i], p.logprobs or 0, p.prompt_logprobs or 0,
+                                     lambda t: tokenizer.decode([t])) for i, p in zip(ids, params)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,

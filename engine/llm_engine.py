@@ -326,7 +326,7 @@ class LLMEngine:
                 "stop_token_ids, or penalties/temperature that overflow)"), outputs=outputs, request_error=True)
         return outputs
 
-    def _process(self, batch, tokens: list[int], logprobs: list[dict[int, float] | None],
+    def _process(self, batch, tokens: list[int], logprobs: list[tuple[dict[int, float], int | None] | None],
                  outputs: list[RequestOutput]) -> list[str]:
         """One launched step's tokens, and their logprobs entries (None where not asked), into its sequences (see
         :meth:`_read_back`); returns the ids of the requests that could not sample (removed here)."""
@@ -354,7 +354,7 @@ class LLMEngine:
                 self._prompt_tokens_total += seq.num_prompt_tokens
             seq.token_ids.append(token)
             if entry is not None:
-                seq.logprobs.append(entry)
+                seq.add_logprobs(*entry)
             self._generation_tokens_total += 1
             req.metrics.first_token_time = req.metrics.first_token_time or now
             req.metrics.last_token_time = now
@@ -420,7 +420,8 @@ class LLMEngine:
             if not seq.is_finished and seq.params.stop:
                 text = text[:len(text) - detokenizer.held_back(text, seq.params.stop)]
             choices.append(CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
-                                            seq.stop_reason, seq.logprobs))
+                                            seq.stop_reason, seq.logprobs, seq.cumulative_logprob,
+                                            seq.logprob_ranks))
         # complete once emitted (``_process`` holds a request's outputs back until then; an abort's may not be)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, choices, req.finished, req.metrics,
                              prompt_logprobs=req.seqs[0].prompt_logprobs,

@@ -83,7 +83,7 @@ def resolve_dtype(name: str, device: torch.device, model_config: dict) -> torch.
 @dataclass
 class LaunchedStep:
     """A step queued on the device. :meth:`read` returns its sampled ids (one per sampling row, in batch order) and
-    each row's logprobs entry (None where not asked), waiting for the device-to-host copies. Nothing in a step
+    each row's logprobs entry (``StepLogprobs.entries``; None where not asked), waiting for the device-to-host copies. Nothing in a step
     needs the host before it is read, so the engine may schedule the next step first (async scheduling)."""
 
     host: torch.Tensor | list[int]
@@ -91,7 +91,7 @@ class LaunchedStep:
     logprobs: StepLogprobs | None = None
     prompt: list[PromptChunk] = field(default_factory=list)  # prompt logprobs, filled in by read()
 
-    def read(self) -> tuple[list[int], list[dict[int, float] | None]]:
+    def read(self) -> tuple[list[int], list[tuple[dict[int, float], int | None] | None]]:
         """Also writes the step's prompt logprobs into their sequences (``PromptChunk.fill``)."""
         if self.event is not None:
             self.event.synchronize()

@@ -1,7 +1,38 @@
-"""What the engine returns per request: vLLM's ``RequestOutput`` / ``CompletionOutput`` shapes."""
+"""What the engine returns per request: vLLM's ``RequestOutput`` / ``CompletionOutput`` shapes.
+
+The engine's outputs carry logprobs as plain ``{token_id: logprob}`` dicts with the ranks beside them (the server's
+form: cheap to build every step and to send between processes); the offline ``LLM`` hands them out as vLLM does,
+``{token_id: Logprob}`` (:func:`with_logprob_objects`).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
+
+class Logprob(float):
+    """vLLM's ``Logprob``: a token's log-probability ``logprob`` (natural log, of the raw model distribution), its
+    ``rank`` in that distribution (1 = the most likely; ties count ahead) and its text ``decoded_token``.
+
+    It is also the float ``logprob`` itself (a subclass of float), so code that sorts, adds or compares the
+    engine's ``{token_id: logprob}`` entries works on these too, and entries compare equal to the engine's."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
 
 
 @dataclass
@@ -11,7 +42,9 @@ class CompletionOutput:
     ``text`` and ``token_ids`` are cumulative (everything generated so far, stop string removed unless
     ``include_stop_str_in_output``); a streaming server sends the suffix it has not sent yet.
     ``finish_reason`` is None while running, else "stop" | "length" | "abort".
-    ``logprobs``: per generated token a dict {token_id: logprob} (natural log), or None when not asked.
+    ``logprobs``: per generated token a dict {sampled token: logprob, then the top k} (natural log; from the
+    offline ``LLM``, vLLM's {token_id: :class:`Logprob`}), or None when not asked; ``logprob_ranks``: the sampled
+    tokens' ranks (1 = the most likely) and ``cumulative_logprob`` the sum of their logprobs, None alike.
     """
 
     index: int
@@ -19,7 +52,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, float]] | list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    logprob_ranks: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -54,3 +89,37 @@ class RequestOutput:
     #: the same prompt tokens' ranks in their distributions (1 = the most likely; vLLM's ``Logprob.rank``), None
     #: for the first; None when not asked
     prompt_logprob_ranks: list[int | None] | None = None
+
+
+
+def top_k(entry: dict[int, float], token_id: int, k: int) -> list[tuple[int, float]]:
+    """The k most likely of ``entry`` (an engine dict: ``token_id``, then the device's top-k in its order), as the
+    device picked them: a ``token_id`` tied with the k-th goes after the others, since the device's top-k left it
+    out unless it is among them."""
+    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0] == token_id))[:k]
+
+
+def logprob_dict(entry: dict[int, float], token_id: int, rank: int | None, k: int,
+                 decode: Callable[[int], str] | None) -> dict[int, Logprob]:
+    """vLLM's {token_id: Logprob} of one position: ``token_id`` (the sampled or prompt token) first with its
+    ``rank``, then the k most likely with ranks 1 .. k (``token_id`` among them keeps its place first and takes
+    its top-k rank, as in vLLM's dict); ``decode``: a token id's text (None: no ``decoded_token``)."""
+    items = [(token_id, entry.get(token_id, float("-inf")), rank)]
+    items += [(t, lp, r) for r, (t, lp) in enumerate(top_k(entry, token_id, k), start=1)]
+    return {t: Logprob(lp, r, decode(t) if decode is not None else None) for t, lp, r in items}
+
+
+def with_logprob_objects(out: RequestOutput, logprobs: int, prompt_logprobs: int,
+                         decode: Callable[[int], str] | None) -> RequestOutput:
+    """``out`` with its logprobs as vLLM's offline ``LLM`` returns them, {token_id: :class:`Logprob`}, changed in
+    place (``logprobs`` / ``prompt_logprobs``: the request's k of each; ``decode``: see :func:`logprob_dict`)."""
+    for choice in out.outputs:
+        if choice.logprobs is not None:
+            ranks = choice.logprob_ranks or [None] * len(choice.logprobs)
+            choice.logprobs = [logprob_dict(e, t, r, logprobs, decode)
+                               for e, t, r in zip(choice.logprobs, choice.token_ids, ranks)]
+    if out.prompt_logprobs is not None:
+        ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
+        out.prompt_logprobs = [None if e is None else logprob_dict(e, t, r, prompt_logprobs, decode)
+                               for e, t, r in zip(out.prompt_logprobs, out.prompt_token_ids, ranks)]
+    return out

@@ -39,8 +39,9 @@ class PromptChunk:
         """Write the entries ({prompt token: its logprob, then the top k}) into ``seq.prompt_logprobs`` and the
         tokens' ranks into ``seq.prompt_logprob_ranks`` (read back first: the tensors are on the host)."""
         end = self.first + len(self.logprobs.rows)
-        self.seq.prompt_logprobs[self.first:end] = self.logprobs.entries(self.seq.token_ids[self.first:end])
-        self.seq.prompt_logprob_ranks[self.first:end] = self.logprobs.ranks.tolist()
+        entries = self.logprobs.entries(self.seq.token_ids[self.first:end])
+        self.seq.prompt_logprobs[self.first:end] = [entry for entry, _ in entries]
+        self.seq.prompt_logprob_ranks[self.first:end] = [rank for _, rank in entries]
         self.seq.num_prompt_logprobs_read += end - self.first
 
 

@@ -241,25 +241,29 @@ class StepLogprobs:
         return StepLogprobs(self.rows, self.k, host(self.chosen), host(self.top_values), host(self.top_ids),
                             None if self.ranks is None else host(self.ranks))
 
-    def entries(self, tokens: list[int]) -> list[dict[int, float] | None]:
-        """One entry per sampling row of the step (``tokens``: its sampled ids, read back): {sampled token: its
-        logprob, then the top ``k``}, or None for a row that did not ask or could not sample (``INVALID``)."""
-        out: list[dict[int, float] | None] = [None] * len(tokens)
+    def entries(self, tokens: list[int]) -> list[tuple[dict[int, float], int | None] | None]:
+        """One entry per sampling row of the step (``tokens``: its sampled ids, read back): ({sampled token: its
+        logprob, then the top ``k``}, the sampled token's rank or None when not computed), or None for a row that
+        did not ask or could not sample (``INVALID``)."""
+        out: list[tuple[dict[int, float], int | None] | None] = [None] * len(tokens)
         chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        ranks = self.ranks.tolist() if self.ranks is not None else [None] * len(self.rows)
         for row, (i, k) in enumerate(zip(self.rows, self.k)):
             if tokens[i] != INVALID:
-                out[i] = {tokens[i]: chosen[row], **dict(zip(ids[row][:k], values[row][:k]))}
+                out[i] = ({tokens[i]: chosen[row], **dict(zip(ids[row][:k], values[row][:k]))}, ranks[row])
         return out
 
 
 def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> StepLogprobs | None:
     """The logprobs of the rows of ``seqs`` that asked for them (``logits`` [S, V], ``tokens`` int64 [S] from
-    :func:`sample_tokens`), on the logits' device without a host sync; None when no row asked."""
+    :func:`sample_tokens`), with the sampled tokens' ranks (vLLM's ``Logprob.rank``), on the logits' device
+    without a host sync; None when no row asked."""
     rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
     if not rows:
         return None
     idx = to_device(rows, torch.int64, logits.device)
-    return logprobs_of(logits[idx], tokens[idx].clamp_min(0), rows, [seqs[i].params.logprobs or 0 for i in rows])
+    return logprobs_of(logits[idx], tokens[idx].clamp_min(0), rows, [seqs[i].params.logprobs or 0 for i in rows],
+                       ranks=True)
 
 
 #: rows of [rows, V] a rank count compares at a time (``logprobs_of``): 32 x 152k x 9 bytes = 44 MB of temporaries
@@ -290,7 +294,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
     tokens = tokens.tolist()
     for seq, entry in zip(seqs, logprobs.entries(tokens) if logprobs else []):
         if entry is not None:
-            seq.logprobs.append(entry)
+            seq.add_logprobs(*entry)
     return tokens
 
 

@@ -41,6 +41,10 @@ class Sequence:
     K/V of its ``num_computed_tokens`` tokens, one per block it held; otherwise it is empty.
     ``num_cached_tokens``: prefix-cache hit (tokens) of its first scheduling; -1 before it.
 
+    Logprobs (``params.logprobs``): ``logprobs`` holds one entry per generated token read back ({sampled token:
+    logprob, then the top k}), ``logprob_ranks`` the sampled token's rank alike (1 = the most likely) and
+    ``cumulative_logprob`` the sum of the sampled tokens' logprobs; all three None when not asked.
+
     Prompt logprobs (``params.prompt_logprobs``, computed for choice 0 only: the choices share the prompt):
     ``prompt_logprobs`` holds one entry per prompt token, None for the first (nothing predicts it) and until read
     back, and ``prompt_logprob_ranks`` each one's rank alike (1 = the most likely token); ``num_prompt_logprobs``
@@ -65,6 +69,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    logprob_ranks: list[int] | None = None
+    cumulative_logprob: float | None = None
     num_pending_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
@@ -79,10 +85,16 @@ class Sequence:
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
         if self.params.logprobs is not None:
-            self.logprobs = []
+            self.logprobs, self.logprob_ranks, self.cumulative_logprob = [], [], 0.0
         if self.params.prompt_logprobs is not None and self.index == 0:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
             self.prompt_logprob_ranks = [None] * self.num_prompt_tokens
+
+    def add_logprobs(self, entry: dict[int, float], rank: int | None) -> None:
+        """The logprobs entry of the token just appended: {it: its logprob, then the top k}, and its rank."""
+        self.logprobs.append(entry)
+        self.logprob_ranks.append(rank)
+        self.cumulative_logprob += next(iter(entry.values()))
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens

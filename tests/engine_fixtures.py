@@ -24,3 +24,11 @@ def prompts(tokenizer) -> list[str]:
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                            tokenize=False) for q in CHAT_QUESTIONS]
     return RAW_PROMPTS + chats
+
+
+def as_floats(entries: list | None) -> list | None:
+    """An offline ``LLM``'s logprobs entries ({token_id: Logprob}, None kept) as the engine's step outputs carry
+    them ({token_id: logprob})."""
+    if entries is None:
+        return None
+    return [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in entries]

@@ -32,14 +32,17 @@ def _out(rid, choices, finished=False, prompt_lp=None, ranks=None, cached=0):
 
 
 def test_deltas_rebuild_every_cumulative_output_without_changing_earlier_ones():
-    """Two choices; text that a stop string takes back ("ab." -> "a"); logprobs; prompt logprobs from the second
-    output on; a second request interleaved; finish."""
+    """Two choices; text that a stop string takes back ("ab." -> "a"); logprobs with their ranks and sum; prompt
+    logprobs from the second output on; a second request interleaved; finish."""
     steps = [
-        [_out("r", [CompletionOutput(0, "He", [7], logprobs=[{7: -0.5}]), CompletionOutput(1, "", [9])]),
+        [_out("r", [CompletionOutput(0, "He", [7], logprobs=[{7: -0.5}], cumulative_logprob=-0.5, logprob_ranks=[1]),
+                    CompletionOutput(1, "", [9])]),
          _out("s", [CompletionOutput(0, "x", [4])])],
-        [_out("r", [CompletionOutput(0, "Hello", [7, 8], logprobs=[{7: -0.5}, {8: -1.0}]),
+        [_out("r", [CompletionOutput(0, "Hello", [7, 8], logprobs=[{7: -0.5}, {8: -1.0}], cumulative_logprob=-1.5,
+                                     logprob_ranks=[1, 3]),
                     CompletionOutput(1, "ab.", [9, 10])], prompt_lp=[None, {2: -2.0}], ranks=[None, 1], cached=16)],
-        [_out("r", [CompletionOutput(0, "Hello!", [7, 8, 3], "stop", None, [{7: -0.5}, {8: -1.0}, {3: -0.1}]),
+        [_out("r", [CompletionOutput(0, "Hello!", [7, 8, 3], "stop", None, [{7: -0.5}, {8: -1.0}, {3: -0.1}], -1.6,
+                                     [1, 3, 2]),
                     CompletionOutput(1, "a", [9, 10, 11], "stop", ".")], True, [None, {2: -2.0}], [None, 1], 16),
          _out("s", [CompletionOutput(0, "xy", [4, 5], "length")], True)],
     ]

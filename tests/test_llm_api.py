@@ -88,6 +88,37 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_and_a_texts_bos():
         wrapped(1)
 
 
+
+def test_logprobs_are_vllm_logprob_objects_with_ranks_and_a_cumulative_sum(llm):
+    """As vLLM's offline API: per generated token {token_id: Logprob(logprob, rank, decoded_token)}, the sampled
+    token first with its rank in the whole distribution, then the top k ranked 1 .. k; ``cumulative_logprob`` the
+    sum of the sampled tokens' logprobs. The sampled tokens' ranks and logprobs equal those of the same tokens
+    scored as a prompt (``prompt_logprobs``, whose ranks tests/test_prompt_logprobs.py checks against a sort)."""
+    from engine.outputs import Logprob
+
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("The capital of France is", add_special_tokens=True)
+    params = SamplingParams(temperature=2.0, seed=5, max_tokens=12, ignore_eos=True, logprobs=2)
+    choice = llm.generate([prompt], params)[0].outputs[0]
+    scored = llm.generate([prompt + choice.token_ids], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    ranks = []
+    for j, (token, entry) in enumerate(zip(choice.token_ids, choice.logprobs)):
+        assert all(isinstance(v, Logprob) and v.decoded_token == tok.decode([t]) for t, v in entry.items())
+        first, *top = entry.items()
+        assert first[0] == token and len(entry) in (2, 3)
+        if len(entry) == 3:  # sampled outside the top 2
+            assert first[1].rank > 2 and [v.rank for _, v in top] == [1, 2]
+        assert sorted(v.rank for v in entry.values())[:len(entry) - 1] in ([1], [1, 2])
+        same = scored.prompt_logprobs[len(prompt) + j][token]
+        assert first[1].rank == same.rank and first[1].logprob == pytest.approx(same.logprob, abs=1e-4), j
+        ranks.append(first[1].rank)
+    assert max(ranks) > 2  # the temperature sampled some token outside the top 2 (seeded: always the same run)
+    assert choice.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(choice.token_ids,
+                                                                                       choice.logprobs)))
+    assert repr(choice.logprobs[0][choice.token_ids[0]]).startswith("Logprob(logprob=")
+    plain = llm.generate([prompt], GREEDY)[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+
 def test_offline_api_imports_without_the_server_stack():
     """``engine.LLM`` (and the GPU bench that builds on it) must import where pydantic / FastAPI are absent: the
     GPU machine has neither, and an offline script should not need the server's models."""

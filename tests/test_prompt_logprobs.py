@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.prompt_logprobs import rows_to_launch
+from engine_fixtures import as_floats
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -15,7 +16,8 @@ SCORE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logp
 
 
 def _close(got: list, want: list) -> bool:
-    """Entries equal in tokens and within 1e-5 in logprob (None where None)."""
+    """Entries ({token_id: Logprob}) equal in tokens and within 1e-5 in logprob (None where None)."""
+    got, want = as_floats(got), as_floats(want)
     return len(got) == len(want) and all(
         (a is None and b is None) or (a is not None and b is not None and a.keys() == b.keys()
                                       and a == pytest.approx(b, abs=1e-5)) for a, b in zip(got, want))
@@ -53,11 +55,14 @@ def test_prompt_logprobs_equal_the_logprobs_of_generating_those_tokens(llm, prom
     got = out.prompt_logprobs
     assert len(got) == len(ids) and got[0] is None
     for t in range(1, len(ids)):
-        assert ids[t] in got[t] and len(got[t]) in (3, 4), t  # the prompt token, and the top 3
-        assert list(got[t].values())[1:] == sorted(list(got[t].values())[1:], reverse=True)
+        assert next(iter(got[t])) == ids[t] and len(got[t]) in (3, 4), t  # the prompt token, and the top 3
+        values = [lp.logprob for lp in got[t].values()][1:]
+        assert values == sorted(values, reverse=True)
     for j, entry in enumerate(entries):  # the same positions, computed by decode steps then
-        assert got[len(prompt) + j].keys() == entry.keys()
-        assert got[len(prompt) + j] == pytest.approx(entry, abs=1e-4), j
+        scored = got[len(prompt) + j]
+        assert scored.keys() == entry.keys()
+        assert as_floats([scored])[0] == pytest.approx(as_floats([entry])[0], abs=1e-4), j
+        assert [lp.rank for lp in scored.values()] == [lp.rank for lp in entry.values()], j
     assert out.outputs[0].logprobs is None  # not asked for the generated token
 
 
@@ -88,8 +93,9 @@ def test_prompt_token_ranks_are_their_places_in_the_sorted_distribution(llm, pro
     assert any(r > 3 for r in ranks[1:]) and any(r == 1 for r in ranks[1:len(prompt)])
     for t in range(1, len(ids)):
         entry = out.prompt_logprobs[t]
-        top = sorted(entry, key=lambda tok: -entry[tok])[:3]
+        top = sorted(entry, key=lambda tok: -entry[tok].logprob)[:3]
         assert (ids[t] in top) == (ranks[t] <= 3) and (ranks[t] > 3 or top.index(ids[t]) == ranks[t] - 1), t
+        assert entry[ids[t]].rank == ranks[t]  # vLLM's Logprob.rank
 
 
 def test_ranks_over_several_row_slices_count_ties_ahead():

@@ -7,16 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.outputs import logprob_dict, top_k
+
 
 def _lp(value: float) -> float:
     return max(float(value), -9999.0)
-
-
-def _top(entry: dict[int, float], token_id: int, k: int) -> list[tuple[int, float]]:
-    """The k most likely of ``entry`` (an engine dict: ``token_id``, then the device's top-k in its order), as the
-    device picked them: a ``token_id`` tied with the k-th goes after the others, since the device's top-k left it
-    out unless it is among them."""
-    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0] == token_id))[:k]
 
 
 def _item(tokenizer: Any, token_id: int, logprob: float) -> dict:
@@ -29,7 +24,7 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
     content = []
     for tid, entry in zip(token_ids, entries):
         content.append({**_item(tokenizer, tid, entry.get(tid, float("-inf"))),
-                        "top_logprobs": [_item(tokenizer, t, lp) for t, lp in _top(entry, tid, k)]})
+                        "top_logprobs": [_item(tokenizer, t, lp) for t, lp in top_k(entry, tid, k)]})
     return {"content": content}
 
 
@@ -50,7 +45,7 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(_lp(entry.get(tid, float("-inf"))))
-        top = _top(entry, tid, k)
+        top = top_k(entry, tid, k)
         if tid not in (t for t, _ in top):
             top.append((tid, entry.get(tid, float("-inf"))))
         out["top_logprobs"].append({tokenizer.decode([t]): _lp(lp) for t, lp in top})
@@ -68,12 +63,9 @@ def prompt_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int
         if entry is None:
             out.append(None)
             continue
-        items = [(tid, entry.get(tid, float("-inf")), rank)]
-        items += [(t, lp, r) for r, (t, lp) in enumerate(_top(entry, tid, k), start=1)]
-        field: dict[int, dict] = {}
-        for t, lp, r in items:
-            field[t] = {"logprob": _lp(lp), "rank": r, "decoded_token": tokenizer.decode([t])}
-        out.append(field)
+        field = logprob_dict(entry, tid, rank, k, lambda t: tokenizer.decode([t]))
+        out.append({t: {"logprob": _lp(v.logprob), "rank": v.rank, "decoded_token": v.decoded_token}
+                    for t, v in field.items()})
     return out
 
 
