@@ -1,7 +1,10 @@
 """The offline API: ``LLM(model=DIR).generate(prompts, SamplingParams(...))`` (design.md §2, vLLM's ``LLM``)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
+from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -11,23 +14,70 @@ from engine.sampling_params import SamplingParams
 Prompt = str | list[int] | dict
 
 
+#: vLLM's ``dtype`` spellings that name one of ``EngineConfig.dtype``'s settings
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 class LLM:
     """Load a model once and generate for batches of prompts.
 
     Keyword arguments are ``EngineConfig`` fields (gpu_memory_utilization, max_num_seqs, max_model_len,
-    kv_cache_dtype, enforce_eager, device, ...).
+    kv_cache_dtype, enforce_eager, device, dtype, seed, ...), and these of vLLM's ``LLM``, so that its scripts run:
+    ``dtype`` also as "half" / "float" or a ``torch.dtype``; ``trust_remote_code`` and ``disable_log_stats``
+    (no effect: the engine runs its own model code, and logs no periodic stats here); ``tensor_parallel_size``
+    1 (one GPU); ``tokenizer_mode`` "auto"; ``quantization`` None or the checkpoint's own method (read from its
+    config either way); ``max_logprobs`` (20, the most a request may ask for); ``generation_config`` "auto" (the
+    model's generation_config.json gives the sampling defaults) or "vllm" (SamplingParams' own).
+    Raises TypeError for another argument, ValueError for a value these cannot take.
     """
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, *, trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 disable_log_stats: bool = True, tokenizer_mode: str = "auto", quantization: str | None = None,
+                 max_logprobs: int = 20, generation_config: str = "auto", **kwargs):
+        del trust_remote_code, disable_log_stats  # no effect here (the class doc)
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size: this engine runs on one GPU, got {tensor_parallel_size}")
+        if tokenizer_mode != "auto":
+            raise ValueError(f"tokenizer_mode: only 'auto' (the model's fast tokenizer), got {tokenizer_mode!r}")
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config: 'auto' or 'vllm' (a folder is not read), got {generation_config!r}")
+        if not 0 <= max_logprobs <= 20:
+            raise ValueError(f"max_logprobs: must be in [0, 20] (SamplingParams' bound), got {max_logprobs}")
+        dtype = kwargs.get("dtype")
+        if dtype is not None and not isinstance(dtype, str):  # a torch.dtype: its name
+            kwargs["dtype"] = str(dtype).removeprefix("torch.")
+        elif dtype is not None:
+            kwargs["dtype"] = _DTYPE_ALIASES.get(dtype, dtype)
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"LLM: unexpected keyword argument(s) {', '.join(unknown)}; it takes EngineConfig's "
+                            "fields and some of vLLM's (see the class doc)")
+        if quantization is not None:
+            method = _quant_method(model)
+            if quantization.removesuffix("_marlin") != method:
+                raise ValueError(f"quantization: the checkpoint is {method or 'not quantized'}, not {quantization}")
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.max_logprobs = max_logprobs
+        self._defaults = self.engine.default_sampling if generation_config == "auto" else {}
         self._ids = itertools.count()
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for it)."""
+        return self.engine
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no SamplingParams (vLLM's): the model's generation_config.json
+        values (with ``generation_config="auto"``) over SamplingParams' defaults."""
+        return SamplingParams(**self._defaults)
+
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """One finished ``RequestOutput`` per prompt, in the order given.
 
         A prompt is a string, a list of token ids, or vLLM's ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``;
@@ -35,14 +85,24 @@ class LLM:
         values, else SamplingParams()'s defaults, as in vLLM); ``use_tqdm``: a progress bar of finished prompts
         (vLLM's argument; off by default here). Logprobs and prompt logprobs come as vLLM's
         {token_id: ``Logprob(logprob, rank, decoded_token)``} (``engine.outputs.Logprob``), with each choice's
-        ``cumulative_logprob``. Raises ContextLengthError / ValueError before anything runs.
+        ``cumulative_logprob``. vLLM's ``lora_request`` (None only: no adapters here) and ``priority`` (None or
+        all 0: this scheduler serves in arrival order) are accepted. Raises ContextLengthError / ValueError before
+        anything runs.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams(**self.engine.default_sampling)
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not served by this engine")
+        if priority is not None and any(priority):
+            raise ValueError("priority: this engine schedules in arrival order (priorities all 0 only)")
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        for p in params:
+            for name in ("logprobs", "prompt_logprobs"):
+                if (getattr(p, name) or 0) > self.max_logprobs:
+                    raise ValueError(f"{name}: {getattr(p, name)} is over max_logprobs ({self.max_logprobs})")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
@@ -69,11 +129,13 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None,
+             tools: list[dict] | None = None, lora_request: None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list of them,
-        each rendered by the tokenizer's chat template (ending with the assistant's header, or inside the last
-        message with ``continue_final_message``), then :meth:`generate`. Raises ValueError for both of those set,
-        or for messages the template refuses."""
+        each rendered by the tokenizer's chat template, or ``chat_template`` (a Jinja template) when given, with
+        ``tools`` (OpenAI's tool definitions) for the template to show the model (ending with the assistant's
+        header, or inside the last message with ``continue_final_message``), then :meth:`generate`. Raises
+        ValueError for both of those set, or for messages the template refuses."""
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message: cannot set both it and add_generation_prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -86,14 +148,22 @@ class LLM:
             conversation = [{**m, "content": ChatMessage(**m).text()} if isinstance(m.get("content"), list) else m
                             for m in conversation]
             try:
-                text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt,
+                text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                     tools=tools, add_generation_prompt=add_generation_prompt,
                                                      continue_final_message=continue_final_message,
                                                      **(chat_template_kwargs or {}))
             except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages it refuses
                 raise ValueError(f"messages: the chat template rejected them: {e}") from e
             prompts.append(tokenizer.encode(text, add_special_tokens=False))  # the template wrote them
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+
+def _quant_method(model: str) -> str | None:
+    """The ``quant_method`` of the folder's config.json (awq, gptq, compressed-tensors), None when it has none or
+    no config.json (the engine then says why it cannot load the folder)."""
+    path = Path(model).expanduser() / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return (config.get("quantization_config") or {}).get("quant_method")
 
 
 def _prompt_of(prompt: Prompt) -> str | list[int]:

@@ -393,17 +393,19 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
         """vLLM's stop rules, in its order, after ``token`` was appended to ``seq`` (counting the tokens read back,
-        not one pending behind it)."""
+        not one pending behind it): EOS and stop token ids from the ``min_tokens``-th output token on (the sampler
+        masks them before), stop strings only after it (vLLM V1's detokenizer), then the length."""
         p, state = seq.params, req.detok[seq.index]
         delta = detokenizer.step(self._decode, seq.token_ids, state, p.skip_special_tokens)
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
-        if num_output > p.min_tokens or (num_output == p.min_tokens and p.min_tokens):
+        if num_output >= p.min_tokens:
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 if delta and not p.include_stop_str_in_output:
                     state.text = state.text[:-len(delta)]
                 seq.stop_reason = None if token in self.eos_token_ids and not p.ignore_eos else token
                 return self.scheduler.finish(seq, "stop")
-            hit = detokenizer.find_stop(state.text, len(delta), p.stop) if delta and p.stop else None
+            hit = (detokenizer.find_stop(state.text, len(delta), p.stop)
+                   if delta and p.stop and num_output > p.min_tokens else None)
             if hit is not None:
                 start, stop = hit
                 state.text = state.text[:start + len(stop) if p.include_stop_str_in_output else start]
@@ -424,7 +426,7 @@ class LLMEngine:
                                             seq.logprob_ranks))
         # complete once emitted (``_process`` holds a request's outputs back until then; an abort's may not be)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, choices, req.finished, req.metrics,
-                             prompt_logprobs=req.seqs[0].prompt_logprobs,
+                             num_cached_tokens=max(req.seqs[0].num_cached_tokens, 0), prompt_logprobs=req.seqs[0].prompt_logprobs,
                              prompt_logprob_ranks=req.seqs[0].prompt_logprob_ranks)
 
     # ---- introspection -------------------------------------------------------------------------------------

@@ -56,8 +56,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprob_ranks: list[int] | None = None
 
-    @property
     def finished(self) -> bool:
+        """Whether this choice is done (a method, as vLLM's ``CompletionOutput.finished()``)."""
         return self.finish_reason is not None
 
 
@@ -82,6 +82,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    #: prompt tokens whose K/V the prefix cache held at the request's first scheduling (vLLM's)
     num_cached_tokens: int = 0
     #: with ``SamplingParams.prompt_logprobs``: per prompt token {token_id: logprob, then the top k} (natural log),
     #: None for the first (vLLM's shape); None when not asked

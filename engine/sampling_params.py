@@ -45,13 +45,20 @@ class StructuredOutputsParams:
 
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+
+
+def _is_int(value) -> bool:
+    """An integer proper: not a float with an integer value, not a bool (vLLM refuses both)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's completion(s).
 
-    Invariants checked by :meth:`validate` (raises ``ValueError`` naming the field): every float field finite
+    Invariants checked by :meth:`validate` (raises ``ValueError`` naming the field): the count, id and seed
+    fields integers (not floats or bools; token id lists too); ``seed`` -1 means none (vLLM); every float field finite
     (JSON bodies may carry ``Infinity`` / ``NaN``); ``n >= 1``; ``temperature >= 0`` (0 means greedy);
     ``0 < top_p <= 1``; ``top_k == -1 or top_k >= 0`` (0 and -1 both mean off); ``0 <= min_p <= 1``; penalties
     in vLLM's ranges; ``max_tokens >= 1`` or None (None = up to ``max_model_len``); ``0 <= min_tokens <=
@@ -88,6 +95,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: its last max_model_len (vLLM)
 
     def __post_init__(self) -> None:
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -103,6 +112,13 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError("<field>: <reason>")`` for the first out-of-range field."""
+        checks = [(name, _is_int(getattr(self, name)), "must be an integer") for name in _INTS
+                  if getattr(self, name) is not None]
+        checks += [(name, all(_is_int(t) for t in getattr(self, name) or ()), "must be a list of integer token ids")
+                   for name in ("stop_token_ids", "allowed_token_ids")]
+        for name, ok, why in checks:  # the ranges below compare these
+            if not ok:
+                raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
         checks = [(name, math.isfinite(getattr(self, name)), "must be a finite number") for name in _FLOATS]
         checks += [
             ("n", self.n >= 1, "must be at least 1"),

@@ -88,7 +88,6 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_and_a_texts_bos():
         wrapped(1)
 
 
-
 def test_logprobs_are_vllm_logprob_objects_with_ranks_and_a_cumulative_sum(llm):
     """As vLLM's offline API: per generated token {token_id: Logprob(logprob, rank, decoded_token)}, the sampled
     token first with its rank in the whole distribution, then the top k ranked 1 .. k; ``cumulative_logprob`` the
@@ -118,6 +117,51 @@ def test_logprobs_are_vllm_logprob_objects_with_ranks_and_a_cumulative_sum(llm):
     assert repr(choice.logprobs[0][choice.token_ids[0]]).startswith("Logprob(logprob=")
     plain = llm.generate([prompt], GREEDY)[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None
+
+
+def test_vllm_constructor_arguments():
+    """vLLM's common ``LLM`` arguments are taken (or refused with the reason), before the model loads where they
+    can be checked then; an unknown one is a TypeError naming ``LLM``."""
+    import torch
+
+    small = dict(device="cpu", max_model_len=128, max_num_seqs=2)
+    llm = LLM(demo_dir(), trust_remote_code=True, tensor_parallel_size=1, disable_log_stats=True,
+              tokenizer_mode="auto", max_logprobs=2, generation_config="vllm", dtype="float", **small)
+    assert llm.llm_engine is llm.engine and llm.engine.runner.dtype == torch.float32
+    assert llm.get_default_sampling_params() == SamplingParams()
+    assert LLM(demo_dir(), dtype=torch.float32, **small).engine.runner.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"logprobs: 3 is over max_logprobs \(2\)"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=1, logprobs=3))
+    for kw, message in [(dict(tensor_parallel_size=2), "tensor_parallel_size: this engine runs on one GPU"),
+                        (dict(quantization="awq"), "quantization: the checkpoint is not quantized, not awq"),
+                        (dict(tokenizer_mode="slow"), "tokenizer_mode: only 'auto'"),
+                        (dict(generation_config="/tmp"), "generation_config: 'auto' or 'vllm'")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(demo_dir(), **kw, **small)
+    with pytest.raises(TypeError, match="LLM: unexpected keyword argument.s. bogus"):
+        LLM(demo_dir(), bogus=1, **small)
+
+
+def test_vllm_call_arguments_and_outputs(llm):
+    """``generate``'s ``lora_request`` / ``priority`` (None, or all 0), a per-prompt list of the wrong length,
+    ``chat``'s own ``chat_template`` and ``tools``, ``CompletionOutput.finished()`` (a method, as vLLM's) and
+    ``num_cached_tokens`` (the prefix-cache hit)."""
+    out = llm.generate(["Hi"], GREEDY, lora_request=None, priority=[0])[0]
+    assert out.outputs[0].finished() and out.num_cached_tokens == 0
+    for kw, message in [(dict(lora_request=object()), "lora_request: LoRA adapters"),
+                        (dict(priority=[1]), "priority: this engine schedules in arrival order")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["Hi"], GREEDY, **kw)
+    with pytest.raises(ValueError, match="sampling_params: got 0 for 1 prompts"):
+        llm.generate(["Hi"], [])
+    tokenizer = llm.get_tokenizer()
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}{{ tools[0].function.name }}"
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    chat = llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template=template, tools=tools)[0]
+    assert chat.prompt_token_ids == tokenizer.encode("<<hi>>lookup", add_special_tokens=False)
+    long = "The quick brown fox jumps over the lazy dog. " * 6  # over two 16-token blocks
+    llm.generate([long], GREEDY)
+    assert llm.generate([long], GREEDY)[0].num_cached_tokens >= 32
 
 def test_offline_api_imports_without_the_server_stack():
     """``engine.LLM`` (and the GPU bench that builds on it) must import where pydantic / FastAPI are absent: the

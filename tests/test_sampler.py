@@ -282,3 +282,24 @@ def test_allowed_token_ids_mask_every_other_token_of_their_row_only():
 def test_logit_bias_needs_token_ids_and_finite_values(bias):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("n", 2.0, "n: must be an integer, got 2.0"),
+    ("logprobs", True, "logprobs: must be an integer, got True"),
+    ("prompt_logprobs", 1.0, "prompt_logprobs: must be an integer"),
+    ("top_k", 1.5, "top_k: must be an integer"),
+    ("max_tokens", 5.0, "max_tokens: must be an integer"),
+    ("seed", 3.0, "seed: must be an integer"),
+    ("stop_token_ids", [2, 1.5], r"stop_token_ids: must be a list of integer token ids, got \[2, 1.5\]"),
+    ("allowed_token_ids", [True], "allowed_token_ids: must be a list of integer token ids"),
+])
+def test_counts_ids_and_seeds_must_be_integers(field, value, message):
+    """As vLLM: a float or a bool where an integer belongs is refused (a float n crashed the engine's loop, a bool
+    logprobs its top-k, a float stop id never matched)."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_seed_minus_one_means_no_seed():
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2

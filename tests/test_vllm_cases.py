@@ -431,16 +431,17 @@ def test_case10_disconnect_aborts_within_one_step_and_frees_blocks(live, monkeyp
 
 # ---- min_tokens (vLLM: no stop check of any kind before min_tokens output tokens) --------------------------
 def test_min_tokens_defers_stop_strings_stop_token_ids_and_eos(live, prose):
-    """A stop string whose first match ends before ``min_tokens`` is passed over and the next match stops; a stop
-    token id is masked, so the first token becomes the runner-up; the EOS that ends a chat answer is masked."""
+    """A stop string whose first match ends with the ``min_tokens``-th token is passed over (vLLM V1 looks for stop
+    strings only after ``min_tokens`` tokens) and the next match stops; a stop token id is masked, so the first
+    token becomes the runner-up; the EOS that ends a chat answer is masked."""
     client, model, _, _, tok = live
     text, tokens, _, ends, top = prose
     stop = tokens[1]
     matches = [i for i in range(len(text)) if text.startswith(stop, i)]
     ended_by = [next(k for k, end in enumerate(ends, 1) if end >= i + len(stop)) for i in matches]
     assert len(matches) >= 2 and ended_by[0] < ended_by[-1]  # a match before min_tokens, another after
-    min_tokens = ended_by[0] + 1
-    later = next(i for i, k in zip(matches, ended_by) if k >= min_tokens)
+    min_tokens = ended_by[0]
+    later = next(i for i, k in zip(matches, ended_by) if k > min_tokens)
     for extra, (cut, used) in [({}, (matches[0], ended_by[0])),
                                ({"min_tokens": min_tokens}, (later, ended_by[matches.index(later)]))]:
         r = post(client, "/v1/completions", {"model": model, **PROSE_GREEDY, "stop": [stop], **extra})
