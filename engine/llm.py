@@ -86,8 +86,9 @@ class LLM:
         (vLLM's argument; off by default here). Logprobs and prompt logprobs come as vLLM's
         {token_id: ``Logprob(logprob, rank, decoded_token)``} (``engine.outputs.Logprob``), with each choice's
         ``cumulative_logprob``. vLLM's ``lora_request`` (None only: no adapters here) and ``priority`` (None or
-        all 0: this scheduler serves in arrival order) are accepted. Raises ContextLengthError / ValueError before
-        anything runs.
+        all 0: this scheduler serves in arrival order) are accepted. As vLLM's, a completion that would run past
+        ``max_model_len`` stops there (finish_reason "length"); only a prompt that leaves no room for a token is a
+        ContextLengthError. Raises that or ValueError before anything runs.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -106,7 +107,7 @@ class LLM:
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, _prompt_of(prompt), p)
+                self.engine.add_request(request_id, _prompt_of(prompt), p, capped=True)
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)

@@ -68,13 +68,15 @@ def _eos_token_ids(model_dir: str, tokenizer) -> set[int]:
 
 
 def prompt_token_ids(tokenizer, vocab_size: int, max_model_len: int, prompt: str | list[int],
-                     params: SamplingParams) -> list[int]:
+                     params: SamplingParams, capped: bool = False) -> list[int]:
     """A request's prompt as token ids, checked as ``LLMEngine.add_request`` checks it (also where the engine runs
     in a process of its own, ``engine/engine_process.py``): a string is encoded with the tokenizer's special
     tokens, ids are taken as they are; with ``truncate_prompt_tokens`` k only the last k are kept (-1: the last
     ``max_model_len``), as vLLM. Raises ContextLengthError when prompt + max_tokens exceed ``max_model_len``
     (tokens), ValueError for an empty prompt, a prompt, stop, logit-bias or allowed token id outside [0,
-    ``vocab_size``), or min_tokens over the tokens left in the context when max_tokens is None."""
+    ``vocab_size``), or min_tokens over the tokens left in the context when max_tokens is None. ``capped`` (vLLM's
+    offline ``LLM``): the generation stops at ``max_model_len`` instead ("length"), so only a prompt that leaves
+    no room for one token is refused, and min_tokens is not compared with the context."""
     ids = tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
     if params.truncate_prompt_tokens is not None:
         keep = max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
@@ -91,9 +93,9 @@ def prompt_token_ids(tokenizer, vocab_size: int, max_model_len: int, prompt: str
         if any(not 0 <= t < vocab_size for t in tokens):
             raise ValueError(f"{name}: token ids must be in [0, {vocab_size})")
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
-    if len(ids) + max(max_tokens, 1) > max_model_len:
+    if len(ids) + max(1 if capped else max_tokens, 1) > max_model_len:
         raise ContextLengthError(max_model_len, len(ids), max_tokens)
-    if params.min_tokens > max_tokens:  # max_tokens None: what the context leaves (vLLM's check after defaulting)
+    if params.min_tokens > max_tokens and not capped:  # max_tokens None: what the context leaves (vLLM's check after defaulting)
         raise ValueError(f"min_tokens: must not exceed max_tokens ({max_tokens}: what max_model_len={max_model_len} "
                          f"leaves after {len(ids)} prompt tokens), got {params.min_tokens}")
     return ids
@@ -171,12 +173,12 @@ class LLMEngine:
 
     # ---- requests in -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, grammar: Any = None) -> None:
+                    arrival_time: float | None = None, grammar: Any = None, capped: bool = False) -> None:
         """Validate, tokenize and queue a request. A string prompt is encoded with the tokenizer's special tokens
         (its BOS, for Llama-family tokenizers), as vLLM encodes ``LLM.generate`` and ``/v1/completions`` prompts;
         token ids are taken as they are (the chat endpoint renders its template to ids itself). ``grammar``: a
         structured request's grammar, compiled by the caller (``grammar_compiler().compile``; the async engine
-        compiles on a worker thread); None compiles it here.
+        compiles on a worker thread); None compiles it here. ``capped``: see :func:`prompt_token_ids`.
 
         Raises ContextLengthError when prompt + max_tokens exceed max_model_len, ValueError for an empty prompt,
         a duplicate id, what :func:`prompt_token_ids` refuses (a token id outside the vocabulary in the prompt,
@@ -186,7 +188,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
-        ids = prompt_token_ids(self.tokenizer, self.vocab_size, self.max_model_len, prompt, params)
+        ids = prompt_token_ids(self.tokenizer, self.vocab_size, self.max_model_len, prompt, params, capped)
         matchers = [self._matcher(params, grammar) for _ in range(params.n)]  # a schema it cannot follow raises
         seqs = [Sequence(request_id, i, list(ids), params,  # a seeded child i draws from seed + i (vLLM V1)
                          torch.Generator(self.runner.device).manual_seed(params.seed + i)

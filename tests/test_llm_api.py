@@ -163,6 +163,22 @@ def test_vllm_call_arguments_and_outputs(llm):
     llm.generate([long], GREEDY)
     assert llm.generate([long], GREEDY)[0].num_cached_tokens >= 32
 
+
+def test_offline_completions_stop_at_the_context_as_vllm(llm):
+    """vLLM's offline ``LLM``: prompt + max_tokens over max_model_len (256 here) generates up to the context and
+    finishes with "length"; only a prompt that fills it is refused. The engine's own ``add_request`` (the server's
+    path) still refuses the first, as design.md's 400."""
+    from engine.errors import ContextLengthError
+
+    near, full = [28] * 250, [28] * 256
+    out = llm.generate([near, [28] * 8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in out] == [(6, "length"), (16, "length")]
+    with pytest.raises(ContextLengthError, match="256 in the prompt"):
+        llm.generate([full], GREEDY)
+    with pytest.raises(ContextLengthError, match="250 in the prompt"):
+        llm.engine.add_request("x", near, SamplingParams(max_tokens=16))
+    assert not llm.engine.has_unfinished_requests()
+
 def test_offline_api_imports_without_the_server_stack():
     """``engine.LLM`` (and the GPU bench that builds on it) must import where pydantic / FastAPI are absent: the
     GPU machine has neither, and an offline script should not need the server's models."""
