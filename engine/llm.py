@@ -125,7 +125,8 @@ class LLM:
             bar.close()
         tokenizer = self.engine.tokenizer
         return [with_logprob_objects(finished[i], p.logprobs or 0, p.prompt_logprobs or 0,
-                                     lambda t: tokenizer.decode([t])) for i, p in zip(ids, params)]
+                                     (lambda t: tokenizer.decode([t])) if p.detokenize else None)
+                for i, p in zip(ids, params)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,

@@ -398,7 +398,7 @@ class LLMEngine:
         not one pending behind it): EOS and stop token ids from the ``min_tokens``-th output token on (the sampler
         masks them before), stop strings only after it (vLLM V1's detokenizer), then the length."""
         p, state = seq.params, req.detok[seq.index]
-        delta = detokenizer.step(self._decode, seq.token_ids, state, p.skip_special_tokens)
+        delta = detokenizer.step(self._decode, seq.token_ids, state, p.skip_special_tokens) if p.detokenize else ""
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
         if num_output >= p.min_tokens:
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:

@@ -4,6 +4,7 @@ Source: vLLM ``SamplingParams`` (vllm/sampling_params.py); OpenAI API reference 
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -89,6 +90,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k at its position (vLLM)
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, the text stays "" (vLLM); stop strings need the text
     logit_bias: dict[int, float] | None = None  # added to the token's logit before everything else (OpenAI)
     structured_outputs: StructuredOutputsParams | None = None  # a schema, JSON, regex, choice or grammar to follow
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled (vLLM): the others masked
@@ -104,6 +106,10 @@ class SamplingParams:
         self.validate()
         if self.logit_bias:
             self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -136,6 +142,7 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(self.stop), "must not contain an empty string"),
+            ("stop", self.detokenize or not self.stop, "needs detokenize=True (stop strings are found in the text)"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative token ids"),
             ("seed", self.seed is None or -2**63 <= self.seed < 2**63, "must be a signed 64-bit integer"),
             ("logit_bias", all(int(t) >= 0 and math.isfinite(b) for t, b in (self.logit_bias or {}).items()),

@@ -179,6 +179,21 @@ def test_offline_completions_stop_at_the_context_as_vllm(llm):
         llm.engine.add_request("x", near, SamplingParams(max_tokens=16))
     assert not llm.engine.has_unfinished_requests()
 
+
+def test_detokenize_false_gives_token_ids_only(llm):
+    """vLLM's ``detokenize=False``: the same tokens, no text, no decoded tokens in the logprobs; stop strings,
+    which are found in the text, are refused then. ``clone`` copies."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    want = llm.generate(["The capital of France is"], params)[0].outputs[0]
+    bare = params.clone()
+    bare.detokenize = False
+    got = llm.generate(["The capital of France is"], bare)[0].outputs[0]
+    assert got.token_ids == want.token_ids and want.text and got.text == ""
+    assert all(lp.decoded_token is None for e in got.logprobs for lp in e.values())
+    assert params.detokenize and bare.logprobs == 1
+    with pytest.raises(ValueError, match="stop: needs detokenize=True"):
+        SamplingParams(detokenize=False, stop=["."])
+
 def test_offline_api_imports_without_the_server_stack():
     """``engine.LLM`` (and the GPU bench that builds on it) must import where pydantic / FastAPI are absent: the
     GPU machine has neither, and an offline script should not need the server's models."""
