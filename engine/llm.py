@@ -172,6 +172,8 @@ def _prompt_of(prompt: Prompt) -> str | list[int]:
     """A prompt's text or token ids; a dict is vLLM's TextPrompt / TokensPrompt (ValueError for another)."""
     if not isinstance(prompt, dict):
         return prompt
+    if prompt.get("multi_modal_data"):
+        raise ValueError("prompt: multi_modal_data is not served (this engine runs text models)")
     if "prompt_token_ids" in prompt:
         return prompt["prompt_token_ids"]
     if "prompt" in prompt:

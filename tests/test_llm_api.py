@@ -25,6 +25,8 @@ def test_dict_prompts_and_use_tqdm_as_vllm(llm, capsys):
     assert "Processed prompts" in capsys.readouterr().err
     with pytest.raises(ValueError, match="prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'"):
         llm.generate([{"text": text}], GREEDY)
+    with pytest.raises(ValueError, match="prompt: multi_modal_data is not served"):  # not silently dropped
+        llm.generate([{"prompt": text, "multi_modal_data": {"image": object()}}], GREEDY)
 
 
 def test_chat_renders_the_template_then_generates(llm):
