@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 from pathlib import Path
@@ -124,9 +125,9 @@ class LLM:
         if bar is not None:
             bar.close()
         tokenizer = self.engine.tokenizer
+        decode = functools.lru_cache(maxsize=None)(lambda t: tokenizer.decode([t]))  # a token's text, once a call
         return [with_logprob_objects(finished[i], p.logprobs or 0, p.prompt_logprobs or 0,
-                                     (lambda t: tokenizer.decode([t])) if p.detokenize else None)
-                for i, p in zip(ids, params)]
+                                     decode if p.detokenize else None) for i, p in zip(ids, params)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,

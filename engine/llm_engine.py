@@ -77,6 +77,7 @@ def prompt_token_ids(tokenizer, vocab_size: int, max_model_len: int, prompt: str
     ``vocab_size``), or min_tokens over the tokens left in the context when max_tokens is None. ``capped`` (vLLM's
     offline ``LLM``): the generation stops at ``max_model_len`` instead ("length"), so only a prompt that leaves
     no room for one token is refused, and min_tokens is not compared with the context."""
+    params.validate()  # again: a field set after the constructor (detokenize=False beside stop strings, say)
     ids = tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
     if params.truncate_prompt_tokens is not None:
         keep = max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
@@ -93,9 +94,10 @@ def prompt_token_ids(tokenizer, vocab_size: int, max_model_len: int, prompt: str
         if any(not 0 <= t < vocab_size for t in tokens):
             raise ValueError(f"{name}: token ids must be in [0, {vocab_size})")
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
-    if len(ids) + max(1 if capped else max_tokens, 1) > max_model_len:
-        raise ContextLengthError(max_model_len, len(ids), max_tokens)
-    if params.min_tokens > max_tokens and not capped:  # max_tokens None: what the context leaves (vLLM's check after defaulting)
+    if len(ids) + max(1 if capped else max_tokens, 1) > max_model_len:  # capped: the prompt alone is too long
+        raise ContextLengthError(max_model_len, len(ids), 0 if capped else max_tokens)
+    # max_tokens None: what the context leaves (vLLM's check after defaulting)
+    if params.min_tokens > max_tokens and not capped:
         raise ValueError(f"min_tokens: must not exceed max_tokens ({max_tokens}: what max_model_len={max_model_len} "
                          f"leaves after {len(ids)} prompt tokens), got {params.min_tokens}")
     return ids
@@ -428,7 +430,8 @@ class LLMEngine:
                                             seq.logprob_ranks))
         # complete once emitted (``_process`` holds a request's outputs back until then; an abort's may not be)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, choices, req.finished, req.metrics,
-                             num_cached_tokens=max(req.seqs[0].num_cached_tokens, 0), prompt_logprobs=req.seqs[0].prompt_logprobs,
+                             num_cached_tokens=max(req.seqs[0].num_cached_tokens, 0),
+                             prompt_logprobs=req.seqs[0].prompt_logprobs,
                              prompt_logprob_ranks=req.seqs[0].prompt_logprob_ranks)
 
     # ---- introspection -------------------------------------------------------------------------------------

@@ -83,8 +83,9 @@ def resolve_dtype(name: str, device: torch.device, model_config: dict) -> torch.
 @dataclass
 class LaunchedStep:
     """A step queued on the device. :meth:`read` returns its sampled ids (one per sampling row, in batch order) and
-    each row's logprobs entry (``StepLogprobs.entries``; None where not asked), waiting for the device-to-host copies. Nothing in a step
-    needs the host before it is read, so the engine may schedule the next step first (async scheduling)."""
+    each row's logprobs entry (``StepLogprobs.entries``; None where not asked), waiting for the device-to-host
+    copies. Nothing in a step needs the host before it is read, so the engine may schedule the next step first
+    (async scheduling)."""
 
     host: torch.Tensor | list[int]
     event: torch.cuda.Event | None = None

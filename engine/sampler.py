@@ -280,7 +280,8 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: 
     top_values, top_ids = torch.topk(logp, max(k)) if max(k) else (logp[:, :0], logp[:, :0].long())
     rank = None
     if ranks:  # by slices of rows: the comparison's bool [rows, V] and the sum's int64 one stay small
-        rank = torch.cat([(lp >= c[:, None]).sum(-1) for lp, c in zip(logp.split(RANK_ROWS), chosen.split(RANK_ROWS))])
+        parts = [(lp >= c[:, None]).sum(-1) for lp, c in zip(logp.split(RANK_ROWS), chosen.split(RANK_ROWS))]
+        rank = parts[0] if len(parts) == 1 else torch.cat(parts)  # a decode step of <= 32 rows: no copy
     return StepLogprobs(rows, k, chosen, top_values, top_ids, rank)
 
 

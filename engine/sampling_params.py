@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
@@ -50,8 +51,13 @@ _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_l
 
 
 def _is_int(value) -> bool:
-    """An integer proper: not a float with an integer value, not a bool (vLLM refuses both)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer of any integer type (a numpy one too: ``operator.index``), not a float with an integer value
+    (which silently never matched as a stop id, and crashed the engine as ``n``) nor a bool."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
 
 
 @dataclass
@@ -59,7 +65,8 @@ class SamplingParams:
     """How to sample one request's completion(s).
 
     Invariants checked by :meth:`validate` (raises ``ValueError`` naming the field): the count, id and seed
-    fields integers (not floats or bools; token id lists too); ``seed`` -1 means none (vLLM); every float field finite
+    fields integers (not floats or bools; token id lists too; stored as ``int``); ``seed`` -1 means none and
+    ``logprobs`` / ``prompt_logprobs`` True means 1 (vLLM); every float field finite
     (JSON bodies may carry ``Infinity`` / ``NaN``); ``n >= 1``; ``temperature >= 0`` (0 means greedy);
     ``0 < top_p <= 1``; ``top_k == -1 or top_k >= 0`` (0 and -1 both mean off); ``0 <= min_p <= 1``; penalties
     in vLLM's ranges; ``max_tokens >= 1`` or None (None = up to ``max_model_len``); ``0 <= min_tokens <=
@@ -99,6 +106,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True asks for the token's own logprob (1)
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -125,6 +135,9 @@ class SamplingParams:
         for name, ok, why in checks:  # the ranges below compare these
             if not ok:
                 raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+        for name in _INTS:  # plain ints from here on (a numpy integer would reach torch and JSON)
+            if getattr(self, name) is not None:
+                setattr(self, name, operator.index(getattr(self, name)))
         checks = [(name, math.isfinite(getattr(self, name)), "must be a finite number") for name in _FLOATS]
         checks += [
             ("n", self.n >= 1, "must be at least 1"),

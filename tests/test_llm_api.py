@@ -121,16 +121,27 @@ def test_logprobs_are_vllm_logprob_objects_with_ranks_and_a_cumulative_sum(llm):
     assert plain.logprobs is None and plain.cumulative_logprob is None
 
 
-def test_vllm_constructor_arguments():
+def test_vllm_constructor_arguments(tmp_path):
     """vLLM's common ``LLM`` arguments are taken (or refused with the reason), before the model loads where they
-    can be checked then; an unknown one is a TypeError naming ``LLM``."""
+    can be checked then; an unknown one is a TypeError naming ``LLM``. ``generation_config``: on a copy of the demo
+    model whose generation_config.json sets a temperature, "auto" samples with it, "vllm" with SamplingParams'."""
+    import json
+    from pathlib import Path
+
     import torch
 
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in Path(demo_dir()).iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
     small = dict(device="cpu", max_model_len=128, max_num_seqs=2)
-    llm = LLM(demo_dir(), trust_remote_code=True, tensor_parallel_size=1, disable_log_stats=True,
+    llm = LLM(str(model), trust_remote_code=True, tensor_parallel_size=1, disable_log_stats=True,
               tokenizer_mode="auto", max_logprobs=2, generation_config="vllm", dtype="float", **small)
     assert llm.llm_engine is llm.engine and llm.engine.runner.dtype == torch.float32
     assert llm.get_default_sampling_params() == SamplingParams()
+    assert LLM(str(model), **small).get_default_sampling_params().temperature == 0.6
     assert LLM(demo_dir(), dtype=torch.float32, **small).engine.runner.dtype == torch.float32
     with pytest.raises(ValueError, match=r"logprobs: 3 is over max_logprobs \(2\)"):
         llm.generate(["Hi"], SamplingParams(max_tokens=1, logprobs=3))
@@ -175,7 +186,8 @@ def test_offline_completions_stop_at_the_context_as_vllm(llm):
     near, full = [28] * 250, [28] * 256
     out = llm.generate([near, [28] * 8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in out] == [(6, "length"), (16, "length")]
-    with pytest.raises(ContextLengthError, match="256 in the prompt"):
+    with pytest.raises(ContextLengthError, match=r"you requested 256 tokens in the prompt\. Please reduce the "
+                                                  r"length of the prompt\.$"):  # max_tokens would not help
         llm.generate([full], GREEDY)
     with pytest.raises(ContextLengthError, match="250 in the prompt"):
         llm.engine.add_request("x", near, SamplingParams(max_tokens=16))
@@ -195,6 +207,10 @@ def test_detokenize_false_gives_token_ids_only(llm):
     assert params.detokenize and bare.logprobs == 1
     with pytest.raises(ValueError, match="stop: needs detokenize=True"):
         SamplingParams(detokenize=False, stop=["."])
+    late = SamplingParams(max_tokens=4, stop=["."])
+    late.detokenize = False  # set after the constructor checked it: the engine checks again
+    with pytest.raises(ValueError, match="stop: needs detokenize=True"):
+        llm.generate(["The capital of France is"], late)
 
 def test_offline_api_imports_without_the_server_stack():
     """``engine.LLM`` (and the GPU bench that builds on it) must import where pydantic / FastAPI are absent: the

@@ -286,7 +286,7 @@ def test_logit_bias_needs_token_ids_and_finite_values(bias):
 
 @pytest.mark.parametrize("field, value, message", [
     ("n", 2.0, "n: must be an integer, got 2.0"),
-    ("logprobs", True, "logprobs: must be an integer, got True"),
+    ("n", True, "n: must be an integer, got True"),
     ("prompt_logprobs", 1.0, "prompt_logprobs: must be an integer"),
     ("top_k", 1.5, "top_k: must be an integer"),
     ("max_tokens", 5.0, "max_tokens: must be an integer"),
@@ -295,11 +295,17 @@ def test_logit_bias_needs_token_ids_and_finite_values(bias):
     ("allowed_token_ids", [True], "allowed_token_ids: must be a list of integer token ids"),
 ])
 def test_counts_ids_and_seeds_must_be_integers(field, value, message):
-    """As vLLM: a float or a bool where an integer belongs is refused (a float n crashed the engine's loop, a bool
-    logprobs its top-k, a float stop id never matched)."""
+    """A float or a bool where an integer belongs is refused (a float n crashed the engine's loop, a float stop id
+    never matched)."""
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
 
 
-def test_seed_minus_one_means_no_seed():
+def test_seed_minus_one_means_no_seed_logprobs_true_means_one_and_numpy_integers_are_ints():
+    """vLLM's readings (logprobs=True crashed a step's top-k); a numpy integer is stored as a plain int."""
+    import numpy as np
+
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=True).prompt_logprobs) == (1, 1)
+    params = SamplingParams(max_tokens=np.int64(5), n=np.int32(2))
+    assert (params.max_tokens, params.n) == (5, 2) and type(params.max_tokens) is int and type(params.n) is int

@@ -840,6 +840,8 @@ def test_cors_lets_pages_of_this_machine_in_and_the_api_key_lets_preflights_thro
      ["http://localhost:3000", "https://ui.example.com:444"]),
     ("http://localhost:3000, https://ui.example.com:*", ["http://localhost:3000", "https://ui.example.com:8443"],
      ["http://localhost:3001", "http://ui.example.com"]),
+    ("https://*.example.com", ["https://a.example.com", "https://a-b.c.example.com"],
+     ["https://evil.com#.example.com", "https://evil.com/.example.com", "https://a.example.com.evil"]),
 ])
 def test_allowed_origins_setting(setting, allowed, refused):
     engine, srv = serve(allowed_origins=setting)
@@ -854,6 +856,11 @@ def test_allowed_origins_setting(setting, allowed, refused):
     engine.shutdown()
     with pytest.raises(ValueError, match="allowed_origins: not a JSON list"):
         build_app(engine, allowed_origins="[oops")
+    import re
+
+    from engine.server.cors import origin_regex
+    pattern = origin_regex(setting)  # whole origins even for a plain re.match, not only Starlette's fullmatch
+    assert pattern is None or all(not re.match(pattern, o) for o in refused)
 
 
 def test_health_is_503_while_loading_then_200():

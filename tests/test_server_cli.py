@@ -43,3 +43,19 @@ def test_every_option_has_the_config_docstrings_help():
     parser.format_help()  # no stray % in the texts
     args = parse("--no-tune-kernels", "--kernel-plans-dir", "/tmp/p")
     assert args["tune_kernels"] is False and args["kernel_plans_dir"] == "/tmp/p"
+
+
+def test_main_passes_allowed_origins_and_refuses_a_bad_list(monkeypatch, capsys):
+    import pytest
+
+    from engine.server import __main__ as server_main
+    from engine.server.cors import LOCAL_ORIGINS
+
+    started = []
+    monkeypatch.setattr(server_main, "run_server", lambda config, **kw: started.append(kw["allowed_origins"]))
+    server_main.main(["--model", "/m"])
+    server_main.main(["--model", "/m", "--allowed-origins", "*"])
+    assert started == [LOCAL_ORIGINS, "*"]
+    with pytest.raises(SystemExit):
+        server_main.main(["--model", "/m", "--allowed-origins", "[oops"])
+    assert "allowed_origins: not a JSON list" in capsys.readouterr().err

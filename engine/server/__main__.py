@@ -14,6 +14,7 @@ from engine.async_engine import DEFAULT_MAX_WAITING
 from engine.config import EngineConfig, field_docs
 from engine.server import reasoning, tool_parsers
 from engine.server.api_server import run_server
+from engine.server.cors import LOCAL_ORIGINS, origin_regex
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -46,17 +47,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reasoning-parser", default="auto", choices=reasoning.SETTINGS,
                         help="chat answers' <think> blocks as their reasoning: deepseek_r1 or qwen3 (the same "
                              "split), none, or auto (when the model's chat template writes <think>)")
+    parser.add_argument("--allowed-origins", default=LOCAL_ORIGINS,
+                        help="web pages that may call the API from a browser: origins, comma-separated or a JSON "
+                             "list, * a wildcard ('*' any page, '' none; default: localhost pages)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, apart from the HTTP server's event loop "
                              "(default: on CUDA, not on the CPU)")
     _engine_options(parser)
     args = vars(parser.parse_args(argv))
-    host, port, api_key, log_level, max_waiting, parser_name, reasoning_name, own_process = (args.pop(k) for k in (
-        "host", "port", "api_key", "log_level", "max_waiting", "tool_call_parser", "reasoning_parser",
-        "engine_process"))
+    host, port, api_key, log_level, max_waiting, parser_name, reasoning_name, origins, own_process = (
+        args.pop(k) for k in ("host", "port", "api_key", "log_level", "max_waiting", "tool_call_parser",
+                              "reasoning_parser", "allowed_origins", "engine_process"))
+    try:
+        origin_regex(origins)
+    except ValueError as exc:
+        parser.error(str(exc))
     run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level,
                max_waiting=max_waiting, tool_call_parser=parser_name, reasoning_parser=reasoning_name,
-               engine_process=own_process)
+               engine_process=own_process, allowed_origins=origins)
 
 
 if __name__ == "__main__":
