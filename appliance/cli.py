@@ -209,6 +209,10 @@ def serve(
         None, "--allowed-origins", help="web pages that may call the API from a browser: origins, comma-separated "
                                         "or a JSON list, * a wildcard ('*' any page, '' none; default: pages "
                                         "served from this machine)"),
+    keep_alive_on_engine_death: Optional[bool] = typer.Option(
+        None, "--keep-alive-on-engine-death/--exit-on-engine-death",
+        help="an engine that dies while serving (a CUDA error, killed for memory): keep the server up answering "
+             "503, or exit with status 1 so that systemd restarts it (the default)"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
     from appliance.environment import check_kernels_package
@@ -221,7 +225,8 @@ def serve(
                  "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
                  "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
                  "swap_space": swap_space, "max_waiting": max_waiting, "tool_call_parser": tool_call_parser,
-                 "reasoning_parser": reasoning_parser, "allowed_origins": allowed_origins}
+                 "reasoning_parser": reasoning_parser, "allowed_origins": allowed_origins,
+                 "keep_alive_on_engine_death": keep_alive_on_engine_death}
     for key, value in overrides.items():
         if value is not None:
             setattr(conf, key, value)
@@ -251,7 +256,7 @@ def serve(
         raise ApplianceError(f"the server is not available ({exc})", "reinstall with `pip install -e .`") from None
     run_server(engine_config, host=conf.host, port=conf.port, api_key=conf.api_key, max_waiting=conf.max_waiting,
                tool_call_parser=conf.tool_call_parser, reasoning_parser=conf.reasoning_parser,
-               allowed_origins=conf.allowed_origins)
+               allowed_origins=conf.allowed_origins, keep_alive_on_engine_death=conf.keep_alive_on_engine_death)
 
 
 # -------------------------------------------------------------------------------------------------- lifecycle

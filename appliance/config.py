@@ -69,6 +69,8 @@ class Config:
     tool_call_parser: str = "auto"  # tool_choice "auto": hermes, mistral, llama3_json, none, or auto (the template)
     reasoning_parser: str = "auto"  # <think> blocks as reasoning: deepseek_r1, qwen3, none, or auto (the template)
     allowed_origins: str = LOCAL_ORIGINS  # web pages that may call the API from a browser (engine/server/cors.py)
+    keep_alive_on_engine_death: bool = False  # an engine that dies while serving: keep answering 503 instead of
+    # exiting with status 1 for systemd to restart the server (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)
     data_dir: str | None = None
 
     def engine_config(self):

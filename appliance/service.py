@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from appliance.errors import ApplianceError
+from engine.errors import ENGINE_DIED_LOG
 
 UNIT_NAME = "appliance.service"
 _TEMPLATE = "appliance.service.in"
@@ -256,11 +257,20 @@ class Background:
                           log=str(self.log_file), installed=False)
         elif self._recorded() is not None:
             detail = "stopped (the process exited; see the log)"
+            if self._engine_died():  # no supervisor starts it again here
+                detail = f"stopped: {ENGINE_DIED_LOG} (see the log); `appliance start` starts it again"
         elif self.log_file.is_file():
             detail = "stopped"
         else:
             detail = "not started"
         return Status(mode=self.mode, running=pid is not None, pid=pid, detail=detail, log=str(self.log_file))
+
+    def _engine_died(self) -> bool:
+        """Whether the server's last run logged that its engine died while serving (the lines after the last
+        "starting" line :meth:`start` wrote, of the log's last 50)."""
+        lines = self.log_lines(50)
+        starts = [i for i, line in enumerate(lines) if line.startswith("--- ") and " starting: " in line]
+        return any(ENGINE_DIED_LOG in line for line in lines[starts[-1] if starts else 0:])
 
     def stop(self, timeout: float = 30.0) -> bool:
         """SIGTERM the server's process group, SIGKILL it after ``timeout``; True if it was running. Returns once

@@ -193,6 +193,7 @@ class AsyncLLMEngine:
         self._parked: dict[str, tuple] = {}  # engine thread only: "add"s waiting for an old request of their id to end
         self._listeners: list[OutputListener] = []
         self._failure_listeners: list[Callable[[list[str]], None]] = []
+        self._death_listeners: list[Callable[[BaseException], None]] = []
         self._stats: EngineStats | None = None
         self._stop = False
         self._failed_steps = 0  # engine steps that raised in a row
@@ -258,6 +259,13 @@ class AsyncLLMEngine:
     def remove_failure_listener(self, fn: Callable[[list[str]], None]) -> None:
         if fn in self._failure_listeners:
             self._failure_listeners.remove(fn)
+
+    def add_death_listener(self, fn: Callable[[BaseException], None]) -> None:
+        """Call ``fn(error)`` on the engine thread, once, when an engine that was serving dies (``error``: what
+        killed it; its requests have had ``EngineDeadError`` or that error already). Not for a load that fails
+        (the engine never served: /health reports it) nor for ``shutdown``. The server exits on it
+        (``api_server.run_server``), as vLLM's does, so that its service manager starts it again."""
+        self._death_listeners.append(fn)
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -370,10 +378,12 @@ class AsyncLLMEngine:
 
     # ---- the engine thread ----
     def _run(self) -> None:
+        served = False
         try:
             self._engine = self._factory()
             self._stats = self._engine.get_stats()
             self._state = "ready"
+            served = True
             logger.info("engine ready: %s", self.model_name)
             while not self._stop:
                 self._wakeup.clear()  # before draining: a command sent after this sets it again
@@ -406,6 +416,12 @@ class AsyncLLMEngine:
                 close()
             except Exception:  # noqa: BLE001 - the engine is dead already; a failing stop is only logged
                 logger.exception("stopping the engine process failed")
+        if served and self.error is not None and not self._stop:
+            for fn in list(self._death_listeners):
+                try:
+                    fn(self.error)
+                except Exception:  # noqa: BLE001 - a listener must not hide the others
+                    logger.exception("engine death listener failed")
 
     def _wait_idle(self) -> None:
         """Sleep until a command or shutdown sets ``_wakeup``; an engine with ``idle_look_s`` (the CPU path's thread

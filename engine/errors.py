@@ -2,6 +2,10 @@
 forward pass that failed (a 500 for the requests in it: a bug)."""
 from __future__ import annotations
 
+#: What the server logs before it exits because its engine died while serving (``api_server.run_server``);
+#: ``appliance status`` looks for it in the background server's log.
+ENGINE_DIED_LOG = "the engine died while serving"
+
 
 class ContextLengthError(ValueError):
     """Prompt plus requested completion exceed ``max_model_len``; nothing was scheduled or truncated.

@@ -279,6 +279,21 @@ def test_serve_passes_server_settings_to_the_server(tmp_path, monkeypatch, key, 
     one_line_error(runner.invoke(app, ["serve", model, option, fault]), error)
 
 
+def test_serve_exits_on_engine_death_unless_kept_alive(tmp_path, monkeypatch):
+    """``keep_alive_on_engine_death``: False by default, then the flag's two forms, then the variable."""
+    from engine.server import api_server
+
+    started = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(kw["keep_alive_on_engine_death"]))
+    model = str(make_model(tmp_path / "m"))
+    for extra in ([], ["--keep-alive-on-engine-death"], ["--exit-on-engine-death"]):
+        assert runner.invoke(app, ["serve", model, *extra]).exit_code == 0
+    monkeypatch.setenv("APPLIANCE_KEEP_ALIVE_ON_ENGINE_DEATH", "true")
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    assert runner.invoke(app, ["serve", model, "--exit-on-engine-death"]).exit_code == 0
+    assert started == [False, True, False, True, False]
+
+
 @pytest.mark.parametrize("root", [False, True])
 def test_background_install_removes_the_unit_of_an_earlier_install(monkeypatch, tmp_path, root):
     """`install --no-service` where an earlier install of the same kind (system-wide as root, else the user's) left

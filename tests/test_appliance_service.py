@@ -113,6 +113,19 @@ def test_server_that_exits_is_reported_stopped(bg):
     assert "bye" in bg.log_lines(5)
 
 
+def test_a_server_whose_engine_died_is_reported_with_the_fix(bg):
+    """Only the last run's lines count: a clean run after the death is plainly "exited"."""
+    from engine.errors import ENGINE_DIED_LOG
+
+    died = [sys.executable, "-c", f"print('ERROR {ENGINE_DIED_LOG} (RuntimeError()): exits'); raise SystemExit(1)"]
+    bg.start(died)
+    assert wait_for(lambda: not bg.status().running)
+    assert bg.status().detail == (f"stopped: {ENGINE_DIED_LOG} (see the log); `appliance start` starts it again")
+    bg.start([sys.executable, "-c", "print('bye')"])
+    assert wait_for(lambda: not bg.status().running)
+    assert bg.status().detail == "stopped (the process exited; see the log)"
+
+
 def test_recycled_pid_is_not_mistaken_for_the_server(bg):
     bg.state_dir.mkdir(parents=True)
     bg.pid_file.write_text(f"{os.getpid()} 12345.0\n")  # a live pid, but not started at that time

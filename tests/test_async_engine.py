@@ -89,6 +89,36 @@ def test_step_failure_makes_engine_dead_and_fails_requests(fake, engine):
         run(_collect(engine, "hello", SamplingParams(max_tokens=5), "after"))
 
 
+def test_death_listeners_hear_a_serving_engine_die_once(fake, engine):
+    """After its requests have the error; the exception that killed it is what the listeners get."""
+    heard, failed = [], []
+    engine.add_death_listener(lambda error: (heard.append(error), failed.append(engine.is_dead)))
+    engine.add_death_listener(lambda error: 1 / 0)  # a failing listener is logged; the others still hear it
+    engine.add_death_listener(lambda error: heard.append(error))
+    fake.fail_at_step = 0
+    with pytest.raises(EngineDeadError):
+        run(_collect(engine, "hello", SamplingParams(max_tokens=5), "doomed"))
+    wait_for(lambda: len(heard) == 2, what="both listeners")
+    assert heard[0] is heard[1] is engine.error and isinstance(engine.error, RuntimeError) and failed == [True]
+    time.sleep(0.05)
+    assert len(heard) == 2
+
+
+def test_death_listeners_do_not_hear_a_failed_load_or_a_shutdown(fake):
+    heard = []
+    broken = AsyncLLMEngine(lambda: (_ for _ in ()).throw(OSError("weights missing")), "broken")
+    broken.add_death_listener(heard.append)
+    broken.start()
+    wait_for(lambda: broken.is_dead, what="dead engine")
+    with started_engine(fake) as eng:
+        eng.add_death_listener(heard.append)
+        outs = run(_collect(eng, "hi", SamplingParams(max_tokens=3), "r"))
+        assert outs[-1].finished
+    assert eng.is_dead and eng.error is None
+    broken._thread.join(5)
+    assert heard == [] and isinstance(broken.error, OSError)
+
+
 def test_load_failure_is_reported_as_dead():
     def factory():
         raise OSError("weights missing")

@@ -59,3 +59,13 @@ def test_main_passes_allowed_origins_and_refuses_a_bad_list(monkeypatch, capsys)
     with pytest.raises(SystemExit):
         server_main.main(["--model", "/m", "--allowed-origins", "[oops"])
     assert "allowed_origins: not a JSON list" in capsys.readouterr().err
+
+
+def test_main_passes_keep_alive_on_engine_death(monkeypatch):
+    from engine.server import __main__ as server_main
+
+    started = []
+    monkeypatch.setattr(server_main, "run_server", lambda config, **kw: started.append(kw["keep_alive_on_engine_death"]))
+    server_main.main(["--model", "/m"])
+    server_main.main(["--model", "/m", "--keep-alive-on-engine-death"])
+    assert started == [False, True]

@@ -1,6 +1,6 @@
 """``python -m engine.server --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N]
 [--tool-call-parser auto|hermes|llama3_json|none] [--reasoning-parser auto|deepseek_r1|qwen3|none]
-[--[no-]engine-process] [engine options]``.
+[--[no-]engine-process] [--keep-alive-on-engine-death] [engine options]``.
 
 Every ``EngineConfig`` field is an option (``--max-model-len 2048``, ``--enforce-eager``, ...).
 """
@@ -53,18 +53,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, apart from the HTTP server's event loop "
                              "(default: on CUDA, not on the CPU)")
+    parser.add_argument("--keep-alive-on-engine-death", action="store_true",
+                        help="an engine that dies while serving: keep the server up answering 503 (default: exit "
+                             "with status 1 so that a service manager restarts it, as vLLM)")
     _engine_options(parser)
     args = vars(parser.parse_args(argv))
-    host, port, api_key, log_level, max_waiting, parser_name, reasoning_name, origins, own_process = (
+    host, port, api_key, log_level, max_waiting, parser_name, reasoning_name, origins, own_process, keep_alive = (
         args.pop(k) for k in ("host", "port", "api_key", "log_level", "max_waiting", "tool_call_parser",
-                              "reasoning_parser", "allowed_origins", "engine_process"))
+                              "reasoning_parser", "allowed_origins", "engine_process", "keep_alive_on_engine_death"))
     try:
         origin_regex(origins)
     except ValueError as exc:
         parser.error(str(exc))
     run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level,
                max_waiting=max_waiting, tool_call_parser=parser_name, reasoning_parser=reasoning_name,
-               engine_process=own_process, allowed_origins=origins)
+               engine_process=own_process, allowed_origins=origins, keep_alive_on_engine_death=keep_alive)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import DEFAULT_MAX_WAITING, AsyncLLMEngine
 from engine.config import EngineConfig
+from engine.errors import ENGINE_DIED_LOG
 from engine.metrics import EngineMetrics
 from engine.server.cors import LOCAL_ORIGINS, origin_regex
 from engine.server.errors import APIError, install_error_handlers
@@ -25,6 +26,7 @@ from engine.server.serving import ServingContext
 from engine.server.serving_chat import create_chat_completion, render_chat
 from engine.server.serving_completion import create_completion
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -194,28 +196,54 @@ class QuietPolls(logging.Filter):
         return True
 
 
+#: The exit status of a server whose engine died while serving (a service manager restarts it: systemd's
+#: ``Restart=on-failure``); uvicorn's own for a server that could not start (its port taken, say) is 3.
+ENGINE_DIED_EXIT = 1
+
+
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, log_level: str = "info",
                max_waiting: int = DEFAULT_MAX_WAITING, tool_call_parser: str = "auto",
                reasoning_parser: str = "auto", engine_process: bool | None = None,
-               allowed_origins: str = LOCAL_ORIGINS) -> None:
+               allowed_origins: str = LOCAL_ORIGINS, keep_alive_on_engine_death: bool = False) -> None:
     """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM.
 
     ``max_waiting``: requests queued beyond ``max_num_seqs`` before new ones get 503 (``AsyncLLMEngine``).
     ``engine_process``: the engine in a process of its own (``AsyncLLMEngine.from_config``; None: on CUDA).
     ``tool_call_parser``, ``reasoning_parser``, ``allowed_origins``: see :func:`build_app`.
-    The engine's own log lines (loading, ready, failed steps, CPU thread counts) go to stderr at ``log_level``
-    unless the caller set up logging first.
+    An engine that dies while serving (a CUDA error, its process killed by the OOM killer, steps failing in a row)
+    fails its requests, then the server shuts down gracefully and exits with ``SystemExit(ENGINE_DIED_EXIT)``, as
+    vLLM's does, so that systemd starts it again; ``keep_alive_on_engine_death`` keeps it up instead (vLLM's
+    ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``), answering 503. A model that fails to load keeps it up either way:
+    /health answers 503 with the error (loading again would fail again). ``SystemExit(3)``: uvicorn could not
+    start (the port is taken). The engine's own log lines (loading, ready, failed steps, CPU thread counts) go to
+    stderr at ``log_level`` unless the caller set up logging first.
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting, engine_process=engine_process)
+    app = build_app(engine, api_key=api_key, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                    allowed_origins=allowed_origins)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    died: list[BaseException] = []
+
+    def exit_on_death(error: BaseException) -> None:  # on the engine thread: uvicorn polls should_exit
+        died.append(error)
+        logger.error("%s (%r): the server exits with status %d so that its service manager starts it again "
+                     "(keep_alive_on_engine_death keeps it up)", ENGINE_DIED_LOG, error, ENGINE_DIED_EXIT)
+        server.should_exit = True
+
+    if not keep_alive_on_engine_death:
+        engine.add_death_listener(exit_on_death)
     engine.start()
     logging.getLogger("uvicorn.access").addFilter(QuietPolls())  # uvicorn's logging set-up keeps filters
     try:
-        uvicorn.run(build_app(engine, api_key=api_key, tool_call_parser=tool_call_parser,
-                              reasoning_parser=reasoning_parser, allowed_origins=allowed_origins),
-                    host=host, port=port,
-                    log_level=log_level,
-                    timeout_graceful_shutdown=5)
+        server.run()
+    except KeyboardInterrupt:  # as uvicorn.run
+        pass
     finally:
         engine.shutdown()
+    if died:
+        raise SystemExit(ENGINE_DIED_EXIT)
+    if not server.started:
+        raise SystemExit(3)

@@ -1,0 +1,115 @@
+"""``run_server`` when the engine dies while serving: the process exits with status 1 (vLLM's rule, so that systemd's
+``Restart=on-failure`` starts it again), or with ``keep_alive_on_engine_death`` stays up answering 503.
+
+The server runs in a subprocess over the fake engine (``test_server_fakes.FakeEngine``) whose first step raises.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine.server.api_server import ENGINE_DIED_EXIT
+
+SERVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_server_fakes import FakeEngine
+    from engine.async_engine import AsyncLLMEngine
+    from engine.server import api_server
+
+    def from_config(cls, config, max_waiting=512, engine_process=None):
+        return cls(lambda: FakeEngine(fail_at_step={fail!r}), "fake-model", None, max_waiting)
+
+    AsyncLLMEngine.from_config = classmethod(from_config)
+    api_server.run_server(None, port={port}, log_level="warning", keep_alive_on_engine_death={keep})
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _start(keep: bool, fail: int | None) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    script = SERVER.format(tests=str(Path(__file__).parent), port=port, keep=keep, fail=fail)
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if _get(url + "/health")[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}: {proc.stderr.read()}")
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail("the server did not become ready in 60 s")
+
+
+def _stop(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        return proc.wait(20), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+#: how a server stopped by SIGTERM ends: uvicorn (0.29 on) raises the signal again after its graceful shutdown (a
+#: clean stop for systemd), older ones exit 0; never ENGINE_DIED_EXIT
+STOPPED = (0, -signal.SIGTERM)
+COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
+
+
+def test_a_server_whose_engine_dies_while_serving_exits_with_status_1():
+    proc, url = _start(keep=False, fail=0)
+    status, body = _get(url + "/v1/completions", COMPLETION)
+    assert status >= 500 and body["error"]["message"]  # the request that met the failure gets an error
+    code, err = _stop(proc)
+    assert code == ENGINE_DIED_EXIT == 1
+    assert "the engine died while serving" in err and "fake engine failure" in err
+
+
+def test_kept_alive_it_answers_503_with_the_error_until_stopped():
+    proc, url = _start(keep=True, fail=0)
+    try:
+        assert _get(url + "/v1/completions", COMPLETION)[0] >= 500
+        status, body = _get(url + "/health")
+        assert (status, body["status"]) == (503, "dead") and "fake engine failure" in body["error"]
+        assert _get(url + "/v1/completions", COMPLETION)[0] == 503
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+    code, err = _stop(proc)
+    assert code in STOPPED and "the engine died while serving" not in err
+
+
+def test_a_server_stopped_by_sigterm_ends_as_before():
+    proc, url = _start(keep=False, fail=None)
+    assert _get(url + "/v1/completions", COMPLETION)[0] == 200
+    proc.terminate()
+    assert _stop(proc)[0] in STOPPED
