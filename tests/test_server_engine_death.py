@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.errors import ENGINE_DIED_LOG
 from engine.server.api_server import ENGINE_DIED_EXIT
 
 SERVER = textwrap.dedent("""
@@ -91,7 +92,7 @@ def test_a_server_whose_engine_dies_while_serving_exits_with_status_1():
     assert status >= 500 and body["error"]["message"]  # the request that met the failure gets an error
     code, err = _stop(proc)
     assert code == ENGINE_DIED_EXIT == 1
-    assert "the engine died while serving" in err and "fake engine failure" in err
+    assert ENGINE_DIED_LOG in err and "fake engine failure" in err
 
 
 def test_kept_alive_it_answers_503_with_the_error_until_stopped():
@@ -105,7 +106,7 @@ def test_kept_alive_it_answers_503_with_the_error_until_stopped():
     finally:
         proc.terminate()
     code, err = _stop(proc)
-    assert code in STOPPED and "the engine died while serving" not in err
+    assert code in STOPPED and ENGINE_DIED_LOG not in err
 
 
 def test_a_server_stopped_by_sigterm_ends_as_before():
@@ -113,3 +114,35 @@ def test_a_server_stopped_by_sigterm_ends_as_before():
     assert _get(url + "/v1/completions", COMPLETION)[0] == 200
     proc.terminate()
     assert _stop(proc)[0] in STOPPED
+
+
+def test_a_killed_engine_process_makes_the_real_server_exit_with_status_1(demo_model):
+    """The demo model in an engine process of its own (the default on CUDA): the kernel's OOM killer, say, takes
+    the child while the server waits; the engine thread's idle look finds it gone and the server exits."""
+    import psutil
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "--model", str(demo_model), "--device", "cpu",
+                             "--engine-process", "--port", str(port), "--max-model-len", "256",
+                             "--max-num-seqs", "2", "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if _get(url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert _get(url + "/health")[0] == 200
+        engines = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(engines) == 1  # multiprocessing's resource tracker, if any, is left alone
+        engines[0].kill()
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    assert code == ENGINE_DIED_EXIT and ENGINE_DIED_LOG in err and "EngineProcessDied" in err
