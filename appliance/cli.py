@@ -609,6 +609,98 @@ def _installed_starting(url: str, health) -> bool:
             and _serving_state(url, st, health)[0] in ("starting", "restarting"))
 
 
+def _check_serving(url: str, command: str, wait_s: float = 0.0) -> None:
+    """ApplianceError unless the server at ``url`` is ready: not answering, loading the model (waited for up to
+    ``wait_s`` seconds, with the installed server starting too), or its engine failed; ``command`` names the
+    command to run again."""
+    from appliance.installer import server_health
+
+    deadline = time.monotonic() + wait_s
+
+    def starting(health) -> bool:
+        return health.state == "loading" or (health.state == "no answer" and _installed_starting(url, health))
+
+    health = server_health(url)
+    if wait_s and starting(health):
+        with console.status("the server is loading the model ..."):
+            while time.monotonic() < deadline and starting(health):
+                time.sleep(0.5)
+                health = server_health(url)
+    if health.state == "no answer" and _installed_starting(url, health):
+        raise ApplianceError(f"the server at {url} is starting (not listening yet)",
+                             f"run `appliance {command}` again in a few seconds (`appliance status` says running "
+                             "then)")
+    if health.state == "no answer":
+        raise ApplianceError(f"no server answers at {url} ({health.detail})",
+                             "start it with `appliance start` (or `appliance install`) or pass --url")
+    if health.state == "loading":
+        raise ApplianceError(f"the server at {url} is still loading the model",
+                             f"run `appliance {command}` again in a few seconds (`appliance status` says running "
+                             "then, for the installed server)")
+    if health.state == "failed":
+        raise ApplianceError(f"the server at {url} cannot serve: {health.detail}", "see `appliance logs`")
+
+
+def _served_model(url: str, api_key: Optional[str]) -> str:
+    """The model the server at ``url`` lists first (``/v1/models``); ApplianceError when it lists none."""
+    import httpx
+
+    from appliance import loadgen
+
+    try:
+        return loadgen.served_model(url, api_key)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:  # unreachable, or not a list
+        hint = ("pass --api-key (or set APPLIANCE_API_KEY)"
+                if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401
+                else "pass --url of an OpenAI-compatible server (and --api-key if it needs one)")
+        raise ApplianceError(f"{url}/v1/models did not list a model ({type(exc).__name__}: {exc})", hint)
+
+
+@app.command()
+@friendly
+def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the answer and exit (piped input is "
+                                                            "added after it)"),
+         url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
+         system: Optional[str] = typer.Option(None, "--system", help="a system prompt for the conversation"),
+         max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="tokens per answer at most (default: "
+                                                  "the rest of the context)"),
+         temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (default: the "
+                                                     "model's own, else 1.0)")):
+    """Chat with the running server in the terminal (as `ollama run`): /bye leaves, /clear forgets, Ctrl-C stops an
+    answer. With PROMPT, or with input piped in, one answer is printed and the command exits."""
+    import httpx
+
+    from appliance.chat import ChatSession, repl
+
+    if max_tokens is not None and max_tokens < 1:
+        raise ApplianceError(f"--max-tokens must be at least 1, got {max_tokens}", "e.g. --max-tokens 256")
+    url, api_key = _server(url, api_key)
+    piped = None if sys.stdin.isatty() else sys.stdin.read()
+    _check_serving(url, "chat", wait_s=600.0)
+    session = ChatSession(url, _served_model(url, api_key), api_key, system, max_tokens, temperature)
+
+    def write(kind: str, text: str) -> None:
+        console.print(text, end="", style="dim" if kind == "reasoning" else None, markup=False, highlight=False,
+                      soft_wrap=True)
+
+    if prompt is None and piped is None:
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+        repl(session, input, write, lambda line: console.print(line, markup=False, highlight=False))
+        return
+    text = "\n\n".join(part for part in (prompt, piped and piped.strip()) if part)
+    if not text:
+        raise ApplianceError("nothing to ask: the prompt and the piped input are empty",
+                             'give a prompt, e.g. appliance chat "Hello!"')
+    try:
+        session.ask(text, write)
+    except httpx.HTTPError as exc:
+        raise ApplianceError(f"no answer from {url} ({type(exc).__name__}: {exc})", "see `appliance status`")
+    console.print()
+
+
 @app.command()
 @friendly
 def bench(url: Optional[str] = UrlOpt,
@@ -626,8 +718,6 @@ def bench(url: Optional[str] = UrlOpt,
     concurrency."""
     import asyncio
 
-    import httpx
-
     from appliance import loadgen
 
     try:
@@ -638,27 +728,9 @@ def bench(url: Optional[str] = UrlOpt,
         raise ApplianceError("concurrency, prompt length and max tokens must be positive", "e.g. --concurrency 1,4")
     if processes < 0:
         raise ApplianceError(f"--processes must be 0 (automatic) or more, got {processes}", "e.g. --processes 4")
-    from appliance.installer import server_health
-
     url, api_key = _server(url, api_key)
-    health = server_health(url)
-    if health.state == "no answer" and _installed_starting(url, health):
-        raise ApplianceError(f"the server at {url} is starting (not listening yet)",
-                             "run `appliance bench` again in a few seconds (`appliance status` says running then)")
-    if health.state == "no answer":
-        raise ApplianceError(f"no server answers at {url} ({health.detail})",
-                             "start it with `appliance start` (or `appliance install`) or pass --url")
-    if health.state == "loading":
-        raise ApplianceError(f"the server at {url} is still loading the model",
-                             "run `appliance bench` again in a few seconds (`appliance status` says running then, "
-                             "for the installed server)")
-    if health.state == "failed":
-        raise ApplianceError(f"the server at {url} cannot serve: {health.detail}", "see `appliance logs`")
-    try:
-        model = loadgen.served_model(url, api_key)
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:  # unreachable, or not a list
-        raise ApplianceError(f"{url}/v1/models did not list a model ({type(exc).__name__}: {exc})",
-                             "pass --url of an OpenAI-compatible server (and --api-key if it needs one)")
+    _check_serving(url, "bench")
+    model = _served_model(url, api_key)
     results = []
     for level in levels:
         n = requests or max(4, 2 * level)

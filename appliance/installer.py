@@ -604,6 +604,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     console.rule("Call the endpoint")  # plain lines below, so they copy and paste as they are
     console.print(Text(usage_text(url, name, opts.api_key)), soft_wrap=True)
     console.rule()
-    console.print("Manage it with `appliance status`, `appliance logs`, `appliance stop`.")
+    console.print("Chat with it here: `appliance chat`. Manage it with `appliance status`, `appliance logs`, "
+                  "`appliance stop`.")
     return {"config": config_file, "model_dir": served_dir, "source": source, "perplexity": ppl, "plan": plan,
             "answer": answer, "url": url, "mode": mgr.mode}

@@ -1,0 +1,168 @@
+"""``appliance chat`` against the fake engine's server: one answer and exit, piped input, the REPL's turns and
+commands, a stopped answer, errors, a thinking model's reasoning apart from its answer."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from appliance.chat import ChatError, ChatSession, read_turn, repl
+from appliance.cli import app
+from engine.server.api_server import build_app
+from test_server_fakes import FakeEngine, ServerThread, started_engine, wait_for
+
+runner = CliRunner()
+
+
+@contextmanager
+def fake_server(fake: FakeEngine | None = None, **app_kw):
+    fake = fake or FakeEngine(max_model_len=256)
+    with started_engine(fake) as engine, ServerThread(build_app(engine, **app_kw)) as url:
+        yield url, fake
+
+
+def answer_of(url: str, messages: list[dict], **options) -> str:
+    """The server's answer to ``messages``, not streamed: what the chat must have written."""
+    body = {"model": "fake-model", "messages": messages, **options}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def test_a_prompt_gets_one_answer_and_the_command_exits():
+    with fake_server() as (url, _):
+        result = runner.invoke(app, ["chat", "--url", url, "--max-tokens", "12", "Hello"])
+        assert result.exit_code == 0, result.output
+        expected = answer_of(url, [user("Hello")], max_tokens=12)
+    assert result.output == expected + "\n" and len(expected) == 12
+
+
+def test_piped_input_follows_the_prompt():
+    with fake_server() as (url, _):
+        result = runner.invoke(app, ["chat", "--url", url, "--temperature", "0", "Summarize:"],
+                               input="  some text\n")
+        expected = answer_of(url, [user("Summarize:\n\nsome text")], temperature=0)
+        alone = runner.invoke(app, ["chat", "--url", url], input="just this\n")
+        expected_alone = answer_of(url, [user("just this")])
+    assert (result.exit_code, result.output) == (0, expected + "\n")
+    assert (alone.exit_code, alone.output) == (0, expected_alone + "\n")
+
+
+def test_a_session_sends_the_whole_conversation_and_keeps_completed_answers():
+    with fake_server() as (url, _):
+        session = ChatSession(url, "fake-model", system="Be brief.", max_tokens=9)
+        pieces = []
+        first = session.ask("one", lambda kind, text: pieces.append((kind, text)))
+        second = session.ask("two", lambda kind, text: None)
+        system = {"role": "system", "content": "Be brief."}
+        assert first == answer_of(url, [system, user("one")], max_tokens=9)
+        assert second == answer_of(url, [system, user("one"), {"role": "assistant", "content": first}, user("two")],
+                                   max_tokens=9)
+    assert "".join(text for _, text in pieces) == first and {kind for kind, _ in pieces} == {"content"}
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert session.body() == {"model": "fake-model", "messages": session.messages, "stream": True, "max_tokens": 9}
+    session.clear()
+    assert session.messages == [system]
+
+
+def test_read_turn_takes_a_line_or_a_triple_quoted_block():
+    def reader(*lines):
+        it = iter(lines)
+        return lambda prompt: next(it)
+
+    assert read_turn(reader("  hi  ")) == "  hi  "
+    assert read_turn(reader('"""first', "", 'second """')) == "first\n\nsecond "
+    assert read_turn(reader('"""one line"""')) == "one line"
+
+    def eof(prompt):
+        raise EOFError
+
+    assert read_turn(eof) is None
+
+
+def test_the_repl_answers_turns_and_obeys_its_commands():
+    lines = iter(["hello", '"""a', 'b"""', "/clear", "/help", "", "after", "/bye", "never read"])
+    written, said = [], []
+    with fake_server() as (url, _):
+        session = ChatSession(url, "fake-model", max_tokens=5)
+        repl(session, lambda prompt: next(lines), lambda kind, text: written.append(text), said.append)
+        after = answer_of(url, [user("after")], max_tokens=5)
+    assert next(lines) == "never read"
+    assert session.messages == [user("after"), {"role": "assistant", "content": after}]
+    assert said[0].startswith("Chatting with fake-model at " + url) and "Cleared the conversation." in said
+    assert any(line.startswith("/bye ends the chat") for line in said[1:])
+    assert "".join(written).count("\n") == 3  # three answers, each ended by a newline
+
+
+def test_a_stopped_answer_is_aborted_and_left_out():
+    fake = FakeEngine(max_model_len=512, step_delay=0.02, reply="x" * 400)
+    said = []
+    lines = iter(["long one", "/bye"])
+
+    def write(kind, text):
+        raise KeyboardInterrupt  # Ctrl-C while the first piece is written
+
+    with fake_server(fake) as (url, _):
+        session = ChatSession(url, "fake-model", max_tokens=200)
+        repl(session, lambda prompt: next(lines), write, said.append)
+        wait_for(lambda: fake.aborted, what="the request aborted on the server")
+    assert session.messages == [] and said[-1].startswith("\n(stopped")
+
+
+def test_errors_are_one_line_and_the_repl_goes_on():
+    with fake_server(FakeEngine(max_model_len=64), api_key="secret") as (url, _):
+        refused = runner.invoke(app, ["chat", "--url", url, "--api-key", "wrong", "hi"])
+        session = ChatSession(url, "fake-model", api_key="secret", max_tokens=500)
+        with pytest.raises(ChatError, match="context") as info:
+            session.ask("hi", lambda kind, text: None)
+        assert "/clear" in info.value.hint and session.messages == []
+        said, lines = [], iter(["hi", "/bye"])
+        repl(session, lambda prompt: next(lines), lambda kind, text: None, said.append)
+    assert refused.exit_code == 1 and "error:" in refused.output and "--api-key" in refused.output
+    assert "maximum context length" in said[-1] and session.messages == []
+    gone = runner.invoke(app, ["chat", "--url", url, "hi"])
+    assert gone.exit_code == 1 and "no server answers at " + url in gone.output
+
+
+def test_an_engine_that_fails_mid_answer_is_an_error():
+    with fake_server(FakeEngine(max_model_len=256, fail_at_step=3)) as (url, _):
+        session = ChatSession(url, "fake-model", max_tokens=20)
+        got = []
+        with pytest.raises(ChatError, match="the answer failed"):
+            session.ask("hi", lambda kind, text: got.append(text))
+    assert session.messages == [] and len("".join(got)) >= 1
+
+
+def test_reasoning_is_written_apart_and_kept_out_of_the_conversation():
+    fake = FakeEngine(max_model_len=256, reply="<think>why not</think>the answer")
+    with fake_server(fake, reasoning_parser="deepseek_r1") as (url, _):
+        session = ChatSession(url, "fake-model")
+        pieces = []
+        answer = session.ask("q", lambda kind, text: pieces.append((kind, text)))
+    assert "".join(t for k, t in pieces if k == "reasoning") == "why not"
+    assert answer == "".join(t for k, t in pieces if k == "content") == "the answer"
+    assert session.messages[-1] == {"role": "assistant", "content": "the answer"}
+
+
+def test_chat_waits_for_a_loading_model():
+    import threading
+
+    from engine.async_engine import AsyncLLMEngine
+
+    gate, fake = threading.Event(), FakeEngine(max_model_len=256)
+    engine = AsyncLLMEngine(lambda: (gate.wait(30), fake)[1], "fake-model")
+    try:
+        with ServerThread(build_app(engine)) as url:
+            assert httpx.get(f"{url}/health").status_code == 503
+            threading.Timer(1.0, gate.set).start()
+            result = runner.invoke(app, ["chat", "--url", url, "--max-tokens", "4", "Hello"])
+            assert (result.exit_code, result.output) == (0, answer_of(url, [user("Hello")], max_tokens=4) + "\n")
+    finally:
+        gate.set()
+        engine.shutdown()
