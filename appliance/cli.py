@@ -665,12 +665,14 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
          max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="tokens per answer at most (default: "
                                                   "the rest of the context)"),
          temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (default: the "
-                                                     "model's own, else 1.0)")):
+                                                     "model's own, else 1.0)"),
+         hide_thinking: bool = typer.Option(False, "--hide-thinking", help="leave a thinking model's reasoning "
+                                            "out (shown dimmed between Thinking... and ...done thinking.)")):
     """Chat with the running server in the terminal (as `ollama run`): /bye leaves, /clear forgets, Ctrl-C stops an
     answer. With PROMPT, or with input piped in, one answer is printed and the command exits."""
     import httpx
 
-    from appliance.chat import ChatSession, repl
+    from appliance.chat import AnswerWriter, ChatSession, repl
 
     if max_tokens is not None and max_tokens < 1:
         raise ApplianceError(f"--max-tokens must be at least 1, got {max_tokens}", "e.g. --max-tokens 256")
@@ -679,8 +681,8 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
     _check_serving(url, "chat", wait_s=600.0)
     session = ChatSession(url, _served_model(url, api_key), api_key, system, max_tokens, temperature)
 
-    def write(kind: str, text: str) -> None:
-        console.print(text, end="", style="dim" if kind == "reasoning" else None, markup=False, highlight=False,
+    def out(text: str, dim: bool) -> None:  # the model's text as it is: no markup, emoji codes or highlighting
+        console.print(text, end="", style="dim" if dim else None, markup=False, emoji=False, highlight=False,
                       soft_wrap=True)
 
     if prompt is None and piped is None:
@@ -688,17 +690,24 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
             import readline  # noqa: F401 - line editing and history for input()
         except ImportError:
             pass
-        repl(session, input, write, lambda line: console.print(line, markup=False, highlight=False))
+        repl(session, input, out, lambda line: console.print(line, markup=False, emoji=False, highlight=False),
+             hide_thinking)
         return
     text = "\n\n".join(part for part in (prompt, piped and piped.strip()) if part)
     if not text:
         raise ApplianceError("nothing to ask: the prompt and the piped input are empty",
                              'give a prompt, e.g. appliance chat "Hello!"')
+    writer = AnswerWriter(out, hide_thinking)
     try:
-        session.ask(text, write)
-    except httpx.HTTPError as exc:
-        raise ApplianceError(f"no answer from {url} ({type(exc).__name__}: {exc})", "see `appliance status`")
-    console.print()
+        session.ask(text, writer)
+    except BaseException as exc:
+        if writer.started:
+            console.print()  # the error (or "interrupted") on a line of its own, after the part written
+        if isinstance(exc, httpx.HTTPError):
+            raise ApplianceError(f"no answer from {url} ({type(exc).__name__}: {exc})",
+                                 "see `appliance status`") from None
+        raise
+    writer.end()
 
 
 @app.command()

@@ -200,6 +200,10 @@ def _serve(config: EngineConfig, commands: Connection, conn: Connection, log_lev
     info = EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
                       engine.runner.model.config["vocab_size"], tuple(sorted(engine.eos_token_ids)),
                       engine.default_sampling)
+    # Serving, it stops when the parent says so or goes (end-of-file), never on the SIGTERM that `systemctl stop`
+    # sends the whole group: the parent's graceful shutdown needs it to finish the running requests, and a child
+    # gone first would read as an engine death (the server's exit status 1). Loading, SIGTERM ends it at once.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_commands, args=(commands, inbox, engine), name="engine-commands",
                      daemon=True).start()
@@ -416,7 +420,8 @@ class EngineProcess:
             return self._grammars
 
     def close(self, timeout: float = STOP_WAIT_S) -> None:
-        """Stop the child (after its current step) and wait for it; terminated after ``timeout`` s. Idempotent."""
+        """Stop the child (after its current step) and wait for it; killed after ``timeout`` s (serving, it ignores
+        SIGTERM). Idempotent."""
         if self._process.is_alive():
             try:
                 self._commands.send(("stop",))
@@ -425,8 +430,8 @@ class EngineProcess:
             self._conn.close()  # a child blocked sending a step's outputs (nobody reads them now) gets a broken pipe
             self._process.join(timeout)
             if self._process.is_alive():
-                logger.warning("the engine process did not stop in %.0f s; terminating it", timeout)
-                self._process.terminate()
+                logger.warning("the engine process did not stop in %.0f s; killing it", timeout)
+                self._process.kill()
                 self._process.join(5.0)
         self._commands.close()
         self._conn.close()

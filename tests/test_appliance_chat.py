@@ -8,7 +8,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from appliance.chat import ChatError, ChatSession, read_turn, repl
+from appliance.chat import AnswerWriter, Block, ChatError, ChatSession, read_turn, repl
 from appliance.cli import app
 from engine.server.api_server import build_app
 from test_server_fakes import FakeEngine, ServerThread, started_engine, wait_for
@@ -76,8 +76,9 @@ def test_read_turn_takes_a_line_or_a_triple_quoted_block():
         it = iter(lines)
         return lambda prompt: next(it)
 
-    assert read_turn(reader("  hi  ")) == "  hi  "
-    assert read_turn(reader('"""first', "", 'second """')) == "first\n\nsecond "
+    assert read_turn(reader("  hi  ")) == "  hi  " and not isinstance(read_turn(reader("/bye")), Block)
+    block = read_turn(reader('"""first', "", 'second """'))
+    assert block == "first\n\nsecond " and isinstance(block, Block)
     assert read_turn(reader('"""one line"""')) == "one line"
 
     def eof(prompt):
@@ -87,16 +88,18 @@ def test_read_turn_takes_a_line_or_a_triple_quoted_block():
 
 
 def test_the_repl_answers_turns_and_obeys_its_commands():
-    lines = iter(["hello", '"""a', 'b"""', "/clear", "/help", "", "after", "/bye", "never read"])
+    lines = iter(["hello", '"""a', 'b"""', "/clear", "/help", "/model x", "", '"""/bye is a word"""', "/bye",
+                  "never read"])
     written, said = [], []
     with fake_server() as (url, _):
         session = ChatSession(url, "fake-model", max_tokens=5)
-        repl(session, lambda prompt: next(lines), lambda kind, text: written.append(text), said.append)
-        after = answer_of(url, [user("after")], max_tokens=5)
+        repl(session, lambda prompt: next(lines), lambda text, dim: written.append(text), said.append)
+        after = answer_of(url, [user("/bye is a word")], max_tokens=5)
     assert next(lines) == "never read"
-    assert session.messages == [user("after"), {"role": "assistant", "content": after}]
+    assert session.messages == [user("/bye is a word"), {"role": "assistant", "content": after}]
     assert said[0].startswith("Chatting with fake-model at " + url) and "Cleared the conversation." in said
     assert any(line.startswith("/bye ends the chat") for line in said[1:])
+    assert "Unknown command '/model'. Type /? for help." in said
     assert "".join(written).count("\n") == 3  # three answers, each ended by a newline
 
 
@@ -105,7 +108,7 @@ def test_a_stopped_answer_is_aborted_and_left_out():
     said = []
     lines = iter(["long one", "/bye"])
 
-    def write(kind, text):
+    def write(text, dim):
         raise KeyboardInterrupt  # Ctrl-C while the first piece is written
 
     with fake_server(fake) as (url, _):
@@ -122,8 +125,13 @@ def test_errors_are_one_line_and_the_repl_goes_on():
         with pytest.raises(ChatError, match="context") as info:
             session.ask("hi", lambda kind, text: None)
         assert "/clear" in info.value.hint and session.messages == []
+        session.temperature = -1.0
+        with pytest.raises(ChatError, match="temperature") as info:
+            session.ask("hi", lambda kind, text: None)
+        assert info.value.hint == "check the options given (appliance chat -h)"
+        session.temperature = None
         said, lines = [], iter(["hi", "/bye"])
-        repl(session, lambda prompt: next(lines), lambda kind, text: None, said.append)
+        repl(session, lambda prompt: next(lines), lambda text, dim: None, said.append)
     assert refused.exit_code == 1 and "error:" in refused.output and "--api-key" in refused.output
     assert "maximum context length" in said[-1] and session.messages == []
     gone = runner.invoke(app, ["chat", "--url", url, "hi"])
@@ -145,9 +153,79 @@ def test_reasoning_is_written_apart_and_kept_out_of_the_conversation():
         session = ChatSession(url, "fake-model")
         pieces = []
         answer = session.ask("q", lambda kind, text: pieces.append((kind, text)))
+        shown = runner.invoke(app, ["chat", "--url", url, "q"])
+        hidden = runner.invoke(app, ["chat", "--url", url, "--hide-thinking", "q"])
     assert "".join(t for k, t in pieces if k == "reasoning") == "why not"
     assert answer == "".join(t for k, t in pieces if k == "content") == "the answer"
     assert session.messages[-1] == {"role": "assistant", "content": "the answer"}
+    assert shown.output == "Thinking...\nwhy not\n...done thinking.\n\nthe answer\n"
+    assert hidden.output == "the answer\n"
+
+
+def test_the_writer_closes_a_reasoning_block_the_answer_never_followed():
+    written = []
+    writer = AnswerWriter(lambda text, dim: written.append((text, dim)))
+    assert not writer.started
+    writer("reasoning", "hm")
+    writer.end()
+    assert written == [("Thinking...\n", True), ("hm", True), ("\n...done thinking.", True), ("\n", False)]
+    assert writer.started
+
+
+def _stub_server(lines: list[bytes]):
+    """An HTTP server that is ready (/health), lists model "m" and answers every POST with ``lines`` as an event
+    stream."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"object": "list", "data": [{"id": "m"}]}' if self.path == "/v1/models" else b"{}"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(sum(map(len, lines))))
+            self.end_headers()
+            self.wfile.write(b"".join(lines))
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+CHUNK = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+
+
+@pytest.mark.parametrize("lines, error", [
+    ([CHUNK, b"data: not json\n\n"], "no chat chunk: 'not json'"),
+    ([CHUNK, b"data: [1, 2]\n\n"], "no chat chunk"),
+    ([CHUNK], "ended before the server said it was done"),
+    ([CHUNK, b'data: {"error": {"message": "boom", "code": 500}}\n\n', b"data: [DONE]\n\n"], "failed: boom"),
+])
+def test_a_stream_that_is_not_a_finished_chat_is_an_error_and_the_repl_goes_on(lines, error):
+    server = _stub_server(lines)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        session = ChatSession(url, "m")
+        with pytest.raises(ChatError, match=error):
+            session.ask("q", lambda kind, text: None)
+        said, turns = [], iter(["q", "/bye"])
+        repl(session, lambda prompt: next(turns), lambda text, dim: None, said.append)
+        result = runner.invoke(app, ["chat", "--url", url, "--api-key", "k", "q"])
+    finally:
+        server.shutdown()
+    assert session.messages == [] and error.split(":")[0] in said[-1]
+    assert result.exit_code == 1 and result.output.startswith("hi\nerror: ")
 
 
 def test_chat_waits_for_a_loading_model():

@@ -116,33 +116,73 @@ def test_a_server_stopped_by_sigterm_ends_as_before():
     assert _stop(proc)[0] in STOPPED
 
 
-def test_a_killed_engine_process_makes_the_real_server_exit_with_status_1(demo_model):
-    """The demo model in an engine process of its own (the default on CUDA): the kernel's OOM killer, say, takes
-    the child while the server waits; the engine thread's idle look finds it gone and the server exits."""
-    import psutil
-
+def _demo_server(demo_model) -> tuple[subprocess.Popen, str]:
+    """``python -m engine.server`` over the demo model with an engine process of its own (the default on CUDA), in
+    a session of its own (a process group, as systemd's and ``appliance start``'s), once ready."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "engine.server", "--model", str(demo_model), "--device", "cpu",
                              "--engine-process", "--port", str(port), "--max-model-len", "256",
-                             "--max-num-seqs", "2", "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+                             "--max-num-seqs", "2", "--log-level", "warning"], stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if _get(url + "/health")[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"the demo server did not become ready: {proc.stderr.read()}")
+
+
+def test_a_killed_engine_process_makes_the_real_server_exit_with_status_1(demo_model):
+    """The kernel's OOM killer, say, takes the engine process while the server waits; the engine thread's idle
+    look finds it gone and the server exits."""
+    import psutil
+
+    proc, url = _demo_server(demo_model)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if _get(url + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
-        assert _get(url + "/health")[0] == 200
         engines = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
         assert len(engines) == 1  # multiprocessing's resource tracker, if any, is left alone
         engines[0].kill()
-        code = proc.wait(60)
+        code, err = _stop(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
-    err = proc.stderr.read()
     assert code == ENGINE_DIED_EXIT and ENGINE_DIED_LOG in err and "EngineProcessDied" in err
+
+
+def test_sigterm_to_the_group_while_a_request_streams_is_no_engine_death(demo_model):
+    """`systemctl stop` / `appliance stop` signal every process of the group. The engine process, serving, ignores
+    SIGTERM and ends when the server goes, so nothing reads as an engine death: no error logged, the server ends
+    by the signal as it always did (its streams end at the shutdown: sse-starlette closes them)."""
+    import os
+    import threading
+
+    proc, url = _demo_server(demo_model)
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    first = threading.Event()
+
+    def stream():
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                for line in resp:
+                    first.set()
+        except OSError:
+            pass
+
+    reader = threading.Thread(target=stream, daemon=True)
+    try:
+        reader.start()
+        assert first.wait(60)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code, err = _stop(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code in STOPPED and ENGINE_DIED_LOG not in err and "engine thread died" not in err

@@ -206,16 +206,20 @@ def test_async_engine_fails_the_step_requests_and_serves_the_rest():
 
 
 def test_failures_in_a_row_make_the_engine_dead():
+    """... and tell its death listeners, once (the server exits on it: api_server.run_server)."""
     eng = _serve(FlakyEngine(set(range(100)), max_model_len=128, max_num_seqs=4))
+    heard = []
+    eng.add_death_listener(heard.append)
     params = SamplingParams(temperature=0, max_tokens=8)
     try:
         for i in range(MAX_FAILED_STEPS - 1):
             with pytest.raises(StepFailed):
                 asyncio.run(asyncio.wait_for(_text(eng, "aaa", f"victim{i}", params), 20))
-            assert not eng.is_dead
+            assert not eng.is_dead and heard == []
         with pytest.raises(EngineDeadError):
             asyncio.run(asyncio.wait_for(_text(eng, "aaa", "victim-last", params), 20))
-        wait_for(lambda: eng.is_dead, what="engine dead")
+        wait_for(lambda: eng.is_dead and heard, what="engine dead, its listener told")
+        assert heard == [eng.error] and isinstance(eng.error, StepFailed)
     finally:
         eng.shutdown()
 

@@ -228,6 +228,9 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     died: list[BaseException] = []
 
     def exit_on_death(error: BaseException) -> None:  # on the engine thread: uvicorn polls should_exit
+        if server.should_exit:  # stopping already (a signal): the engine's end is part of it, not a failure
+            logger.info("the engine stopped while the server shut down (%r)", error)
+            return
         died.append(error)
         logger.error("%s (%r): the server exits with status %d so that its service manager starts it again "
                      "(keep_alive_on_engine_death keeps it up)", ENGINE_DIED_LOG, error, ENGINE_DIED_EXIT)
