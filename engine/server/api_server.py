@@ -21,10 +21,12 @@ from engine.metrics import EngineMetrics
 from engine.server.cors import LOCAL_ORIGINS, origin_regex
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+                                    DetokenizeResponse, ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
+                                    TokenizeResponse)
 from engine.server.serving import ServingContext
 from engine.server.serving_chat import create_chat_completion, render_chat
 from engine.server.serving_completion import create_completion
+from engine.server.serving_responses import create_response
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -42,6 +44,11 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, raw: Request) -> Response:
     return await create_completion(_ctx(raw), req, raw)
+
+
+@router.post("/v1/responses")
+async def responses(req: ResponsesRequest, raw: Request) -> Response:
+    return await create_response(_ctx(raw), req, raw)
 
 
 @router.get("/v1/models")

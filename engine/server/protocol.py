@@ -431,6 +431,132 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+# ---- responses ----
+#: what a Responses ``input`` message's role becomes for the chat template ("developer" is OpenAI's newer "system")
+RESPONSES_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+def _input_message(item: Any) -> dict[str, str]:
+    """One Responses ``input`` item as a chat message ``{"role", "content"}``: an item of type "message" (or none)
+    whose content is text or a list of text parts ("input_text", "output_text"; joined by newlines, as chat's
+    text parts); ValueError for anything else."""
+    if not isinstance(item, dict):
+        raise ValueError(f"items must be messages (objects with role and content), got {type(item).__name__}")
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise ValueError(f"only message items are served, got {kind!r} (this server runs no tools and keeps no "
+                         "reasoning between requests on /v1/responses)")
+    role = item.get("role")
+    if role not in RESPONSES_ROLES:
+        raise ValueError(f"role must be user, assistant, system or developer, got {role!r}")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": RESPONSES_ROLES[role], "content": content}
+    if not isinstance(content, list):
+        raise ValueError("content must be text or a list of text parts")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise ValueError(f"only text parts (input_text, output_text) are served, got {kind!r}")
+        parts.append(part["text"])
+    return {"role": RESPONSES_ROLES[role], "content": "\n".join(parts)}
+
+
+class ResponsesRequest(SamplingRequest):
+    """``POST /v1/responses``: OpenAI's Responses API, the part a server without a response store or tools serves
+    (as vLLM's does without them): ``input`` as text (one user message) or a list of messages, ``instructions`` as
+    the system message before them, ``max_output_tokens``, ``text.format`` (text, json_object, json_schema), the
+    sampling fields and vLLM's extras as on the chat endpoint, ``stream``. Accepted and without effect: ``store``
+    (nothing is stored, so a response cannot be fetched or continued), ``reasoning``, ``metadata``, ``include``,
+    ``truncation``, ``parallel_tool_calls``. A 400 naming them: ``tools``, ``previous_response_id``,
+    ``conversation``, ``background``, ``top_logprobs`` above 0, ``n`` above 1 (not a Responses field)."""
+
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    #: {"format": {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "name", "schema", "strict"}}
+    text: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool = False
+    top_logprobs: int | None = None
+    store: bool = True
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None  # the Responses API's own ({"include_obfuscation"}): no effect
+
+    @field_validator("n")
+    @classmethod
+    def _one_answer(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("a response has one answer: n is not a Responses field (use /v1/chat/completions)")
+        return value
+
+    @field_validator("input")
+    @classmethod
+    def _messages(cls, value: str | list[Any]) -> list[dict[str, str]]:
+        """The input as chat messages (:func:`_input_message`); text is one user message."""
+        if isinstance(value, str):
+            return [{"role": "user", "content": value}]
+        if not value:
+            raise ValueError("must hold at least one message")
+        return [_input_message(item) for item in value]
+
+    @field_validator("text")
+    @classmethod
+    def _known_text_format(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        """A 400 naming it for another format type, a json_schema without a schema object, one (xgrammar
+        installed) that cannot be turned into a grammar, or a JSON format beside ``structured_outputs``."""
+        fmt = (value or {}).get("format") or {"type": "text"}
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"format.type must be text, json_object or json_schema, got {kind!r}")
+        if kind == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise ValueError('format json_schema needs {"name": ..., "schema": {...}}')
+            check(StructuredOutputsParams(json=fmt["schema"]))
+        if kind != "text" and info.data.get("structured_outputs"):
+            raise ValueError("give a JSON format or structured_outputs, not both")
+        return value
+
+    @field_validator("tools", "previous_response_id", "conversation", "background", "top_logprobs")
+    @classmethod
+    def _not_served(cls, value: Any, info: ValidationInfo) -> Any:
+        """400s naming what this server does not do on this endpoint (a silent answer would be another one)."""
+        if not value:
+            return value
+        name = info.field_name
+        if name == "tools":
+            raise ValueError("tools are not served on /v1/responses here: /v1/chat/completions serves them")
+        if name in ("previous_response_id", "conversation"):
+            raise ValueError("this server keeps no responses or conversations (store): send the whole "
+                             "conversation in input")
+        if name == "background":
+            raise ValueError("background responses are not supported")
+        raise ValueError("logprobs are not served on /v1/responses here: /v1/chat/completions serves them")
+
+    def text_format(self) -> dict[str, Any]:
+        """``text.format`` as given, ``{"type": "text"}`` when absent (what the response reports)."""
+        return (self.text or {}).get("format") or {"type": "text"}
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The engine's ``structured_outputs``: from ``text.format``, else from ``structured_outputs`` (vLLM's)."""
+        fmt = self.text_format()
+        if fmt["type"] == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt["type"] == "json_schema":
+            return StructuredOutputsParams(json=fmt["schema"])
+        return super().constraint()
+
+    def chat_messages(self) -> list[ChatMessage]:
+        """``instructions`` (as a system message) then the input's messages, for the chat template."""
+        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
+        return system + [ChatMessage(**m) for m in self.input]
+
+
 # ---- models, tokenizer ----
 class ModelCard(BaseModel):
     id: str

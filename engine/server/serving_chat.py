@@ -54,6 +54,17 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def reasoning_start(ctx: ServingContext, tokenizer: Any, req: Any, prompt: list[int]) -> bool | None:
+    """Whether the answer to ``prompt`` starts inside a ``<think>`` block (``reasoning.starts_open``), or None where
+    it is not split (the server's setting, or a constrained output: reasoning.py). Where the tags are special tokens
+    of the tokenizer, ``req.skip_special_tokens`` is turned off, to keep them to split on."""
+    if not ctx.splits_reasoning(tokenizer) or req.constraint() is not None:
+        return None
+    if {reasoning.START, reasoning.END} & set(getattr(tokenizer, "all_special_tokens", [])):
+        req.skip_special_tokens = False
+    return reasoning.starts_open(tokenizer.decode(prompt[-PROMPT_TAIL:]))
+
+
 def _for_template(message: dict[str, Any], text: str) -> dict[str, Any]:
     """A message as chat templates take it: its text as ``content``, and the ``arguments`` of the tool calls an
     assistant message carries back as objects, not JSON text (as vLLM: templates serialize them with ``tojson``)."""
@@ -84,11 +95,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                            code="invalid_value")
         req.skip_special_tokens = False  # as vLLM's hermes parser: a model's <tool_call> may be a special token
     prompt = render_chat(llm.tokenizer, req)
-    # reasoning split off free text only (reasoning.py): where the prompt leaves a <think> block open, or not
-    think = ctx.splits_reasoning(llm.tokenizer) and req.constraint() is None
-    open_ = reasoning.starts_open(llm.tokenizer.decode(prompt[-PROMPT_TAIL:])) if think else None
-    if think and {reasoning.START, reasoning.END} & set(getattr(llm.tokenizer, "all_special_tokens", [])):
-        req.skip_special_tokens = False  # the tags are special tokens of this tokenizer: keep them to split on
+    open_ = reasoning_start(ctx, llm.tokenizer, req, prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     try:

@@ -1,0 +1,220 @@
+"""``POST /v1/responses`` (OpenAI's Responses API): input messages -> chat template -> one engine request -> a
+``response`` object, or its stream of typed events.
+
+The answer becomes the response's ``output``: a thinking model's reasoning as a "reasoning" item (its text in one
+``reasoning_text`` part), then the answer as a "message" item with one ``output_text`` part. An answer cut at
+``max_output_tokens`` is ``status: "incomplete"`` with ``incomplete_details.reason: "max_output_tokens"``. Streamed
+(``stream: true``), the events are OpenAI's, each an SSE ``event:`` line naming its ``type`` and a ``data:`` line
+with a ``sequence_number`` from 0: ``response.created``, ``response.in_progress``; per item
+``response.output_item.added``, its text's deltas (``response.reasoning_text.delta``, or for the message
+``response.content_part.added`` then ``response.output_text.delta``), their ``.done`` events and
+``response.output_item.done``; last ``response.completed`` with the whole response, whatever its status (as vLLM;
+the OpenAI SDK's stream helper needs that event).
+An error after the stream started is an ``error`` event. Nothing is stored (``store`` has no effect).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic_core import PydanticSerializationError
+from sse_starlette import EventSourceResponse
+
+from engine.async_engine import RequestStream
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server import reasoning
+from engine.server.errors import APIError
+from engine.server.protocol import ChatCompletionRequest, ResponsesRequest
+from engine.server.serving import (DeltaTracker, ServingContext, as_api_error, build_params, collect, merge,
+                                   submit)
+from engine.server.serving_chat import reasoning_start, render_chat
+
+logger = logging.getLogger(__name__)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request) -> Response:
+    """Answer one Responses request (JSON, or SSE events when ``stream``). Errors: ``APIError`` (404/400/503)."""
+    ctx.check_model(req.model)
+    llm = ctx.ready_engine()
+    chat = ChatCompletionRequest.model_construct(messages=req.chat_messages())  # the chat endpoint's defaults
+    prompt = render_chat(llm.tokenizer, chat)
+    open_ = reasoning_start(ctx, llm.tokenizer, req, prompt)
+    try:
+        params = build_params(req.sampling_params, req.max_output_tokens, None, llm.default_sampling, None)
+    except APIError as e:  # name the request's own field for the answer's length
+        if e.param == "max_tokens":
+            e.param, e.message = "max_output_tokens", "max_output_tokens" + e.message.removeprefix("max_tokens")
+        raise
+    head = _Head(_id("resp"), int(time.time()), ctx.model_name, req, params)
+    streams = await submit(ctx, [prompt], params, head.id, "input")
+    if req.stream:
+        return EventSourceResponse(_framed(_events(head, streams, open_)), sep="\n")
+    finals = await collect(streams, raw)
+    if finals is None:
+        return Response(status_code=499)  # client closed the connection; nobody reads this
+    final = finals[0]
+    choice = final.outputs[0]
+    thought, text = reasoning.split(choice.text, open_) if open_ is not None else (None, choice.text)
+    items = []
+    if thought is not None:
+        items.append(_reasoning_item(_id("rs"), thought, "completed"))
+    if text is not None:
+        items.append(_message_item(_id("msg"), text, _item_status(choice.finish_reason)))
+    return JSONResponse(head.response(items, choice.finish_reason, final))
+
+
+class _Head:
+    """What every ``response`` object of one request repeats: id, creation time (s), model, the request's
+    settings as the engine took them (temperature and top_p after the model's generation config)."""
+
+    def __init__(self, response_id: str, created: int, model: str, req: ResponsesRequest,
+                 params: SamplingParams) -> None:
+        self.id, self.created, self.model, self.req, self.params = response_id, created, model, req, params
+
+    def response(self, output: list[dict], finish_reason: str | None, final: RequestOutput | None) -> dict[str, Any]:
+        """The ``response`` object: in progress while ``final`` is None, else completed, or incomplete where the
+        answer was cut at ``max_output_tokens`` (``finish_reason`` "length"), with the usage."""
+        status = "in_progress" if final is None else _item_status(finish_reason)
+        req = self.req
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
+            "output": output, "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
+            "store": False, "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "text": {"format": req.text_format()}, "tool_choice": "auto", "tools": [], "truncation": "disabled",
+            "metadata": req.metadata, "user": req.user, "usage": None if final is None else _usage(final),
+        }
+
+
+def _item_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _usage(final: RequestOutput) -> dict[str, Any]:
+    """Token counts; ``reasoning_tokens`` is not counted (0): the reasoning is split off the text, not the ids."""
+    prompt, output = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + output}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The answer as a "message" item; ``text`` None: added, its part not yet (streaming)."""
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [] if text is None else [_text_part(text)]}
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
+
+
+class _Item:
+    """One output item being streamed: its id, index in ``output``, text so far, and whether it is open."""
+
+    def __init__(self, kind: str, index: int) -> None:
+        self.kind, self.index, self.id, self.text = kind, index, _id("rs" if kind == "reasoning" else "msg"), ""
+
+    def whole(self, status: str) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return _reasoning_item(self.id, self.text, status)
+        return _message_item(self.id, self.text, status)
+
+
+async def _events(head: _Head, streams: list[RequestStream], open_: bool | None) -> AsyncIterator[dict[str, Any]]:
+    """The response's stream events (module doc) as dicts with their ``type``; ``sequence_number`` is added when
+    they are framed (:func:`_framed`)."""
+    yield {"type": "response.created", "response": head.response([], None, None)}
+    yield {"type": "response.in_progress", "response": head.response([], None, None)}
+    split = reasoning.StreamSplit(open_) if open_ is not None else None
+    tracker, done, final, open_item = DeltaTracker(1), [], None, None
+
+    def opening(kind: str) -> list[dict[str, Any]]:
+        nonlocal open_item
+        open_item = _Item(kind, len(done))
+        events = [{"type": "response.output_item.added", "output_index": open_item.index,
+                   "item": open_item.whole("in_progress") | {"content": []}}]
+        if kind == "message":
+            events.append({"type": "response.content_part.added", "item_id": open_item.id,
+                           "output_index": open_item.index, "content_index": 0, "part": _text_part("")})
+        return events
+
+    def closing(status: str) -> list[dict[str, Any]]:
+        nonlocal open_item
+        item, open_item = open_item, None
+        where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
+        if item.kind == "reasoning":
+            events = [{"type": "response.reasoning_text.done", **where, "text": item.text}]
+        else:
+            events = [{"type": "response.output_text.done", **where, "text": item.text, "logprobs": []},
+                      {"type": "response.content_part.done", **where, "part": _text_part(item.text)}]
+        done.append(item.whole(status))
+        return events + [{"type": "response.output_item.done", "output_index": item.index, "item": done[-1]}]
+
+    def adding(kind: str, delta: str) -> list[dict[str, Any]]:
+        events = []
+        if open_item is not None and open_item.kind != kind:
+            events += closing("completed")
+        if open_item is None:
+            events += opening(kind)
+        open_item.text += delta
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return events + [{"type": name, "item_id": open_item.id, "output_index": open_item.index,
+                          "content_index": 0, "delta": delta, **extra}]
+
+    async for _, out in merge(streams):
+        final = out
+        for d in tracker.update(0, out):
+            finished = d.finish_reason is not None
+            thought, said = split.delta(d.choice.text, finished) if split else (None, d.text or None)
+            for kind, delta in (("reasoning", thought), ("message", said)):
+                if delta:
+                    for event in adding(kind, delta):
+                        yield event
+            if finished:
+                if split is None and not done and open_item is None:  # an empty answer is an empty message
+                    for event in opening("message"):
+                        yield event
+                if open_item is not None:
+                    for event in closing(_item_status(d.finish_reason)):
+                        yield event
+    reason = final.outputs[0].finish_reason if final is not None else None
+    # response.completed also where the status is "incomplete", as vLLM: the SDK's stream helper
+    # (client.responses.stream) needs it to give a final response
+    yield {"type": "response.completed", "response": head.response(done, reason, final)}
+
+
+async def _framed(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    """SSE frames: ``event: <type>`` and ``data: <json>`` with a ``sequence_number`` from 0; an error once the
+    stream started is an ``error`` event (its code, message and param), the last."""
+    numbers = itertools.count()
+    try:
+        async for event in events:
+            body = {"type": event["type"], "sequence_number": next(numbers), **event}
+            yield {"event": event["type"], "data": json.dumps(body, ensure_ascii=False)}
+    except Exception as e:  # noqa: BLE001 - headers are sent; the error goes in the stream
+        err = e if isinstance(e, PydanticSerializationError) else as_api_error(e)
+        if not isinstance(err, APIError):
+            logger.exception("error while streaming a response (a bug)", exc_info=e)
+            err = APIError(500, f"Internal server error: {e!r}")
+        body = {"type": "error", "sequence_number": next(numbers), "code": err.code, "message": err.message,
+                "param": err.param}
+        yield {"event": "error", "data": json.dumps(body, ensure_ascii=False)}

@@ -1,0 +1,161 @@
+"""``POST /v1/responses`` against the fake engine, read through the OpenAI SDK where it parses it: the answer the
+chat endpoint gives for the same messages, incomplete at ``max_output_tokens``, the stream's events (their order,
+numbers, and what the SDK's stream helper rebuilds from them), reasoning as its own item, structured output, and
+400s naming what is not served."""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+
+from engine.server.api_server import build_app
+from test_server_fakes import FakeEngine, ServerThread, started_engine
+
+
+@contextmanager
+def server(fake: FakeEngine | None = None, **app_kw):
+    fake = fake or FakeEngine(max_model_len=256)
+    with started_engine(fake) as engine, ServerThread(build_app(engine, **app_kw)) as url:
+        yield url, fake, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def chat(url: str, messages: list[dict], **options) -> dict:
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "fake-model", "messages": messages, **options})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def events(url: str, body: dict) -> list[tuple[str, dict]]:
+    """The stream's (event name, data) pairs."""
+    out, name = [], None
+    with httpx.stream("POST", url + "/v1/responses", json={"model": "fake-model", "stream": True, **body}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                out.append((name, json.loads(line[5:])))
+    return out
+
+
+def test_a_response_answers_as_the_chat_endpoint_does():
+    with server() as (url, fake, client):
+        resp = client.responses.create(model="fake-model", input="Hello", instructions="Be brief.", temperature=0)
+        want = chat(url, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+                    temperature=0)
+    assert resp.output_text == want["choices"][0]["message"]["content"] and resp.status == "completed"
+    assert resp.id.startswith("resp_") and resp.object == "response" and resp.model == "fake-model"
+    assert [item.type for item in resp.output] == ["message"] and resp.output[0].id.startswith("msg_")
+    assert resp.output[0].status == "completed" and resp.incomplete_details is None
+    assert (resp.usage.input_tokens, resp.usage.output_tokens) == (want["usage"]["prompt_tokens"],
+                                                                   want["usage"]["completion_tokens"])
+    assert resp.usage.total_tokens == want["usage"]["total_tokens"] and resp.temperature == 0.0
+    assert resp.instructions == "Be brief." and resp.store is False and resp.tools == []
+
+
+def test_input_messages_take_text_parts_and_developer_is_system():
+    messages = [{"role": "developer", "content": [{"type": "input_text", "text": "Rules."}]},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                                {"type": "input_text", "text": "b"}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "c"}]},
+                {"role": "user", "content": "d"}]
+    with server() as (url, fake, client):
+        resp = client.responses.create(model="fake-model", input=messages, max_output_tokens=30)
+        want = chat(url, [{"role": "system", "content": "Rules."}, {"role": "user", "content": "a\nb"},
+                          {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}], max_tokens=30)
+    assert resp.output_text == want["choices"][0]["message"]["content"]
+
+
+def test_an_answer_cut_at_max_output_tokens_is_incomplete():
+    with server() as (url, fake, client):
+        resp = client.responses.create(model="fake-model", input="Hello", max_output_tokens=5)
+    assert (resp.status, resp.incomplete_details.reason, resp.output[0].status) == ("incomplete",
+                                                                                    "max_output_tokens", "incomplete")
+    assert len(resp.output_text) == 5 and resp.usage.output_tokens == 5 and resp.max_output_tokens == 5
+
+
+def test_the_stream_is_openai_s_events_and_adds_up_to_the_response():
+    with server() as (url, fake, client):
+        whole = client.responses.create(model="fake-model", input="Hello", max_output_tokens=12)
+        got = events(url, {"input": "Hello", "max_output_tokens": 12})
+        with client.responses.stream(model="fake-model", input="Hello", max_output_tokens=12) as stream:
+            for _ in stream:
+                pass
+            rebuilt = stream.get_final_response()
+    names = [name for name, _ in got]
+    assert all(name == data["type"] for name, data in got)
+    assert [data["sequence_number"] for _, data in got] == list(range(len(got)))
+    deltas = [data for name, data in got if name == "response.output_text.delta"]
+    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and len(deltas) >= 1
+    assert names[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
+                                       "response.output_item.done", "response.completed"]
+    assert "".join(d["delta"] for d in deltas) == whole.output_text == rebuilt.output_text
+    final = got[-1][1]["response"]
+    assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 12
+    assert got[0][1]["response"]["status"] == "in_progress" and got[0][1]["response"]["id"] == final["id"]
+    item = final["output"][0]
+    assert item["id"] == deltas[0]["item_id"] == got[-2][1]["item"]["id"] and item["content"][0]["text"] == \
+        whole.output_text
+    assert rebuilt.status == "incomplete"
+
+
+def test_reasoning_is_an_item_of_its_own_streamed_or_not():
+    fake = FakeEngine(max_model_len=256, reply="<think>why not</think>the answer")
+    with server(fake, reasoning_parser="deepseek_r1") as (url, _, client):
+        resp = client.responses.create(model="fake-model", input="q")
+        got = events(url, {"input": "q"})
+        with client.responses.stream(model="fake-model", input="q") as stream:
+            for _ in stream:
+                pass
+            rebuilt = stream.get_final_response()
+    for r in (resp, rebuilt):
+        assert [item.type for item in r.output] == ["reasoning", "message"] and r.output_text == "the answer"
+        assert r.output[0].content[0].text == "why not" and r.output[0].id.startswith("rs_")
+    thought = "".join(d["delta"] for n, d in got if n == "response.reasoning_text.delta")
+    said = "".join(d["delta"] for n, d in got if n == "response.output_text.delta")
+    assert (thought, said) == ("why not", "the answer")
+    indices = [d["output_index"] for n, d in got if n == "response.output_item.done"]
+    assert indices == [0, 1] and got[-1][0] == "response.completed"
+
+
+def test_a_json_schema_format_constrains_the_answer():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with server() as (url, fake, client):
+        resp = client.responses.create(model="fake-model", input="q", max_output_tokens=4,
+                                       text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
+    assert fake.params[-1].structured_outputs.json == schema
+    assert resp.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": "q", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "chat/completions"),
+    ({"input": "q", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+    ({"input": "q", "background": True}, "background", "not supported"),
+    ({"input": "q", "top_logprobs": 2}, "top_logprobs", "logprobs are not served"),
+    ({"input": "q", "n": 2}, "n", "one answer"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
+     "only text parts"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input", "only message items"),
+    ({"input": []}, "input", "at least one message"),
+    ({"input": "q", "text": {"format": {"type": "xml"}}}, "text", "format.type must be"),
+    ({"input": "q", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"input": "x" * 300}, "input", "maximum context length"),
+])
+def test_what_is_not_served_is_a_400_naming_it(body, param, words):
+    with server() as (url, fake, client):
+        r = httpx.post(url + "/v1/responses", json={"model": "fake-model", **body})
+        missing = httpx.post(url + "/v1/responses", json={"model": "other", "input": "q"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
+    assert missing.status_code == 404 and fake.generation_tokens_total == 0
+
+
+def test_an_engine_failing_mid_stream_ends_it_with_an_error_event():
+    with server(FakeEngine(max_model_len=256, fail_at_step=3)) as (url, fake, client):
+        got = events(url, {"input": "q", "max_output_tokens": 20})
+    assert got[-1][0] == "error" and got[-1][1]["code"] == "engine_dead"
+    assert [d["sequence_number"] for _, d in got] == list(range(len(got)))
+    assert "response.completed" not in [name for name, _ in got]
