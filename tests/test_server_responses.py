@@ -144,6 +144,8 @@ def test_a_json_schema_format_constrains_the_answer():
     ({"input": "q", "text": {"format": {"type": "xml"}}}, "text", "format.type must be"),
     ({"input": "q", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"input": "x" * 300}, "input", "maximum context length"),
+    ({"input": "q", "response_format": {"type": "json_object"}}, "response_format", "text.format"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "at least one message"),
 ])
 def test_what_is_not_served_is_a_400_naming_it(body, param, words):
     with server() as (url, fake, client):
@@ -159,3 +161,52 @@ def test_an_engine_failing_mid_stream_ends_it_with_an_error_event():
     assert got[-1][0] == "error" and got[-1][1]["code"] == "engine_dead"
     assert [d["sequence_number"] for _, d in got] == list(range(len(got)))
     assert "response.completed" not in [name for name, _ in got]
+
+
+def test_strict_sdk_models_parse_the_response_and_every_event():
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    with server() as (url, fake, client):
+        body = httpx.post(url + "/v1/responses", json={"model": "fake-model", "input": "Hello"}).json()
+        got = events(url, {"input": "Hello", "stream_options": {"include_obfuscation": False}})
+    Response.model_validate(body, strict=True)
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for _, data in got:
+        adapter.validate_python(data, strict=True)
+    assert got[-1][0] == "response.completed"
+
+
+def test_reasoning_sent_back_is_left_out_and_empty_instructions_add_nothing():
+    fake = FakeEngine(max_model_len=256, reply="<think>hm</think>yes")
+    with server(fake, reasoning_parser="deepseek_r1") as (url, _, client):
+        first = client.responses.create(model="fake-model", input="q")
+        again = client.responses.create(model="fake-model", instructions="",
+                                        input=[{"role": "user", "content": "q"}, *[i.model_dump() for i in
+                                                                                   first.output],
+                                               {"role": "user", "content": "more"}])
+        want = chat(url, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "yes"},
+                          {"role": "user", "content": "more"}])
+    assert [i.type for i in first.output] == ["reasoning", "message"]
+    assert again.usage.input_tokens == want["usage"]["prompt_tokens"]
+
+
+def test_a_max_output_tokens_past_the_context_is_cut_to_what_it_holds():
+    with server(FakeEngine(max_model_len=80, reply="x" * 200)) as (url, fake, client):
+        resp = client.responses.create(model="fake-model", input="Hello", max_output_tokens=1000)
+    assert resp.status == "incomplete" and resp.usage.total_tokens == 80 and resp.max_output_tokens == 1000
+
+
+@pytest.mark.parametrize("reply, limit, kinds, statuses, text", [
+    ("<think>why not</think>yes", 10, ["reasoning"], ["incomplete"], ""),  # cut inside the reasoning
+    ("", None, ["message"], ["completed"], ""),  # nothing said: an empty message
+])
+def test_edge_answers_stream_as_they_answer(reply, limit, kinds, statuses, text):
+    fake = FakeEngine(max_model_len=256, reply=reply)
+    with server(fake, reasoning_parser="deepseek_r1") as (url, _, client):
+        resp = client.responses.create(model="fake-model", input="q", max_output_tokens=limit)
+        got = events(url, {"input": "q", "max_output_tokens": limit})
+    streamed = got[-1][1]["response"]["output"]
+    for output in (resp.model_dump()["output"], streamed):
+        assert [i["type"] for i in output] == kinds and [i["status"] for i in output] == statuses
+    assert resp.output_text == text

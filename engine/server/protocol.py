@@ -436,13 +436,16 @@ class CompletionResponse(BaseModel):
 RESPONSES_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-def _input_message(item: Any) -> dict[str, str]:
+def _input_message(item: Any) -> dict[str, str] | None:
     """One Responses ``input`` item as a chat message ``{"role", "content"}``: an item of type "message" (or none)
-    whose content is text or a list of text parts ("input_text", "output_text"; joined by newlines, as chat's
-    text parts); ValueError for anything else."""
+    whose content is text or a list of text parts ("input_text", "output_text", or chat's "text"; joined by
+    newlines, as chat's text parts). None for a "reasoning" item (an earlier answer's, sent back with it: the
+    chat templates drop past reasoning too). ValueError for anything else."""
     if not isinstance(item, dict):
         raise ValueError(f"items must be messages (objects with role and content), got {type(item).__name__}")
     kind = item.get("type", "message")
+    if kind == "reasoning":  # an earlier answer's reasoning sent back (vLLM's multi-turn example): left out
+        return None
     if kind != "message":
         raise ValueError(f"only message items are served, got {kind!r} (this server runs no tools and keeps no "
                          "reasoning between requests on /v1/responses)")
@@ -468,9 +471,10 @@ class ResponsesRequest(SamplingRequest):
     (as vLLM's does without them): ``input`` as text (one user message) or a list of messages, ``instructions`` as
     the system message before them, ``max_output_tokens``, ``text.format`` (text, json_object, json_schema), the
     sampling fields and vLLM's extras as on the chat endpoint, ``stream``. Accepted and without effect: ``store``
-    (nothing is stored, so a response cannot be fetched or continued), ``reasoning``, ``metadata``, ``include``,
-    ``truncation``, ``parallel_tool_calls``. A 400 naming them: ``tools``, ``previous_response_id``,
-    ``conversation``, ``background``, ``top_logprobs`` above 0, ``n`` above 1 (not a Responses field)."""
+    (nothing is stored, so a response cannot be fetched or continued), ``reasoning``, ``metadata``,
+    ``stream_options``; ``include``, ``truncation`` and ``parallel_tool_calls`` are ignored as unknown fields. A
+    400 naming them: ``tools``, ``previous_response_id``, ``conversation``, ``background``, ``top_logprobs`` above
+    0, ``n`` above 1 and chat's ``response_format`` (not Responses fields; ``text.format`` is)."""
 
     input: str | list[Any]
     instructions: str | None = None
@@ -486,7 +490,6 @@ class ResponsesRequest(SamplingRequest):
     store: bool = True
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
-    stream_options: dict[str, Any] | None = None  # the Responses API's own ({"include_obfuscation"}): no effect
 
     @field_validator("n")
     @classmethod
@@ -501,9 +504,10 @@ class ResponsesRequest(SamplingRequest):
         """The input as chat messages (:func:`_input_message`); text is one user message."""
         if isinstance(value, str):
             return [{"role": "user", "content": value}]
-        if not value:
+        messages = [m for m in map(_input_message, value) if m is not None]
+        if not messages:
             raise ValueError("must hold at least one message")
-        return [_input_message(item) for item in value]
+        return messages
 
     @field_validator("text")
     @classmethod
@@ -520,6 +524,13 @@ class ResponsesRequest(SamplingRequest):
             check(StructuredOutputsParams(json=fmt["schema"]))
         if kind != "text" and info.data.get("structured_outputs"):
             raise ValueError("give a JSON format or structured_outputs, not both")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _chat_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            raise ValueError("response_format is the chat endpoint's: here text.format says it")
         return value
 
     @field_validator("tools", "previous_response_id", "conversation", "background", "top_logprobs")
@@ -553,7 +564,7 @@ class ResponsesRequest(SamplingRequest):
 
     def chat_messages(self) -> list[ChatMessage]:
         """``instructions`` (as a system message) then the input's messages, for the chat template."""
-        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
+        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []  # vLLM
         return system + [ChatMessage(**m) for m in self.input]
 
 

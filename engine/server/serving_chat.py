@@ -28,11 +28,11 @@ PROMPT_TAIL = 16
 
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, field: str = "messages") -> list[int]:
     """Prompt token ids: the tokenizer's chat template (with the request's ``chat_template_kwargs``), ending with
     the assistant turn's header (``add_generation_prompt``) or inside the last message (``continue_final_message``),
     encoded without extra special tokens unless asked (the template has them). A template error is a 400 on
-    ``messages``."""
+    ``field`` (the request's name for the messages)."""
     if req.add_generation_prompt and req.continue_final_message:  # vLLM's rule: one or the other
         raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
                        "`add_generation_prompt` to true", param="continue_final_message")
@@ -48,9 +48,9 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
                                              continue_final_message=req.continue_final_message, tokenize=False,
                                              **kwargs)
     except ValueError as e:
-        raise bad_value(e, "messages") from e
+        raise bad_value(e, field) from e
     except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages it refuses
-        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from e
+        raise APIError(400, f"{field}: the chat template rejected them: {e}", param=field) from e
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

@@ -3,12 +3,13 @@
 
 The answer becomes the response's ``output``: a thinking model's reasoning as a "reasoning" item (its text in one
 ``reasoning_text`` part), then the answer as a "message" item with one ``output_text`` part. An answer cut at
-``max_output_tokens`` is ``status: "incomplete"`` with ``incomplete_details.reason: "max_output_tokens"``. Streamed
+``max_output_tokens`` is ``status: "incomplete"`` with ``incomplete_details.reason: "max_output_tokens"`` (and so
+is the item it was cut in); a ``max_output_tokens`` past the context is cut to what it holds (vLLM's rule here). Streamed
 (``stream: true``), the events are OpenAI's, each an SSE ``event:`` line naming its ``type`` and a ``data:`` line
 with a ``sequence_number`` from 0: ``response.created``, ``response.in_progress``; per item
-``response.output_item.added``, its text's deltas (``response.reasoning_text.delta``, or for the message
-``response.content_part.added`` then ``response.output_text.delta``), their ``.done`` events and
-``response.output_item.done``; last ``response.completed`` with the whole response, whatever its status (as vLLM;
+``response.output_item.added``, ``response.content_part.added`` (a ``reasoning_text`` or ``output_text`` part),
+its text's deltas (``response.reasoning_text.delta`` or ``response.output_text.delta``), their ``.done`` events,
+``response.content_part.done`` and ``response.output_item.done``; last ``response.completed`` with the whole response, whatever its status (as vLLM;
 the OpenAI SDK's stream helper needs that event).
 An error after the stream started is an ``error`` event. Nothing is stored (``store`` has no effect).
 """
@@ -49,10 +50,16 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
     chat = ChatCompletionRequest.model_construct(messages=req.chat_messages())  # the chat endpoint's defaults
-    prompt = render_chat(llm.tokenizer, chat)
+    prompt = render_chat(llm.tokenizer, chat, field="input")
     open_ = reasoning_start(ctx, llm.tokenizer, req, prompt)
+    keep = req.truncate_prompt_tokens  # vLLM's: the engine keeps the prompt's last k tokens (-1: max_model_len)
+    kept = len(prompt) if keep is None else min(len(prompt), llm.max_model_len if keep == -1 else keep)
+    room = llm.max_model_len - kept
+    max_tokens = req.max_output_tokens
+    if max_tokens is not None and room >= 1:  # vLLM's rule here (unlike chat's 400): what the context has room for
+        max_tokens = min(max_tokens, room)
     try:
-        params = build_params(req.sampling_params, req.max_output_tokens, None, llm.default_sampling, None)
+        params = build_params(req.sampling_params, max_tokens, None, llm.default_sampling, None)
     except APIError as e:  # name the request's own field for the answer's length
         if e.param == "max_tokens":
             e.param, e.message = "max_output_tokens", "max_output_tokens" + e.message.removeprefix("max_tokens")
@@ -71,7 +78,8 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     if thought is not None:
         items.append(_reasoning_item(_id("rs"), thought, "completed"))
     if text is not None:
-        items.append(_message_item(_id("msg"), text, _item_status(choice.finish_reason)))
+        items.append(_message_item(_id("msg"), text, "completed"))
+    items[-1]["status"] = _item_status(choice.finish_reason)  # the item an answer cut short was cut in
     return JSONResponse(head.response(items, choice.finish_reason, final))
 
 
@@ -106,7 +114,8 @@ def _item_status(finish_reason: str | None) -> str:
 def _usage(final: RequestOutput) -> dict[str, Any]:
     """Token counts; ``reasoning_tokens`` is not counted (0): the reasoning is split off the text, not the ids."""
     prompt, output = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0, "cache_write_tokens": 0},
             "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + output}
 
@@ -132,6 +141,9 @@ class _Item:
     def __init__(self, kind: str, index: int) -> None:
         self.kind, self.index, self.id, self.text = kind, index, _id("rs" if kind == "reasoning" else "msg"), ""
 
+    def part(self, text: str) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": text} if self.kind == "reasoning" else _text_part(text)
+
     def whole(self, status: str) -> dict[str, Any]:
         if self.kind == "reasoning":
             return _reasoning_item(self.id, self.text, status)
@@ -150,10 +162,9 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None)
         nonlocal open_item
         open_item = _Item(kind, len(done))
         events = [{"type": "response.output_item.added", "output_index": open_item.index,
-                   "item": open_item.whole("in_progress") | {"content": []}}]
-        if kind == "message":
-            events.append({"type": "response.content_part.added", "item_id": open_item.id,
-                           "output_index": open_item.index, "content_index": 0, "part": _text_part("")})
+                   "item": open_item.whole("in_progress") | {"content": []}},
+                  {"type": "response.content_part.added", "item_id": open_item.id, "output_index": open_item.index,
+                   "content_index": 0, "part": open_item.part("")}]
         return events
 
     def closing(status: str) -> list[dict[str, Any]]:
@@ -163,8 +174,8 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None)
         if item.kind == "reasoning":
             events = [{"type": "response.reasoning_text.done", **where, "text": item.text}]
         else:
-            events = [{"type": "response.output_text.done", **where, "text": item.text, "logprobs": []},
-                      {"type": "response.content_part.done", **where, "part": _text_part(item.text)}]
+            events = [{"type": "response.output_text.done", **where, "text": item.text, "logprobs": []}]
+        events.append({"type": "response.content_part.done", **where, "part": item.part(item.text)})
         done.append(item.whole(status))
         return events + [{"type": "response.output_item.done", "output_index": item.index, "item": done[-1]}]
 
@@ -190,9 +201,12 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None)
                     for event in adding(kind, delta):
                         yield event
             if finished:
-                if split is None and not done and open_item is None:  # an empty answer is an empty message
-                    for event in opening("message"):
-                        yield event
+                said_any = any(item["type"] == "message" for item in done) or (
+                    open_item is not None and open_item.kind == "message")
+                if not said_any and (split is None or reasoning.split(d.choice.text, open_)[1] is not None):
+                    for event in adding("message", ""):  # an empty answer is an empty message, as not streamed
+                        if event["type"] != "response.output_text.delta":
+                            yield event
                 if open_item is not None:
                     for event in closing(_item_status(d.finish_reason)):
                         yield event
