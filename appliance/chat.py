@@ -1,11 +1,12 @@
 """``appliance chat``: talk to the running server from a terminal, as ``ollama run`` does.
 
-A :class:`ChatSession` keeps the conversation (OpenAI chat messages) and streams each answer from
-``POST /v1/chat/completions`` (SSE, ``data: {...}`` chunks then ``data: [DONE]``; design.md §3), writing the text as
-it comes: a thinking model's reasoning (the chunks' ``reasoning`` field, engine/server/reasoning.py) between
-"Thinking..." and "...done thinking." as ``ollama run`` writes it (:class:`AnswerWriter`), then the answer. :func:`repl` reads the user's turns: ``/bye`` (or end of input) ends it, ``/clear`` forgets the
-conversation, ``\"\"\"`` opens and closes a message of several lines; Ctrl-C stops the answer being written (its
-request is aborted on the server when the connection closes) and leaves it out of the conversation.
+A :class:`ChatSession` keeps the conversation (OpenAI chat messages) and streams each answer from ``POST
+/v1/chat/completions`` (SSE, ``data: {...}`` chunks then ``data: [DONE]``; design.md §3), writing the text as it
+comes: a thinking model's reasoning (the chunks' ``reasoning`` field, engine/server/reasoning.py) between
+"Thinking..." and "...done thinking." as ``ollama run`` writes it (:class:`AnswerWriter`), then the answer.
+:func:`repl` reads the user's turns: ``/bye`` (or end of input) ends it, ``/clear`` forgets the conversation,
+``\"\"\"`` opens and closes a message of several lines; Ctrl-C stops the answer being written (its request is
+aborted on the server when the connection closes) and leaves it out of the conversation.
 """
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ def test_main_passes_keep_alive_on_engine_death(monkeypatch):
     from engine.server import __main__ as server_main
 
     started = []
-    monkeypatch.setattr(server_main, "run_server", lambda config, **kw: started.append(kw["keep_alive_on_engine_death"]))
+    monkeypatch.setattr(server_main, "run_server",
+                        lambda config, **kw: started.append(kw["keep_alive_on_engine_death"]))
     server_main.main(["--model", "/m"])
     server_main.main(["--model", "/m", "--keep-alive-on-engine-death"])
     assert started == [False, True]

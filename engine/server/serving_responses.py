@@ -3,15 +3,15 @@
 
 The answer becomes the response's ``output``: a thinking model's reasoning as a "reasoning" item (its text in one
 ``reasoning_text`` part), then the answer as a "message" item with one ``output_text`` part. An answer cut at
-``max_output_tokens`` is ``status: "incomplete"`` with ``incomplete_details.reason: "max_output_tokens"`` (and so
-is the item it was cut in); a ``max_output_tokens`` past the context is cut to what it holds (vLLM's rule here). Streamed
-(``stream: true``), the events are OpenAI's, each an SSE ``event:`` line naming its ``type`` and a ``data:`` line
-with a ``sequence_number`` from 0: ``response.created``, ``response.in_progress``; per item
-``response.output_item.added``, ``response.content_part.added`` (a ``reasoning_text`` or ``output_text`` part),
-its text's deltas (``response.reasoning_text.delta`` or ``response.output_text.delta``), their ``.done`` events,
-``response.content_part.done`` and ``response.output_item.done``; last ``response.completed`` with the whole response, whatever its status (as vLLM;
-the OpenAI SDK's stream helper needs that event).
-An error after the stream started is an ``error`` event. Nothing is stored (``store`` has no effect).
+``max_output_tokens`` is ``status: "incomplete"`` with ``incomplete_details.reason: "max_output_tokens"`` (and so is
+the item it was cut in); a ``max_output_tokens`` past the context is cut to what it holds (vLLM's rule here).
+Streamed (``stream: true``), the events are OpenAI's, each an SSE ``event:`` line naming its ``type`` and a
+``data:`` line with a ``sequence_number`` from 0: ``response.created``, ``response.in_progress``; per item
+``response.output_item.added``, ``response.content_part.added`` (a ``reasoning_text`` or ``output_text`` part), its
+text's deltas (``response.reasoning_text.delta`` or ``response.output_text.delta``), their ``.done`` events,
+``response.content_part.done`` and ``response.output_item.done``; last ``response.completed`` with the whole
+response, whatever its status (as vLLM; the OpenAI SDK's stream helper needs that event). An error after the stream
+started is an ``error`` event. Nothing is stored (``store`` has no effect).
 """
 from __future__ import annotations
 
