@@ -154,35 +154,42 @@ def test_a_killed_engine_process_makes_the_real_server_exit_with_status_1(demo_m
     assert code == ENGINE_DIED_EXIT and ENGINE_DIED_LOG in err and "EngineProcessDied" in err
 
 
-def test_sigterm_to_the_group_while_a_request_streams_is_no_engine_death(demo_model):
-    """`systemctl stop` / `appliance stop` signal every process of the group. The engine process, serving, ignores
-    SIGTERM and ends when the server goes, so nothing reads as an engine death: no error logged, the server ends
-    by the signal as it always did (its streams end at the shutdown: sse-starlette closes them)."""
+def test_sigterm_to_the_group_lets_a_streaming_answer_finish_and_is_no_engine_death(demo_model):
+    """`systemctl stop` / `restart` and `appliance stop` signal every process of the group. The engine process,
+    serving, ignores SIGTERM and ends when the server goes; the stream gets ``STREAM_GRACE_S`` to finish, so a short
+    answer ends normally (all its tokens, then ``[DONE]``); nothing reads as an engine death."""
     import os
     import threading
 
+    from engine.server.serving import STREAM_GRACE_S
+
     proc, url = _demo_server(demo_model)
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
-            "stream": True}
-    first = threading.Event()
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    events, first = [], threading.Event()
 
     def stream():
         req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                for line in resp:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            for line in resp:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip())
                     first.set()
-        except OSError:
-            pass
 
     reader = threading.Thread(target=stream, daemon=True)
     try:
         reader.start()
         assert first.wait(60)
+        stopped = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
+        reader.join(30)
         code, err = _stop(proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+    took = time.monotonic() - stopped
+    assert events[-1] == b"[DONE]" and finish[-1] == "length", (took, events[-3:])
+    assert sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-1]) >= 1 and took < STREAM_GRACE_S + 10
     assert code in STOPPED and ENGINE_DIED_LOG not in err and "engine thread died" not in err

@@ -203,6 +203,9 @@ class QuietPolls(logging.Filter):
         return True
 
 
+#: Seconds uvicorn waits for running requests when the server stops (streams get ``serving.STREAM_GRACE_S`` of them)
+GRACEFUL_S = 5
+
 #: The exit status of a server whose engine died while serving (a service manager restarts it: systemd's
 #: ``Restart=on-failure``); uvicorn's own for a server that could not start (its port taken, say) is 3.
 ENGINE_DIED_EXIT = 1
@@ -231,7 +234,7 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     app = build_app(engine, api_key=api_key, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                     allowed_origins=allowed_origins)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=GRACEFUL_S))
     died: list[BaseException] = []
 
     def exit_on_death(error: BaseException) -> None:  # on the engine thread: uvicorn polls should_exit

@@ -247,6 +247,18 @@ def json_response(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
+#: Seconds a stream that is running when the server is asked to stop (SIGTERM: `systemctl stop` or `restart`,
+#: `appliance stop`) may go on before it is cut (sse-starlette's ``shutdown_grace_period``): a short answer ends
+#: with its last chunk and ``[DONE]``. Below uvicorn's ``timeout_graceful_shutdown`` (``api_server.GRACEFUL_S``).
+STREAM_GRACE_S = 4.0
+
+
+def event_stream(events: AsyncIterator[dict]) -> EventSourceResponse:
+    """SSE framing of ``events`` (sse-starlette's dicts: ``data``, optionally ``event``), lines ended by "\n";
+    at a shutdown a running stream gets :data:`STREAM_GRACE_S` seconds to finish."""
+    return EventSourceResponse(events, sep="\n", shutdown_grace_period=STREAM_GRACE_S)
+
+
 def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
     """Frame chunks (JSON texts, each a pydantic model's ``model_dump_json``: half the CPU of ``model_dump`` then
     ``json.dumps``, and what vLLM sends) as ``data: {json}`` events and end with ``data: [DONE]``.
@@ -266,4 +278,4 @@ def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
             yield {"data": json.dumps(err.body(), ensure_ascii=False)}
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(events(), sep="\n")
+    return event_stream(events())

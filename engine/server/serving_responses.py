@@ -26,7 +26,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic_core import PydanticSerializationError
-from sse_starlette import EventSourceResponse
 
 from engine.async_engine import RequestStream
 from engine.outputs import RequestOutput
@@ -34,8 +33,8 @@ from engine.sampling_params import SamplingParams
 from engine.server import reasoning
 from engine.server.errors import APIError
 from engine.server.protocol import ChatCompletionRequest, ResponsesRequest
-from engine.server.serving import (DeltaTracker, ServingContext, as_api_error, build_params, collect, merge,
-                                   submit)
+from engine.server.serving import (DeltaTracker, ServingContext, as_api_error, build_params, collect,
+                                   event_stream, merge, submit)
 from engine.server.serving_chat import reasoning_start, render_chat
 
 logger = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     head = _Head(_id("resp"), int(time.time()), ctx.model_name, req, params)
     streams = await submit(ctx, [prompt], params, head.id, "input")
     if req.stream:
-        return EventSourceResponse(_framed(_events(head, streams, open_)), sep="\n")
+        return event_stream(_framed(_events(head, streams, open_)))
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
