@@ -276,11 +276,19 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread after its current step; pending requests get ``EngineDeadError``."""
+        """Stop the engine thread after its current step; pending requests get ``EngineDeadError``. A thread still
+        in its step after ``timeout`` s (an engine process stuck on the GPU) has its engine killed, where the
+        engine can be (``EngineProcess.kill``: the thread's wait then ends), and gets 5 s more."""
         self._stop = True
         self._wakeup.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        if self._thread is None or self._thread is threading.current_thread():
+            return
+        self._thread.join(timeout)
+        kill = getattr(self._engine, "kill", None)
+        if self._thread.is_alive() and kill is not None:
+            logger.warning("the engine did not stop in %.0f s; killing its process", timeout)
+            kill()
+            self._thread.join(5.0)
 
     # ---- requests, called on the event loop ----
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -22,11 +22,15 @@ rebuilds the same cumulative ``RequestOutput`` the engine made. Exceptions cross
 (a ``ValueError`` that does not becomes a ``ValueError`` of its message, anything else a ``RuntimeError``).
 
 The child exits when the parent closes the pipe or dies (it reads end-of-file), ignores SIGINT (a terminal's
-Ctrl-C reaches the whole process group; the parent stops it), and a structured request's grammar is compiled
-again in the child, on its command reader's thread (the parent's compiled grammar does not cross the pipe).
+Ctrl-C reaches the whole process group; the parent stops it) and, once serving, SIGTERM (``systemctl stop``
+signals the whole group; the parent's graceful shutdown needs the child to finish the running requests, then stops
+it: :meth:`EngineProcess.close`, or :meth:`EngineProcess.kill` for one stuck in a step, also at the parent's exit).
+A structured request's grammar is compiled again in the child, on its command reader's thread (the parent's
+compiled grammar does not cross the pipe).
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import logging
 import multiprocessing
@@ -36,6 +40,7 @@ import queue
 import signal
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -48,7 +53,7 @@ from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
-#: seconds ``close`` waits for the child to exit after "stop" before it is terminated
+#: seconds ``close`` waits for the child to exit after "stop" before it is killed
 STOP_WAIT_S = 10.0
 
 
@@ -298,6 +303,19 @@ def _apply(engine: Any, cmd: tuple, conn: Connection, encoder: _Encoder) -> bool
 
 
 # ---- the parent ----------------------------------------------------------------------------------------------------
+#: the engine processes started and not known to be gone (weakly: a closed one is collected)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_KILL_REGISTERED = False
+
+
+def _kill_at_exit() -> None:
+    """At this process's exit, kill the engine processes still running. Registered after multiprocessing's own exit
+    handler (which sends its daemonic children SIGTERM, which a serving child ignores, then joins them without a
+    limit), so it runs first: an exit never hangs on a child stuck in a step, nor leaves it orphaned."""
+    global _KILL_REGISTERED
+    if not _KILL_REGISTERED:
+        atexit.register(lambda: [proc.kill() for proc in list(_LIVE)])
+        _KILL_REGISTERED = True
 class EngineProcess:
     """An ``LLMEngine`` running in a spawned child process; see the module docstring. Call from one thread only
     (``AsyncLLMEngine``'s engine thread), except the read-only attributes and ``grammar_compiler``.
@@ -321,6 +339,8 @@ class EngineProcess:
                                                          logging.getLogger().getEffectiveLevel()),
                                     name="llm-engine-core", daemon=True)
         self._process.start()
+        _LIVE.add(self)
+        _kill_at_exit()
         commands_in.close()  # the child's ends live in the child only: its exit shows here as end-of-file
         outputs_out.close()
         tokenizer_error = None
@@ -418,6 +438,13 @@ class EngineProcess:
                 self._grammars = GrammarCompiler(self.tokenizer, self.info.model_vocab_size,
                                                  list(self.info.eos_token_ids))
             return self._grammars
+
+    def kill(self) -> None:
+        """Kill the child at once (SIGKILL) and reap it: for one stuck in a step, which a stop command never
+        reaches. Its end of the outputs pipe closes, so a thread blocked reading it gets end-of-file."""
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5.0)
 
     def close(self, timeout: float = STOP_WAIT_S) -> None:
         """Stop the child (after its current step) and wait for it; killed after ``timeout`` s (serving, it ignores

@@ -119,6 +119,42 @@ def test_death_listeners_do_not_hear_a_failed_load_or_a_shutdown(fake):
     assert heard == [] and isinstance(broken.error, OSError)
 
 
+class _Stuck(FakeEngine):
+    """A fake whose first step waits until released, then raises: ``kill`` releases it (as killing an engine
+    process ends the engine thread's wait with end-of-file)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_model_len=128)
+        self.entered, self.released, self.killed = threading.Event(), threading.Event(), False
+
+    def step(self):
+        self.entered.set()
+        self.released.wait(30)
+        raise RuntimeError("the step's device went away")
+
+    def kill(self) -> None:
+        self.killed = True
+        self.released.set()
+
+
+def test_a_death_during_shutdown_is_not_heard_and_a_stuck_engine_is_killed():
+    stuck, heard = _Stuck(), []
+    eng = AsyncLLMEngine(lambda: stuck, "stuck")
+    eng.add_death_listener(heard.append)
+    eng.start()
+    wait_for(lambda: eng.is_ready, what="engine ready")
+
+    async def submit():
+        return await eng.add_request("r", "hi", SamplingParams(max_tokens=3))
+
+    run(submit())
+    assert stuck.entered.wait(10)
+    started = time.monotonic()
+    eng.shutdown(timeout=0.2)  # the step does not end by itself: its engine is killed
+    assert stuck.killed and not eng._thread.is_alive() and time.monotonic() - started < 5
+    assert eng.is_dead and isinstance(eng.error, RuntimeError) and heard == []  # a stop, not a death
+
+
 def test_load_failure_is_reported_as_dead():
     def factory():
         raise OSError("weights missing")

@@ -163,7 +163,10 @@ def test_sigterm_to_the_group_lets_a_streaming_answer_finish_and_is_no_engine_de
 
     from engine.server.serving import STREAM_GRACE_S
 
+    import psutil
+
     proc, url = _demo_server(demo_model)
+    engines = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
     body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True,
             "temperature": 0, "stream": True}
     events, first = [], threading.Event()
@@ -193,3 +196,4 @@ def test_sigterm_to_the_group_lets_a_streaming_answer_finish_and_is_no_engine_de
     assert events[-1] == b"[DONE]" and finish[-1] == "length", (took, events[-3:])
     assert sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-1]) >= 1 and took < STREAM_GRACE_S + 10
     assert code in STOPPED and ENGINE_DIED_LOG not in err and "engine thread died" not in err
+    assert len(engines) == 1 and not engines[0].is_running()  # the engine process went with the server

@@ -1,6 +1,7 @@
 """The FastAPI app (design.md §3): routes, API-key check, lifespan; ``run_server`` runs it under uvicorn."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -148,13 +149,16 @@ class ApiKeyMiddleware:
 
 def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = None,
               api_key: str | None = None, tool_call_parser: str = "auto",
-              reasoning_parser: str = "auto", allowed_origins: str = LOCAL_ORIGINS) -> FastAPI:
+              reasoning_parser: str = "auto", allowed_origins: str = LOCAL_ORIGINS,
+              stop_engine: bool = False) -> FastAPI:
     """The OpenAI-compatible app over ``async_engine``; its lifespan starts the engine (idempotent) and feeds
     a fresh per-app metrics registry from the engine's outputs. ``tool_call_parser``: for tool_choice "auto"
     (``tool_parsers.SETTINGS``); ``reasoning_parser``: whether chat answers' ``<think>`` blocks become their
     ``reasoning`` (``reasoning.SETTINGS``); ValueError for another setting. ``allowed_origins``: the web pages
     that may call it from a browser (``engine.server.cors``; ValueError for a malformed list): the CORS layer
-    is outermost, so it answers preflights and labels every answer, a 401 included."""
+    is outermost, so it answers preflights and labels every answer, a 401 included. ``stop_engine``: the
+    lifespan's end shuts the engine down too (``run_server``: after a SIGTERM uvicorn raises it again once the
+    lifespan ends, so no code after its run would)."""
     cors = origin_regex(allowed_origins)
     name = served_model_name or async_engine.model_name
     config = async_engine.config
@@ -172,6 +176,8 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
         finally:
             async_engine.remove_output_listener(metrics.observe)
             async_engine.remove_failure_listener(metrics.forget)
+            if stop_engine:
+                await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="edge-appliance", lifespan=lifespan)
     app.state.ctx = ServingContext(async_engine, name, metrics, api_key, tool_call_parser, reasoning_parser)
@@ -226,13 +232,15 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     vLLM's does, so that systemd starts it again; ``keep_alive_on_engine_death`` keeps it up instead (vLLM's
     ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``), answering 503. A model that fails to load keeps it up either way:
     /health answers 503 with the error (loading again would fail again). ``SystemExit(3)``: uvicorn could not
-    start (the port is taken). The engine's own log lines (loading, ready, failed steps, CPU thread counts) go to
-    stderr at ``log_level`` unless the caller set up logging first.
+    start (the port is taken). A stop (SIGTERM, SIGINT) lets running requests finish (streams for
+    ``serving.STREAM_GRACE_S``, the rest for ``GRACEFUL_S``), then the lifespan's end shuts the engine down (an
+    engine process stuck in a step is killed). The engine's own log lines (loading, ready, failed steps, CPU thread
+    counts) go to stderr at ``log_level`` unless the caller set up logging first.
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting, engine_process=engine_process)
     app = build_app(engine, api_key=api_key, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                    allowed_origins=allowed_origins)
+                    allowed_origins=allowed_origins, stop_engine=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=GRACEFUL_S))
     died: list[BaseException] = []
@@ -255,8 +263,9 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     except KeyboardInterrupt:  # as uvicorn.run
         pass
     finally:
-        engine.shutdown()
-    if died:
+        engine.shutdown()  # done already where the lifespan ended (idempotent); not where uvicorn failed to start
+    if died:  # said again, last: `appliance status` reads the end of the background server's log
+        logger.error("%s: exiting with status %d", ENGINE_DIED_LOG, ENGINE_DIED_EXIT)
         raise SystemExit(ENGINE_DIED_EXIT)
     if not server.started:
         raise SystemExit(3)
