@@ -316,6 +316,8 @@ def _kill_at_exit() -> None:
     if not _KILL_REGISTERED:
         atexit.register(lambda: [proc.kill() for proc in list(_LIVE)])
         _KILL_REGISTERED = True
+
+
 class EngineProcess:
     """An ``LLMEngine`` running in a spawned child process; see the module docstring. Call from one thread only
     (``AsyncLLMEngine``'s engine thread), except the read-only attributes and ``grammar_compiler``.
