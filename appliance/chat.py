@@ -27,15 +27,19 @@ class ChatError(ApplianceError):
     """The server refused the request or failed while answering (its OpenAI error message, with a fix hint)."""
 
 
+def _error(body: object) -> dict:
+    """The ``error`` object of an OpenAI-style error body ``{"error": {"message", "code", ...}}``, else {}."""
+    return body["error"] if isinstance(body, dict) and isinstance(body.get("error"), dict) else {}
+
+
 def _error_message(body: object, status: int) -> str:
-    """The message of an OpenAI-style error body ``{"error": {"message": ...}}``, else the status."""
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message") or body["error"])
-    return f"HTTP {status}"
+    """The error body's message, else the status."""
+    error = _error(body)
+    return str(error.get("message") or error) if error else f"HTTP {status}"
 
 
 def _hint(status: int, body: object) -> str:
-    code = body["error"].get("code") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
+    code = _error(body).get("code")
     if status == 401:
         return "pass --api-key (or set APPLIANCE_API_KEY)"
     if code == "context_length_exceeded":

@@ -259,6 +259,25 @@ def event_stream(events: AsyncIterator[dict]) -> EventSourceResponse:
     return EventSourceResponse(events, sep="\n", shutdown_grace_period=STREAM_GRACE_S)
 
 
+def stream_error(e: Exception) -> APIError:
+    """What a stream sends for ``e``, raised after its headers went out: the engine's errors as their
+    ``APIError``s; anything else, a chunk that does not serialize among them (pydantic's error is a ValueError,
+    not the client's), is a bug: logged, and a 500."""
+    err = e if isinstance(e, PydanticSerializationError) else as_api_error(e)
+    if not isinstance(err, APIError):
+        logger.exception("error while streaming (a bug)", exc_info=e)
+        err = APIError(500, f"Internal server error: {e!r}")
+    return err
+
+
+def kept_prompt_len(prompt_len: int, truncate_prompt_tokens: int | None, max_model_len: int) -> int:
+    """How many of a prompt's tokens the engine keeps: vLLM's ``truncate_prompt_tokens`` k keeps the last k (-1:
+    the last ``max_model_len``)."""
+    if truncate_prompt_tokens is None:
+        return prompt_len
+    return min(prompt_len, max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens)
+
+
 def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
     """Frame chunks (JSON texts, each a pydantic model's ``model_dump_json``: half the CPU of ``model_dump`` then
     ``json.dumps``, and what vLLM sends) as ``data: {json}`` events and end with ``data: [DONE]``.
@@ -270,12 +289,7 @@ def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
             async for chunk in chunks:
                 yield {"data": chunk}
         except Exception as e:  # noqa: BLE001 - headers are sent; the error goes in the stream
-            # a chunk that does not serialize is a bug, not the client's ValueError
-            err = e if isinstance(e, PydanticSerializationError) else as_api_error(e)
-            if not isinstance(err, APIError):
-                logger.exception("error while streaming (a bug)", exc_info=e)
-                err = APIError(500, f"Internal server error: {e!r}")
-            yield {"data": json.dumps(err.body(), ensure_ascii=False)}
+            yield {"data": json.dumps(stream_error(e).body(), ensure_ascii=False)}
         yield {"data": "[DONE]"}
 
     return event_stream(events())

@@ -16,8 +16,8 @@ from engine.server.logprobs import chat_logprobs, response_prompt_logprobs
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                     TokenizeRequest, UsageInfo, random_id)
-from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response, merge,
-                                   running_usage, sse_response, submit, usage)
+from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response,
+                                   kept_prompt_len, merge, running_usage, sse_response, submit, usage)
 from engine.server import reasoning, tool_parsers
 from engine.server.tools import AUTO_REFUSED, is_auto, new_call, tool_calls
 
@@ -108,8 +108,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     streams = await submit(ctx, [prompt], params, request_id, "messages")
     if req.stream:
-        keep = params.truncate_prompt_tokens  # the engine keeps the last k of these ids (-1: max_model_len)
-        kept = len(prompt) if keep is None else min(len(prompt), llm.max_model_len if keep == -1 else keep)
+        kept = kept_prompt_len(len(prompt), params.truncate_prompt_tokens, llm.max_model_len)
         return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, kept, parser, open_))
     finals = await collect(streams, raw)
     if finals is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +24,6 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic_core import PydanticSerializationError
 
 from engine.async_engine import RequestStream
 from engine.outputs import RequestOutput
@@ -33,12 +31,9 @@ from engine.sampling_params import SamplingParams
 from engine.server import reasoning
 from engine.server.errors import APIError
 from engine.server.protocol import ChatCompletionRequest, ResponsesRequest
-from engine.server.serving import (DeltaTracker, ServingContext, as_api_error, build_params, collect,
-                                   event_stream, merge, submit)
+from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, event_stream,
+                                   kept_prompt_len, merge, stream_error, submit)
 from engine.server.serving_chat import reasoning_start, render_chat
-
-logger = logging.getLogger(__name__)
-
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -51,9 +46,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     chat = ChatCompletionRequest.model_construct(messages=req.chat_messages())  # the chat endpoint's defaults
     prompt = render_chat(llm.tokenizer, chat, field="input")
     open_ = reasoning_start(ctx, llm.tokenizer, req, prompt)
-    keep = req.truncate_prompt_tokens  # vLLM's: the engine keeps the prompt's last k tokens (-1: max_model_len)
-    kept = len(prompt) if keep is None else min(len(prompt), llm.max_model_len if keep == -1 else keep)
-    room = llm.max_model_len - kept
+    room = llm.max_model_len - kept_prompt_len(len(prompt), req.truncate_prompt_tokens, llm.max_model_len)
     max_tokens = req.max_output_tokens
     if max_tokens is not None and room >= 1:  # vLLM's rule here (unlike chat's 400): what the context has room for
         max_tokens = min(max_tokens, room)
@@ -79,7 +72,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     if text is not None:
         items.append(_message_item(_id("msg"), text, "completed"))
     items[-1]["status"] = _item_status(choice.finish_reason)  # the item an answer cut short was cut in
-    return JSONResponse(head.response(items, choice.finish_reason, final))
+    return JSONResponse(head.response(items, final))
 
 
 class _Head:
@@ -90,10 +83,10 @@ class _Head:
                  params: SamplingParams) -> None:
         self.id, self.created, self.model, self.req, self.params = response_id, created, model, req, params
 
-    def response(self, output: list[dict], finish_reason: str | None, final: RequestOutput | None) -> dict[str, Any]:
+    def response(self, output: list[dict], final: RequestOutput | None) -> dict[str, Any]:
         """The ``response`` object: in progress while ``final`` is None, else completed, or incomplete where the
-        answer was cut at ``max_output_tokens`` (``finish_reason`` "length"), with the usage."""
-        status = "in_progress" if final is None else _item_status(finish_reason)
+        answer was cut at ``max_output_tokens`` (its ``finish_reason`` "length"), with the usage."""
+        status = "in_progress" if final is None else _item_status(final.outputs[0].finish_reason)
         req = self.req
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
@@ -123,15 +116,14 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    """The answer as a "message" item; ``text`` None: added, its part not yet (streaming)."""
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [] if text is None else [_text_part(text)]}
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The answer as a "message" item with its one text part."""
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [_text_part(text)]}
 
 
-def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 class _Item:
@@ -152,14 +144,14 @@ class _Item:
 async def _events(head: _Head, streams: list[RequestStream], open_: bool | None) -> AsyncIterator[dict[str, Any]]:
     """The response's stream events (module doc) as dicts with their ``type``; ``sequence_number`` is added when
     they are framed (:func:`_framed`)."""
-    yield {"type": "response.created", "response": head.response([], None, None)}
-    yield {"type": "response.in_progress", "response": head.response([], None, None)}
+    yield {"type": "response.created", "response": head.response([], None)}
+    yield {"type": "response.in_progress", "response": head.response([], None)}
     split = reasoning.StreamSplit(open_) if open_ is not None else None
-    tracker, done, final, open_item = DeltaTracker(1), [], None, None
+    tracker, done, final, open_item, said = DeltaTracker(1), [], None, None, False
 
     def opening(kind: str) -> list[dict[str, Any]]:
-        nonlocal open_item
-        open_item = _Item(kind, len(done))
+        nonlocal open_item, said
+        open_item, said = _Item(kind, len(done)), said or kind == "message"
         events = [{"type": "response.output_item.added", "output_index": open_item.index,
                    "item": open_item.whole("in_progress") | {"content": []}},
                   {"type": "response.content_part.added", "item_id": open_item.id, "output_index": open_item.index,
@@ -200,19 +192,16 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None)
                     for event in adding(kind, delta):
                         yield event
             if finished:
-                said_any = any(item["type"] == "message" for item in done) or (
-                    open_item is not None and open_item.kind == "message")
-                if not said_any and (split is None or reasoning.split(d.choice.text, open_)[1] is not None):
+                if not said and (split is None or reasoning.split(d.choice.text, open_)[1] is not None):
                     for event in adding("message", ""):  # an empty answer is an empty message, as not streamed
                         if event["type"] != "response.output_text.delta":
                             yield event
                 if open_item is not None:
                     for event in closing(_item_status(d.finish_reason)):
                         yield event
-    reason = final.outputs[0].finish_reason if final is not None else None
     # response.completed also where the status is "incomplete", as vLLM: the SDK's stream helper
     # (client.responses.stream) needs it to give a final response
-    yield {"type": "response.completed", "response": head.response(done, reason, final)}
+    yield {"type": "response.completed", "response": head.response(done, final)}
 
 
 async def _framed(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
@@ -224,10 +213,7 @@ async def _framed(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[s
             body = {"type": event["type"], "sequence_number": next(numbers), **event}
             yield {"event": event["type"], "data": json.dumps(body, ensure_ascii=False)}
     except Exception as e:  # noqa: BLE001 - headers are sent; the error goes in the stream
-        err = e if isinstance(e, PydanticSerializationError) else as_api_error(e)
-        if not isinstance(err, APIError):
-            logger.exception("error while streaming a response (a bug)", exc_info=e)
-            err = APIError(500, f"Internal server error: {e!r}")
+        err = stream_error(e)
         body = {"type": "error", "sequence_number": next(numbers), "code": err.code, "message": err.message,
                 "param": err.param}
         yield {"event": "error", "data": json.dumps(body, ensure_ascii=False)}
