@@ -6,21 +6,46 @@ comes: a thinking model's reasoning (the chunks' ``reasoning`` field, engine/ser
 "Thinking..." and "...done thinking." as ``ollama run`` writes it (:class:`AnswerWriter`), then the answer.
 :func:`repl` reads the user's turns: ``/bye`` (or end of input) ends it, ``/clear`` forgets the conversation,
 ``\"\"\"`` opens and closes a message of several lines; Ctrl-C stops the answer being written (its request is
-aborted on the server when the connection closes) and leaves it out of the conversation.
+aborted on the server when the connection closes) and leaves it out of the conversation. As in ``ollama run``,
+``/set parameter NAME VALUE`` sets a sampling option for the turns after it (Ollama's names, mapped to the OpenAI /
+vLLM request fields by :data:`PARAMETERS`), ``/set system``, ``/set format json``, ``/set verbose`` (timings after
+each answer), and ``/show info | parameters | system`` print what is set.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
 from appliance.errors import ApplianceError
 
 HELP = ('/bye ends the chat (so does Ctrl-D), /clear forgets the conversation, """ starts and ends a message of '
-        "several lines; Ctrl-C stops an answer")
+        "several lines, /set and /show change and show the options (/? set, /? show); Ctrl-C stops an answer")
+SET_HELP = ("/set parameter NAME VALUE (seed, num_predict, temperature, top_k, top_p, min_p, repeat_penalty, "
+            "presence_penalty, frequency_penalty, stop WORD ...), /set system TEXT, /set format json, /set noformat, "
+            "/set verbose (timings after each answer), /set quiet")
+SHOW_HELP = "/show info (the model and its context), /show parameters, /show system"
+
+#: ``/set parameter`` names (Ollama's, and the OpenAI / vLLM field itself) -> (request field, value type)
+PARAMETERS: dict[str, tuple[str, type]] = {
+    "seed": ("seed", int), "num_predict": ("max_tokens", int), "max_tokens": ("max_tokens", int),
+    "temperature": ("temperature", float), "top_k": ("top_k", int), "top_p": ("top_p", float),
+    "min_p": ("min_p", float), "repeat_penalty": ("repetition_penalty", float),
+    "repetition_penalty": ("repetition_penalty", float), "presence_penalty": ("presence_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float), "stop": ("stop", list),
+}
+#: Ollama parameters that are the server's, not a request's: the reason they cannot be set from the chat
+SERVER_PARAMETERS = {
+    "num_ctx": "the context length is the server's max_model_len (appliance install --max-model-len N)",
+    "num_gpu": "the whole model runs on one device here",
+    "num_thread": "the server picks its CPU threads (OMP_NUM_THREADS in its environment)",
+    "repeat_last_n": "repetition_penalty looks at the whole prompt and answer, as vLLM's does",
+}
 
 
 class ChatError(ApplianceError):
@@ -45,8 +70,35 @@ def _hint(status: int, body: object) -> str:
     if code == "context_length_exceeded":
         return "shorten the conversation (/clear) or lower --max-tokens"
     if status == 400:
-        return "check the options given (appliance chat -h)"
+        return "check the options given (appliance chat -h; /show parameters in the chat)"
     return "see `appliance status` and `appliance logs`"
+
+
+@dataclass
+class AnswerStats:
+    """Timings of one answer as the client saw them (``/set verbose``): seconds from the request to the stream's
+    end and to its first piece of text; token counts from the stream's usage chunk (None if the server sent
+    none)."""
+
+    total_s: float
+    first_s: float | None
+    prompt_tokens: int | None
+    output_tokens: int | None
+
+    def lines(self) -> list[str]:
+        """As ``ollama run --verbose`` prints them: durations, counts, and the output rate after the first
+        token (the decode rate: (output tokens - 1) / (total - first))."""
+        out = [f"total duration:       {self.total_s:.3f}s"]
+        if self.first_s is not None:
+            out.append(f"time to first token:  {self.first_s:.3f}s")
+        if self.prompt_tokens is not None:
+            out.append(f"prompt eval count:    {self.prompt_tokens} token(s)")
+        if self.output_tokens is not None:
+            out.append(f"eval count:           {self.output_tokens} token(s)")
+            if self.first_s is not None and self.output_tokens > 1 and self.total_s > self.first_s:
+                rate = (self.output_tokens - 1) / (self.total_s - self.first_s)
+                out.append(f"eval rate:            {rate:.2f} tokens/s")
+        return out
 
 
 @dataclass
@@ -54,17 +106,20 @@ class ChatSession:
     """One conversation with ``model`` at ``url`` (the server's base URL, no ``/v1``).
 
     ``messages``: the OpenAI chat messages so far (the system prompt first when given); an answer joins them only
-    when it was written to the end. ``max_tokens`` / ``temperature``: None leaves the server's default (the rest
-    of the context; the model's generation_config, else 1.0).
+    when it was written to the end. ``options``: request fields sent with every turn (``max_tokens``,
+    ``temperature``, ``response_format``...); one not set leaves the server's default (the rest of the context;
+    the model's generation_config, else vLLM's). ``verbose``: ask for the usage chunk and keep
+    :class:`AnswerStats` of the last complete answer in ``last_stats``.
     """
 
     url: str
     model: str
     api_key: str | None = None
     system: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    verbose: bool = False
     messages: list[dict] = field(default_factory=list)
+    last_stats: AnswerStats | None = None
     timeout: float = 600.0
 
     def __post_init__(self) -> None:
@@ -74,20 +129,37 @@ class ChatSession:
         """Forget the conversation (the system prompt stays)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
+    def set_system(self, text: str | None) -> None:
+        """Make ``text`` the system prompt (None: none), first in the conversation, which goes on."""
+        if self.messages and self.messages[0]["role"] == "system":
+            self.messages.pop(0)
+        self.system = text
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def card(self) -> dict:
+        """The model's card from ``GET /v1/models`` ({} when the server does not list it); raises
+        ``httpx.HTTPError`` when the server cannot be reached or refuses."""
+        resp = httpx.get(f"{self.url}/v1/models", headers=self.headers(), timeout=10)
+        resp.raise_for_status()
+        return next((card for card in resp.json().get("data") or [] if card.get("id") == self.model), {})
+
     def body(self) -> dict:
         """The request for the next answer: ``messages`` streamed, with the options that were set."""
-        options = {"max_tokens": self.max_tokens, "temperature": self.temperature}
-        return {"model": self.model, "messages": self.messages, "stream": True,
-                **{k: v for k, v in options.items() if v is not None}}
+        usage = {"stream_options": {"include_usage": True}} if self.verbose else {}
+        return {"model": self.model, "messages": self.messages, "stream": True, **usage, **self.options}
 
-    def stream(self) -> Iterator[tuple[str, str]]:
-        """The next answer's text as it streams: ``("reasoning" | "content", text)`` pairs.
+    def stream(self) -> Iterator[tuple[str, Any]]:
+        """The next answer as it streams: ``("reasoning" | "content", text)`` pairs, and ``("usage", dict)`` for
+        the usage chunk when ``verbose`` asked for one.
 
         Raises :class:`ChatError` for an error answer (401, 400, 503, ...), an error event in the stream, a line
         that is no chunk, or a stream that ends before ``data: [DONE]``, and ``httpx.HTTPError`` when the server
         cannot be reached or the connection breaks."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=self.body(), headers=headers,
+        with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=self.body(), headers=self.headers(),
                           timeout=self.timeout) as resp:
             if resp.status_code != 200:
                 resp.read()
@@ -114,24 +186,34 @@ class ChatSession:
                 if "error" in chunk:
                     raise ChatError(f"the answer failed: {_error_message(chunk, 500)}", _hint(500, chunk))
                 yield from pieces
+                if not choices and isinstance(chunk.get("usage"), dict):
+                    yield "usage", chunk["usage"]
         raise ChatError("the answer ended before the server said it was done (no data: [DONE])",
                         "see `appliance status` and `appliance logs`")
 
     def ask(self, text: str, write: Callable[[str, str], None]) -> str:
         """Send ``text`` as the user's turn and ``write(kind, piece)`` the answer as it streams; returns the
-        answer's content. The turn and the answer join ``messages`` once the answer is complete; an error or an
-        interruption (``KeyboardInterrupt``, re-raised) leaves ``messages`` as it was."""
+        answer's content. The turn and the answer join ``messages`` once the answer is complete (and its
+        :class:`AnswerStats` become ``last_stats``); an error or an interruption (``KeyboardInterrupt``, re-raised)
+        leaves ``messages`` as it was."""
         self.messages.append({"role": "user", "content": text})
-        answer = []
+        answer, usage, first = [], {}, None
+        start = time.perf_counter()
         try:
             with contextlib.closing(self.stream()) as pieces:  # closed at once on Ctrl-C: the request is aborted
                 for kind, piece in pieces:
+                    if kind == "usage":
+                        usage = piece
+                        continue
+                    first = time.perf_counter() - start if first is None else first
                     write(kind, piece)
                     if kind == "content":
                         answer.append(piece)
         except BaseException:
             self.messages.pop()
             raise
+        self.last_stats = AnswerStats(time.perf_counter() - start, first, usage.get("prompt_tokens"),
+                                      usage.get("completion_tokens"))
         self.messages.append({"role": "assistant", "content": "".join(answer)})
         return "".join(answer)
 
@@ -194,12 +276,97 @@ def read_turn(read: Callable[[str], str]) -> str | None:
         return None
 
 
+def _parse(name: str, kind: type, values: list[str]) -> Any:
+    """A ``/set parameter`` value as its request field takes it; ValueError with the reason for a bad one."""
+    if kind is list:
+        if not values:
+            raise ValueError("give one or more stop words")
+        return values
+    if len(values) != 1:
+        raise ValueError(f"give one value, e.g. /set parameter {name} {kind(1)}")
+    try:
+        return kind(values[0])
+    except ValueError:
+        raise ValueError(f"{values[0]!r} is not {'an integer' if kind is int else 'a number'}") from None
+
+
+def set_option(session: ChatSession, args: list[str]) -> str:
+    """Apply ``/set ARGS`` to ``session``; returns the line to say (what was set, or why nothing was)."""
+    what, rest = (args[0], args[1:]) if args else ("", [])
+    if what == "parameter" and rest:
+        name, values = rest[0], rest[1:]
+        if name in SERVER_PARAMETERS:
+            return f"{name} is not a per-request setting here: {SERVER_PARAMETERS[name]}."
+        if name not in PARAMETERS:
+            return f"Unknown parameter {name!r}. {SET_HELP}."
+        field_name, kind = PARAMETERS[name]
+        try:
+            value = _parse(name, kind, values)
+        except ValueError as exc:
+            return f"Couldn't set parameter {name!r}: {exc}."
+        if field_name == "max_tokens" and value == -1:  # Ollama's num_predict -1: no limit
+            session.options.pop(field_name, None)
+            return f"Set parameter {name!r} to '-1' (the rest of the context)."
+        session.options[field_name] = value
+        return f"Set parameter {name!r} to {' '.join(values)!r}."
+    if what == "system" and rest:
+        session.set_system(" ".join(rest))
+        return "Set system message."
+    if args == ["format", "json"]:
+        session.options["response_format"] = {"type": "json_object"}
+        return "Set format to 'json' mode."
+    if args == ["noformat"]:
+        session.options.pop("response_format", None)
+        return "Disabled format."
+    if args in (["verbose"], ["quiet"]):
+        session.verbose = args == ["verbose"]
+        return f"Set {args[0]!r} mode."
+    return f"Usage: {SET_HELP}."
+
+
+def show(session: ChatSession, what: str) -> list[str]:
+    """The lines ``/show WHAT`` prints. ``info`` asks the server for the model's card (``/v1/models``; raises
+    ``httpx.HTTPError`` when it cannot be reached)."""
+    if what == "info":
+        card = session.card()
+        return [f"  model           {session.model}", f"  context length  {card.get('max_model_len', '?')}",
+                f"  server          {session.url}"]
+    if what == "parameters":
+        if not session.options:
+            return ["No parameters were set: the server's defaults apply (the model's generation_config)."]
+        return ["User defined parameters:"] + [f"{k:<20} {json.dumps(v)}" for k, v in session.options.items()]
+    if what == "system":
+        return [session.system or "No system message was specified."]
+    return [f"Usage: {SHOW_HELP}."]
+
+
+def command(session: ChatSession, line: str) -> list[str] | None:
+    """Run one REPL command line (starting with ``/``); returns the lines to say, None for ``/bye``."""
+    name, *args = line.split()
+    if name == "/bye":
+        return None
+    if name in ("/?", "/help"):
+        return [{"set": SET_HELP, "show": SHOW_HELP}.get(args[0], HELP) if args else HELP]
+    if name == "/clear":
+        session.clear()
+        return ["Cleared the conversation."]
+    if name == "/set":
+        if args[:1] == ["system"]:  # the system prompt as typed, spaces and all
+            text = line.split(None, 2)[2] if len(args) > 1 else ""
+            args = ["system", text] if text else ["system"]
+        return [set_option(session, args)]
+    if name == "/show":
+        return show(session, args[0] if args else "")
+    return [f"Unknown command {name!r}. Type /? for help."]
+
+
 def repl(session: ChatSession, read: Callable[[str], str], out: Callable[[str, bool], None],
          say: Callable[[str], None], hide_reasoning: bool = False) -> None:
     """Chat until ``/bye`` or end of input: each turn is answered through ``session.ask`` and written by an
     :class:`AnswerWriter` over ``out(text, dim)``; ``say`` prints the REPL's own lines (help, "stopped", errors
-    that leave the chat usable: a refused request, a lost server). A line starting with ``/`` is a command (an
-    unknown one is named, not sent); a message that starts with ``/`` goes in a ``\"\"\"`` block."""
+    that leave the chat usable: a refused request, a lost server; with ``verbose``, the answer's timings). A line
+    starting with ``/`` is a command (:func:`command`; an unknown one is named, not sent); a message that starts
+    with ``/`` goes in a ``\"\"\"`` block."""
     say(f"Chatting with {session.model} at {session.url}. {HELP}.")
     while True:
         try:
@@ -209,24 +376,22 @@ def repl(session: ChatSession, read: Callable[[str], str], out: Callable[[str, b
             continue
         if text is None:
             return
-        command = text.strip()
-        if not command:
+        if not text.strip():
             continue
-        if command.startswith("/") and not isinstance(text, Block):
-            if command == "/bye":
-                return
-            if command in ("/?", "/help"):
-                say(HELP)
-            elif command == "/clear":
-                session.clear()
-                say("Cleared the conversation.")
-            else:
-                say(f"Unknown command {command.split()[0]!r}. Type /? for help.")
-            continue
-        writer = AnswerWriter(out, hide_reasoning)
         try:
+            if text.strip().startswith("/") and not isinstance(text, Block):
+                lines = command(session, text.strip())
+                if lines is None:
+                    return
+                for line in lines:
+                    say(line)
+                continue
+            writer = AnswerWriter(out, hide_reasoning)
             session.ask(text, writer)
             writer.end()
+            if session.verbose and session.last_stats:
+                for line in ["", *session.last_stats.lines()]:
+                    say(line)
         except KeyboardInterrupt:
             say("\n(stopped; that answer is left out of the conversation)")
         except ChatError as exc:

@@ -641,19 +641,27 @@ def _check_serving(url: str, command: str, wait_s: float = 0.0) -> None:
         raise ApplianceError(f"the server at {url} cannot serve: {health.detail}", "see `appliance logs`")
 
 
-def _served_model(url: str, api_key: Optional[str]) -> str:
-    """The model the server at ``url`` lists first (``/v1/models``); ApplianceError when it lists none."""
+def _served_model(url: str, api_key: Optional[str], model: Optional[str] = None) -> str:
+    """``model`` if the server at ``url`` lists it (``/v1/models``), else (None) the model it lists first;
+    ApplianceError when it lists none, or not ``model`` (naming those it lists)."""
     import httpx
 
     from appliance import loadgen
 
     try:
-        return loadgen.served_model(url, api_key)
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:  # unreachable, or not a list
+        listed = loadgen.served_models(url, api_key)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:  # unreachable, or not a list
         hint = ("pass --api-key (or set APPLIANCE_API_KEY)"
                 if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401
                 else "pass --url of an OpenAI-compatible server (and --api-key if it needs one)")
         raise ApplianceError(f"{url}/v1/models did not list a model ({type(exc).__name__}: {exc})", hint)
+    if not listed:
+        raise ApplianceError(f"{url}/v1/models did not list a model (an empty list)",
+                             "pass --url of an OpenAI-compatible server that serves a model")
+    if model is not None and model not in listed:
+        raise ApplianceError(f"{url} does not serve {model!r} (it lists {', '.join(listed)})",
+                             "pass one of those to --model, or leave --model out")
+    return model if model is not None else listed[0]
 
 
 @app.command()
@@ -661,15 +669,19 @@ def _served_model(url: str, api_key: Optional[str]) -> str:
 def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the answer and exit (piped input is "
                                                             "added after it)"),
          url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
+         model: Optional[str] = typer.Option(None, "--model", help="the model to talk to (default: the first the "
+                                             "server lists)"),
          system: Optional[str] = typer.Option(None, "--system", help="a system prompt for the conversation"),
          max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="tokens per answer at most (default: "
                                                   "the rest of the context)"),
          temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (default: the "
                                                      "model's own, else 1.0)"),
+         verbose: bool = typer.Option(False, "--verbose", help="print timings and token counts after each answer"),
          hide_thinking: bool = typer.Option(False, "--hide-thinking", help="leave a thinking model's reasoning "
                                             "out (shown dimmed between Thinking... and ...done thinking.)")):
-    """Chat with the running server in the terminal (as `ollama run`): /bye leaves, /clear forgets, Ctrl-C stops an
-    answer. With PROMPT, or with input piped in, one answer is printed and the command exits."""
+    """Chat with the running server in the terminal (as `ollama run`): /bye leaves, /clear forgets, /set and /show
+    change and show the options, Ctrl-C stops an answer. With PROMPT, or with input piped in, one answer is
+    printed and the command exits."""
     import httpx
 
     from appliance.chat import AnswerWriter, ChatSession, repl
@@ -679,7 +691,8 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
     url, api_key = _server(url, api_key)
     piped = None if sys.stdin.isatty() else sys.stdin.read()
     _check_serving(url, "chat", wait_s=600.0)
-    session = ChatSession(url, _served_model(url, api_key), api_key, system, max_tokens, temperature)
+    options = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}
+    session = ChatSession(url, _served_model(url, api_key, model), api_key, system, options, verbose)
 
     def out(text: str, dim: bool) -> None:  # the model's text as it is: no markup, emoji codes or highlighting
         console.print(text, end="", style="dim" if dim else None, markup=False, emoji=False, highlight=False,
@@ -708,6 +721,9 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
                                  "see `appliance status`") from None
         raise
     writer.end()
+    if verbose and session.last_stats:  # on stderr, as ollama's, so that the answer alone can be piped on
+        for line in ["", *session.last_stats.lines()]:
+            err_console.print(line, markup=False, highlight=False)
 
 
 @app.command()

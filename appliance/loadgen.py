@@ -233,12 +233,19 @@ def _child() -> None:
               sys.stdout)
 
 
-def served_model(url: str, api_key: str | None = None) -> str:
-    """The first model id the server lists (raises httpx.HTTPError when it is unreachable)."""
+def served_models(url: str, api_key: str | None = None) -> list[str]:
+    """The model ids the server lists (``GET /v1/models``; raises httpx.HTTPError when it is unreachable or
+    refuses, KeyError / TypeError for a body that is no model list)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     resp = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
     resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+    return [card["id"] for card in resp.json()["data"]]
+
+
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The first model id the server lists (raises httpx.HTTPError when it is unreachable, IndexError when it
+    lists none)."""
+    return served_models(url, api_key)[0]
 
 
 if __name__ == "__main__":

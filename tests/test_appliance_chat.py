@@ -8,7 +8,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from appliance.chat import AnswerWriter, Block, ChatError, ChatSession, read_turn, repl
+from appliance.chat import SET_HELP, SHOW_HELP, AnswerWriter, Block, ChatError, ChatSession, read_turn, repl
 from appliance.cli import app
 from engine.server.api_server import build_app
 from test_server_fakes import FakeEngine, ServerThread, started_engine, wait_for
@@ -56,7 +56,7 @@ def test_piped_input_follows_the_prompt():
 
 def test_a_session_sends_the_whole_conversation_and_keeps_completed_answers():
     with fake_server() as (url, _):
-        session = ChatSession(url, "fake-model", system="Be brief.", max_tokens=9)
+        session = ChatSession(url, "fake-model", system="Be brief.", options={"max_tokens": 9})
         pieces = []
         first = session.ask("one", lambda kind, text: pieces.append((kind, text)))
         second = session.ask("two", lambda kind, text: None)
@@ -92,7 +92,7 @@ def test_the_repl_answers_turns_and_obeys_its_commands():
                   "never read"])
     written, said = [], []
     with fake_server() as (url, _):
-        session = ChatSession(url, "fake-model", max_tokens=5)
+        session = ChatSession(url, "fake-model", options={"max_tokens": 5})
         repl(session, lambda prompt: next(lines), lambda text, dim: written.append(text), said.append)
         after = answer_of(url, [user("/bye is a word")], max_tokens=5)
     assert next(lines) == "never read"
@@ -112,7 +112,7 @@ def test_a_stopped_answer_is_aborted_and_left_out():
         raise KeyboardInterrupt  # Ctrl-C while the first piece is written
 
     with fake_server(fake) as (url, _):
-        session = ChatSession(url, "fake-model", max_tokens=200)
+        session = ChatSession(url, "fake-model", options={"max_tokens": 200})
         repl(session, lambda prompt: next(lines), write, said.append)
         wait_for(lambda: fake.aborted, what="the request aborted on the server")
     assert session.messages == [] and said[-1].startswith("\n(stopped")
@@ -121,15 +121,15 @@ def test_a_stopped_answer_is_aborted_and_left_out():
 def test_errors_are_one_line_and_the_repl_goes_on():
     with fake_server(FakeEngine(max_model_len=64), api_key="secret") as (url, _):
         refused = runner.invoke(app, ["chat", "--url", url, "--api-key", "wrong", "hi"])
-        session = ChatSession(url, "fake-model", api_key="secret", max_tokens=500)
+        session = ChatSession(url, "fake-model", api_key="secret", options={"max_tokens": 500})
         with pytest.raises(ChatError, match="context") as info:
             session.ask("hi", lambda kind, text: None)
         assert "/clear" in info.value.hint and session.messages == []
-        session.temperature = -1.0
+        session.options["temperature"] = -1.0
         with pytest.raises(ChatError, match="temperature") as info:
             session.ask("hi", lambda kind, text: None)
-        assert info.value.hint == "check the options given (appliance chat -h)"
-        session.temperature = None
+        assert info.value.hint == "check the options given (appliance chat -h; /show parameters in the chat)"
+        del session.options["temperature"]
         said, lines = [], iter(["hi", "/bye"])
         repl(session, lambda prompt: next(lines), lambda text, dim: None, said.append)
     assert refused.exit_code == 1 and "error:" in refused.output and "--api-key" in refused.output
@@ -140,7 +140,7 @@ def test_errors_are_one_line_and_the_repl_goes_on():
 
 def test_an_engine_that_fails_mid_answer_is_an_error():
     with fake_server(FakeEngine(max_model_len=256, fail_at_step=3)) as (url, _):
-        session = ChatSession(url, "fake-model", max_tokens=20)
+        session = ChatSession(url, "fake-model", options={"max_tokens": 20})
         got = []
         with pytest.raises(ChatError, match="the answer failed"):
             session.ask("hi", lambda kind, text: got.append(text))
@@ -244,3 +244,58 @@ def test_chat_waits_for_a_loading_model():
     finally:
         gate.set()
         engine.shutdown()
+
+
+def test_set_and_show_change_and_show_what_the_next_turns_send():
+    lines = iter(["/set parameter temperature 0", "/set parameter num_predict 7", "/set parameter seed 3",
+                  "/set parameter stop END  STOP", "/set parameter repeat_penalty 1.1", "/set parameter num_ctx 4096",
+                  "/set parameter bogus 1", "/set parameter top_k x", "/set parameter top_p", "/set system Be  terse.",
+                  "/show parameters", "/show system", "/show info", "hello", "/set parameter num_predict -1",
+                  "/set format json", "/set verbose", "again", "/set noformat", "/set quiet", "/set", "/show",
+                  "/? set", "/bye"])
+    said = []
+    with fake_server() as (url, fake):
+        session = ChatSession(url, "fake-model", system="Be long.")
+        repl(session, lambda prompt: next(lines), lambda text, dim: None, said.append)
+        first, second = fake.params
+    assert said[1:8] == ["Set parameter 'temperature' to '0'.", "Set parameter 'num_predict' to '7'.",
+                         "Set parameter 'seed' to '3'.", "Set parameter 'stop' to 'END STOP'.",
+                         "Set parameter 'repeat_penalty' to '1.1'.",
+                         "num_ctx is not a per-request setting here: the context length is the server's max_model_len "
+                         "(appliance install --max-model-len N).",
+                         "Unknown parameter 'bogus'. " + SET_HELP + "."]
+    assert said[8] == "Couldn't set parameter 'top_k': 'x' is not an integer."
+    assert said[9] == "Couldn't set parameter 'top_p': give one value, e.g. /set parameter top_p 1.0."
+    assert said[10:17] == ["Set system message.", "User defined parameters:", "temperature          0.0",
+                           "max_tokens           7", "seed                 3", 'stop                 ["END", "STOP"]',
+                           "repetition_penalty   1.1"]
+    assert said[17:21] == ["Be  terse.", "  model           fake-model", "  context length  256",
+                           "  server          " + url]
+    assert (first.temperature, first.max_tokens, first.seed, first.stop, first.repetition_penalty) == (
+        0.0, 7, 3, ["END", "STOP"], 1.1)
+    assert first.structured_outputs is None and second.structured_outputs.json_object is True
+    assert second.max_tokens is None and (second.temperature, second.seed) == (0.0, 3)
+    assert session.messages[0] == {"role": "system", "content": "Be  terse."} and len(session.messages) == 5
+    verbose = said[said.index("Set 'verbose' mode.") + 1:]
+    assert verbose[0] == "" and verbose[1].startswith("total duration:") and verbose[2].startswith("time to first")
+    assert verbose[3] == f"prompt eval count:    {first_prompt_tokens(session)} token(s)"
+    assert verbose[4].startswith("eval count:") and verbose[5].startswith("eval rate:")
+    assert said[-5:] == ["Disabled format.", "Set 'quiet' mode.", f"Usage: {SET_HELP}.", f"Usage: {SHOW_HELP}.",
+                         SET_HELP]
+    assert "response_format" not in session.options and not session.verbose
+
+
+def first_prompt_tokens(session: ChatSession) -> int:
+    return session.last_stats.prompt_tokens
+
+
+def test_verbose_prints_the_answers_counts_on_stderr_and_model_picks_a_listed_model():
+    with fake_server() as (url, _):
+        result = runner.invoke(app, ["chat", "--url", url, "--max-tokens", "6", "--verbose", "Hello"])
+        expected = answer_of(url, [user("Hello")], max_tokens=6)
+        picked = runner.invoke(app, ["chat", "--url", url, "--model", "fake-model", "--max-tokens", "6", "Hello"])
+        unknown = runner.invoke(app, ["chat", "--url", url, "--model", "other", "Hello"])
+    assert result.exit_code == 0 and result.stdout == expected + "\n"
+    assert "eval count:           6 token(s)" in result.stderr and "total duration:" in result.stderr
+    assert (picked.exit_code, picked.stdout) == (0, expected + "\n")
+    assert unknown.exit_code == 1 and "does not serve 'other' (it lists fake-model)" in unknown.output
