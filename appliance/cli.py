@@ -734,6 +734,9 @@ def bench(url: Optional[str] = UrlOpt,
           max_tokens: int = typer.Option(512, "--max-tokens", help="tokens generated per request"),
           requests: int = typer.Option(0, "--requests", help="requests per level (0 = 2 x concurrency, min 4)"),
           api_key: Optional[str] = ApiKeyOpt,
+          num_warmups: int = typer.Option(0, "--num-warmups", help="untimed warm-up rounds before each level, each "
+                                          "as many requests as clients, of the level's prompt and at most 16 "
+                                          "tokens"),
           processes: int = typer.Option(0, "--processes", help="load-generator processes per level (0 = one per 64 "
                                         "streams, at most half the CPUs: one Python client tops out near 5-10k "
                                         "streamed tokens/s)"),
@@ -751,8 +754,9 @@ def bench(url: Optional[str] = UrlOpt,
         raise ApplianceError(f"--concurrency {concurrency!r} is not a list of numbers", "e.g. --concurrency 1,4,16")
     if not levels or min(levels) < 1 or prompt_len < 1 or max_tokens < 1:
         raise ApplianceError("concurrency, prompt length and max tokens must be positive", "e.g. --concurrency 1,4")
-    if processes < 0:
-        raise ApplianceError(f"--processes must be 0 (automatic) or more, got {processes}", "e.g. --processes 4")
+    if processes < 0 or num_warmups < 0:
+        raise ApplianceError(f"--processes and --num-warmups must be 0 or more, got {processes} and {num_warmups}",
+                             "e.g. --processes 4 --num-warmups 1")
     url, api_key = _server(url, api_key)
     _check_serving(url, "bench")
     model = _served_model(url, api_key)
@@ -763,6 +767,9 @@ def bench(url: Optional[str] = UrlOpt,
         if not as_json:
             by = f" from {procs} processes" if procs > 1 else ""
             console.print(f"concurrency {level}: {n} requests of {prompt_len} + {max_tokens} tokens{by} ...")
+        if num_warmups:
+            asyncio.run(loadgen.run_level(url, model, level, level * num_warmups, prompt_len,
+                                          min(max_tokens, loadgen.WARMUP_TOKENS), api_key, processes=1))
         results.append(asyncio.run(loadgen.run_level(url, model, level, n, prompt_len, max_tokens, api_key,
                                                      processes=procs)))
     if as_json:

@@ -4,7 +4,9 @@ For each concurrency level, that many clients each stream completions back to ba
 ``stream: true`` and ``ignore_eos``) until ``requests`` have finished; per level it reports req/s, output tok/s
 and TTFT / TPOT / ITL / E2E latencies (mean, median, standard deviation, 99th percentile; the table shows medians
 and 99th percentiles). A request counts as failed on an HTTP error, an error event in its stream, or a stream
-without text (as vLLM's benchmark counts them). Everything goes over HTTP: it measures what a user sees.
+without text (as vLLM's benchmark counts them). Everything goes over HTTP: it measures what a user sees. Before
+each level, untimed warm-up rounds (``--num-warmups``, as vLLM's ``bench serve``) of as many requests as clients,
+the level's prompt and :data:`WARMUP_TOKENS` output tokens, so that the level's batch sizes have run once.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+#: output tokens of each warm-up request (fewer than a level's: they only need the level's batch sizes to run once)
+WARMUP_TOKENS = 16
 
 
 @dataclass

@@ -117,6 +117,29 @@ def test_cli_bench_prints_a_row_per_level_and_rejects_bad_input():
     assert down.exit_code == 1 and "no server answers" in down.output
 
 
+def test_cli_bench_warm_up_rounds_run_before_each_level_untimed():
+    """--num-warmups 2 at levels 1 and 3: 2 and 6 short requests (at most WARMUP_TOKENS tokens) before each level's
+    timed ones, which alone are counted."""
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+    from appliance.loadgen import WARMUP_TOKENS
+
+    fake = FakeEngine(max_num_seqs=4)
+    engine = AsyncLLMEngine(lambda: fake, "fake-model")
+    with ServerThread(build_app(engine)) as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        result = CliRunner().invoke(app, ["bench", "--url", url, "--concurrency", "1,3", "--prompt-len", "4",
+                                          "--max-tokens", "20", "--requests", "2", "--num-warmups", "2", "--json"])
+        negative = CliRunner().invoke(app, ["bench", "--url", url, "--num-warmups", "-1"])
+    engine.shutdown()
+    import json
+    rows = json.loads(result.output)
+    assert [(r["completed"], r["total_output_tokens"]) for r in rows] == [(2, 40), (2, 40)]
+    assert [p.max_tokens for p in fake.params] == [WARMUP_TOKENS] * 2 + [20] * 2 + [WARMUP_TOKENS] * 6 + [20] * 2
+    assert negative.exit_code == 1 and "--num-warmups must be 0 or more" in " ".join(negative.output.split())
+
+
 def test_cli_bench_on_a_loading_server_says_so_with_the_fix():
     """A server still loading its model (/health 503) gets the one-line error with the fix, not an HTTP dump."""
     import threading
