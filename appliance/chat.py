@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -252,6 +253,28 @@ class AnswerWriter:
     def end(self) -> None:
         self._done_thinking("")
         self.out("\n", False)
+
+
+@contextlib.contextmanager
+def input_history(path: Path, length: int = 1000) -> Iterator[None]:
+    """While it lasts, ``input()`` edits lines and recalls earlier ones (readline), the turns of earlier chats
+    too: read from ``path`` first, and the last ``length`` lines written back after (as Ollama keeps
+    ``~/.ollama/history``). Without readline (Windows) nothing happens; a history file that cannot be read or
+    written is left alone."""
+    try:
+        import readline
+    except ImportError:
+        yield
+        return
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+    readline.set_history_length(length)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
 
 
 class Block(str):

@@ -684,7 +684,7 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
     printed and the command exits."""
     import httpx
 
-    from appliance.chat import AnswerWriter, ChatSession, repl
+    from appliance.chat import AnswerWriter, ChatSession, input_history, repl
 
     if max_tokens is not None and max_tokens < 1:
         raise ApplianceError(f"--max-tokens must be at least 1, got {max_tokens}", "e.g. --max-tokens 256")
@@ -699,12 +699,9 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
                       soft_wrap=True)
 
     if prompt is None and piped is None:
-        try:
-            import readline  # noqa: F401 - line editing and history for input()
-        except ImportError:
-            pass
-        repl(session, input, out, lambda line: console.print(line, markup=False, emoji=False, highlight=False),
-             hide_thinking)
+        with input_history(cfgmod.data_dir() / "chat_history"):
+            repl(session, input, out, lambda line: console.print(line, markup=False, emoji=False, highlight=False),
+                 hide_thinking)
         return
     text = "\n\n".join(part for part in (prompt, piped and piped.strip()) if part)
     if not text:

@@ -8,7 +8,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from appliance.chat import SET_HELP, SHOW_HELP, AnswerWriter, Block, ChatError, ChatSession, read_turn, repl
+from appliance.chat import (SET_HELP, SHOW_HELP, AnswerWriter, Block, ChatError, ChatSession, input_history,
+                            read_turn, repl)
 from appliance.cli import app
 from engine.server.api_server import build_app
 from test_server_fakes import FakeEngine, ServerThread, started_engine, wait_for
@@ -299,3 +300,22 @@ def test_verbose_prints_the_answers_counts_on_stderr_and_model_picks_a_listed_mo
     assert "eval count:           6 token(s)" in result.stderr and "total duration:" in result.stderr
     assert (picked.exit_code, picked.stdout) == (0, expected + "\n")
     assert unknown.exit_code == 1 and "does not serve 'other' (it lists fake-model)" in unknown.output
+
+
+def test_input_history_is_read_before_and_written_after(tmp_path):
+    readline = pytest.importorskip("readline")
+    path = tmp_path / "sub" / "chat_history"
+    readline.clear_history()
+    with input_history(path):
+        readline.add_history("first turn")
+    assert path.read_text().splitlines()[-1] == "first turn"
+    readline.clear_history()
+    with input_history(path):
+        assert readline.get_history_item(readline.get_current_history_length()) == "first turn"
+        readline.add_history("second turn")
+    assert path.read_text().splitlines()[-2:] == ["first turn", "second turn"]
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    with input_history(blocked / "chat_history"):  # its folder cannot be made: the chat goes on without it
+        readline.add_history("third")
+    readline.clear_history()
