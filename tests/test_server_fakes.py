@@ -53,6 +53,8 @@ class FakeTokenizer:
                 raise ValueError(f"unknown role {m['role']!r}")  # like a template's raise_exception
             text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
         text = kwargs.get("prefix", "") + text  # a chat_template_kwargs variable, as enable_thinking is for Qwen3
+        if kwargs.get("reasoning_effort"):  # as gpt-oss's template writes it
+            text = f"Reasoning: {kwargs['reasoning_effort']}\n" + text
         text = "".join(f"<tool {t['function']['name']}>" for t in kwargs.get("tools") or []) + text
         if continue_final_message:  # transformers cuts the rendered text right after the last message's content
             text = text[:-len("<|im_end|>\n")]

@@ -133,9 +133,13 @@ def test_a_json_schema_format_constrains_the_answer():
 
 @pytest.mark.parametrize("body, param, words", [
     ({"input": "q", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "chat/completions"),
-    ({"input": "q", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+    ({"input": "q", "conversation": "conv_1"}, "conversation", "keeps no conversations"),
     ({"input": "q", "background": True}, "background", "not supported"),
-    ({"input": "q", "top_logprobs": 2}, "top_logprobs", "logprobs are not served"),
+    ({"input": "q", "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"input": "q", "include": ["message.output_text.bogus"]}, "include.0", "message.output_text.logprobs"),
+    ({"input": "q", "truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
+    ({"input": "q", "reasoning": {"effort": "max"}}, "reasoning", "effort must be one of"),
+    ({"input": "q", "metadata": {"a": 1}}, "metadata.a", "valid string"),
     ({"input": "q", "n": 2}, "n", "one answer"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      "only text parts"),
@@ -194,7 +198,8 @@ def test_reasoning_sent_back_is_left_out_and_empty_instructions_add_nothing():
 def test_a_max_output_tokens_past_the_context_is_cut_to_what_it_holds():
     with server(FakeEngine(max_model_len=80, reply="x" * 200)) as (url, fake, client):
         resp = client.responses.create(model="fake-model", input="Hello", max_output_tokens=1000)
-    assert resp.status == "incomplete" and resp.usage.total_tokens == 80 and resp.max_output_tokens == 1000
+    assert resp.status == "incomplete" and resp.usage.total_tokens == 80
+    assert resp.max_output_tokens == resp.usage.output_tokens  # the length the answer had room for (vLLM's echo)
 
 
 @pytest.mark.parametrize("reply, limit, kinds, statuses, text", [
@@ -210,3 +215,95 @@ def test_edge_answers_stream_as_they_answer(reply, limit, kinds, statuses, text)
     for output in (resp.model_dump()["output"], streamed):
         assert [i["type"] for i in output] == kinds and [i["status"] for i in output] == statuses
     assert resp.output_text == text
+
+
+def test_previous_response_id_is_not_found_as_nothing_is_stored():
+    with server() as (url, fake, client):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.create(model="fake-model", input="hi", previous_response_id="resp_x")
+    assert info.value.status_code == 404 and info.value.code == "response_not_found"
+    assert info.value.message.endswith("Response with id 'resp_x' not found.") and fake.params == []
+
+
+def test_logprobs_come_where_include_asks_for_them_streamed_or_not():
+    body = {"input": "Hello", "max_output_tokens": 6, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    with server() as (url, fake, client):
+        resp = client.responses.create(model="fake-model", **body)
+        want = chat(url, [{"role": "user", "content": "Hello"}], max_tokens=6, logprobs=True,
+                    top_logprobs=2)["choices"][0]["logprobs"]["content"]
+        streamed = events(url, body)
+        alone = client.responses.create(model="fake-model", input="Hello", max_output_tokens=6, top_logprobs=2)
+    got = [lp.model_dump() for lp in resp.output[0].content[0].logprobs]
+    assert got == want and len(got) == 6 and all(len(e["top_logprobs"]) == 2 for e in got)
+    deltas = [lp for name, e in streamed if name == "response.output_text.delta" for lp in e["logprobs"]]
+    done = next(e for name, e in streamed if name == "response.output_text.done")["logprobs"]
+    final = next(e for name, e in streamed if name == "response.completed")["response"]
+    assert deltas == done == final["output"][0]["content"][0]["logprobs"] == want
+    assert alone.output[0].content[0].logprobs == [] and (resp.top_logprobs, alone.top_logprobs) == (2, 2)
+
+
+def test_a_nan_logprob_is_null_in_valid_json():
+    with server(FakeEngine(max_model_len=256, logprob=float("nan"))) as (url, fake, client):
+        r = httpx.post(url + "/v1/responses", json={"model": "fake-model", "input": "Hello", "max_output_tokens": 2,
+                                                    "include": ["message.output_text.logprobs"]})
+    assert r.status_code == 200, r.text
+    assert [e["logprob"] for e in r.json()["output"][0]["content"][0]["logprobs"]] == [None, None]
+
+
+def tokens(url: str, messages: list[dict]) -> int:
+    r = httpx.post(url + "/tokenize", json={"model": "fake-model", "messages": messages})
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def test_truncation_auto_drops_the_oldest_messages_until_the_input_fits():
+    system = {"role": "system", "content": "S"}
+    turns = [{"role": role, "content": f"{role} {i} " + "x" * 20} for i in range(4) for role in ("user", "assistant")]
+    turns.append({"role": "user", "content": "last"})
+    with server(FakeEngine(max_model_len=256)) as (url, fake, client):
+        refused = httpx.post(url + "/v1/responses", json={"model": "fake-model", "input": [system, *turns]})
+        resp = client.responses.create(model="fake-model", input=[system, *turns], truncation="auto")
+        # what fits: the system message and the last turns from a user message on, one token left for the answer
+        fitting = [k for k in range(len(turns), 0, -1) if turns[-k]["role"] == "user"
+                   and tokens(url, [system, *turns[-k:]]) < 256]
+        too_long = httpx.post(url + "/v1/responses", json={"model": "fake-model", "truncation": "auto",
+                                                           "input": [system, {"role": "user", "content": "y" * 300}]})
+        kept = tokens(url, [system, *turns[-fitting[0]:]])  # with the assistant's header (add_generation_prompt)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert 1 < fitting[0] < len(turns) and resp.truncation == "auto"
+    assert resp.usage.total_tokens == 256  # the answer takes the room left (the fake's reply is longer)
+    assert resp.usage.input_tokens == kept
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_an_unfinished_assistant_message_last_is_continued():
+    start = {"role": "user", "content": "Count"}
+    unfinished = {"type": "message", "role": "assistant", "status": "incomplete",
+                  "content": [{"type": "output_text", "text": "1, 2,"}]}
+    with server() as (url, fake, client):
+        resp = client.responses.create(model="fake-model", input=[start, unfinished], max_output_tokens=5)
+        answered = client.responses.create(model="fake-model", max_output_tokens=5,
+                                           input=[start, unfinished | {"status": "completed"}])
+        want = chat(url, [start, {"role": "assistant", "content": "1, 2,"}], max_tokens=5,
+                    continue_final_message=True, add_generation_prompt=False)
+    assert resp.usage.input_tokens == want["usage"]["prompt_tokens"]
+    assert resp.output_text == want["choices"][0]["message"]["content"]
+    assert answered.usage.input_tokens == resp.usage.input_tokens + len("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_response_echoes_the_request_s_settings_and_takes_its_id():
+    body = {"input": "q", "max_output_tokens": 3, "tool_choice": "none", "parallel_tool_calls": False,
+            "reasoning": {"effort": "high"}, "truncation": "auto", "service_tier": "default",
+            "request_id": "resp_mine", "stream_options": {"include_obfuscation": False}, "metadata": {"k": "v"}}
+    with server() as (url, fake, client):
+        r = httpx.post(url + "/v1/responses", json={"model": "fake-model", **body}).json()
+        plain = httpx.post(url + "/v1/responses", json={"model": "fake-model", "input": "q"}).json()
+        effort = chat(url, [{"role": "user", "content": "q"}], max_tokens=3,
+                      chat_template_kwargs={"reasoning_effort": "high"})
+    assert {k: r[k] for k in ("id", "tool_choice", "parallel_tool_calls", "reasoning", "truncation", "service_tier",
+                              "metadata", "max_output_tokens", "background", "top_logprobs")} == {
+        "id": "resp_mine", "tool_choice": "none", "parallel_tool_calls": False, "reasoning": {"effort": "high"},
+        "truncation": "auto", "service_tier": "default", "metadata": {"k": "v"}, "max_output_tokens": 3,
+        "background": False, "top_logprobs": 0}
+    assert r["usage"]["input_tokens"] == effort["usage"]["prompt_tokens"] > plain["usage"]["input_tokens"]
+    assert plain["max_output_tokens"] == 256 - plain["usage"]["input_tokens"] and plain["id"].startswith("resp_")

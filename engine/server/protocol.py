@@ -434,13 +434,22 @@ class CompletionResponse(BaseModel):
 # ---- responses ----
 #: what a Responses ``input`` message's role becomes for the chat template ("developer" is OpenAI's newer "system")
 RESPONSES_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+#: statuses of an input assistant message that the answer continues (vLLM's ``should_continue_final_message``)
+UNFINISHED = ("in_progress", "incomplete")
+#: OpenAI's ``reasoning.effort`` values
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+#: what a Responses ``include`` may ask for (OpenAI's ``ResponseIncludable``); only the logprobs change an answer here
+INCLUDABLE = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                     "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                     "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
 
 
 def _input_message(item: Any) -> dict[str, str] | None:
     """One Responses ``input`` item as a chat message ``{"role", "content"}``: an item of type "message" (or none)
     whose content is text or a list of text parts ("input_text", "output_text", or chat's "text"; joined by
-    newlines, as chat's text parts). None for a "reasoning" item (an earlier answer's, sent back with it: the
-    chat templates drop past reasoning too). ValueError for anything else."""
+    newlines, as chat's text parts), with its ``status`` where it is an assistant message left unfinished (the answer
+    continues it). None for a "reasoning" item (an earlier answer's, sent back with it: the chat templates drop past
+    reasoning too). ValueError for anything else."""
     if not isinstance(item, dict):
         raise ValueError(f"items must be messages (objects with role and content), got {type(item).__name__}")
     kind = item.get("type", "message")
@@ -453,8 +462,9 @@ def _input_message(item: Any) -> dict[str, str] | None:
     if role not in RESPONSES_ROLES:
         raise ValueError(f"role must be user, assistant, system or developer, got {role!r}")
     content = item.get("content")
+    unfinished = {"status": item["status"]} if role == "assistant" and item.get("status") in UNFINISHED else {}
     if isinstance(content, str):
-        return {"role": RESPONSES_ROLES[role], "content": content}
+        return {"role": RESPONSES_ROLES[role], "content": content, **unfinished}
     if not isinstance(content, list):
         raise ValueError("content must be text or a list of text parts")
     parts = []
@@ -463,18 +473,24 @@ def _input_message(item: Any) -> dict[str, str] | None:
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise ValueError(f"only text parts (input_text, output_text) are served, got {kind!r}")
         parts.append(part["text"])
-    return {"role": RESPONSES_ROLES[role], "content": "\n".join(parts)}
+    return {"role": RESPONSES_ROLES[role], "content": "\n".join(parts), **unfinished}
 
 
 class ResponsesRequest(SamplingRequest):
     """``POST /v1/responses``: OpenAI's Responses API, the part a server without a response store or tools serves
-    (as vLLM's does without them): ``input`` as text (one user message) or a list of messages, ``instructions`` as
-    the system message before them, ``max_output_tokens``, ``text.format`` (text, json_object, json_schema), the
-    sampling fields and vLLM's extras as on the chat endpoint, ``stream``. Accepted and without effect: ``store``
-    (nothing is stored, so a response cannot be fetched or continued), ``reasoning``, ``metadata``,
-    ``stream_options``; ``include``, ``truncation`` and ``parallel_tool_calls`` are ignored as unknown fields. A
-    400 naming them: ``tools``, ``previous_response_id``, ``conversation``, ``background``, ``top_logprobs`` above
-    0, ``n`` above 1 and chat's ``response_format`` (not Responses fields; ``text.format`` is)."""
+    (as vLLM's does without them): ``input`` as text (one user message) or a list of messages (an assistant message
+    last with status "in_progress" or "incomplete" is continued, not answered), ``instructions`` as the system
+    message before them, ``max_output_tokens``, ``text.format`` (text, json_object, json_schema), ``include`` with
+    "message.output_text.logprobs" and ``top_logprobs`` (each output token's logprob and its ``top_logprobs`` most
+    likely; as vLLM, ``top_logprobs`` alone asks for nothing), ``truncation`` "auto" (the oldest input messages
+    after the system one are dropped until the input leaves room for ``max_output_tokens``, else for one token:
+    OpenAI's rule), ``reasoning.effort`` (given to the chat template as ``reasoning_effort``, as vLLM), the
+    sampling fields and vLLM's extras as on the chat endpoint (``request_id`` names the response), ``stream``.
+    Accepted and only echoed: ``store`` (nothing is stored, so a response cannot be fetched or continued),
+    ``metadata``, ``parallel_tool_calls``, ``service_tier``, ``stream_options``, the other ``include`` values.
+    A 400 naming them: ``tools``, ``conversation``, ``background``, ``n`` above 1 and chat's ``response_format``
+    (not Responses fields; ``text.format`` is); ``previous_response_id`` is a 404 (no response is ever stored),
+    as vLLM answers it without a store."""
 
     input: str | list[Any]
     instructions: str | None = None
@@ -486,10 +502,17 @@ class ResponsesRequest(SamplingRequest):
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool = False
-    top_logprobs: int | None = None
+    include: list[INCLUDABLE] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    truncation: Literal["auto", "disabled"] | None = "disabled"
     store: bool = True
     reasoning: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool = True
+    service_tier: str = "auto"
+    #: OpenAI's Responses ``stream_options`` ({"include_obfuscation": ...}): accepted, streamed or not
+    stream_options: dict[str, Any] | None = None
+    request_id: str = Field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")  # vLLM: the response's id
 
     @field_validator("n")
     @classmethod
@@ -533,7 +556,21 @@ class ResponsesRequest(SamplingRequest):
             raise ValueError("response_format is the chat endpoint's: here text.format says it")
         return value
 
-    @field_validator("tools", "previous_response_id", "conversation", "background", "top_logprobs")
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        """Not chat's rule: the Responses ``stream_options`` are accepted without ``stream`` (as OpenAI's)."""
+        return value
+
+    @field_validator("reasoning")
+    @classmethod
+    def _effort(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        effort = (value or {}).get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise ValueError(f"effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+        return value
+
+    @field_validator("tools", "conversation", "background")
     @classmethod
     def _not_served(cls, value: Any, info: ValidationInfo) -> Any:
         """400s naming what this server does not do on this endpoint (a silent answer would be another one)."""
@@ -542,12 +579,18 @@ class ResponsesRequest(SamplingRequest):
         name = info.field_name
         if name == "tools":
             raise ValueError("tools are not served on /v1/responses here: /v1/chat/completions serves them")
-        if name in ("previous_response_id", "conversation"):
-            raise ValueError("this server keeps no responses or conversations (store): send the whole "
-                             "conversation in input")
-        if name == "background":
-            raise ValueError("background responses are not supported")
-        raise ValueError("logprobs are not served on /v1/responses here: /v1/chat/completions serves them")
+        if name == "conversation":
+            raise ValueError("this server keeps no conversations (store): send the whole conversation in input")
+        raise ValueError("background responses are not supported")
+
+    def output_logprobs(self) -> int | None:
+        """How many most likely tokens to give beside each output token's logprob: ``top_logprobs`` (0 when
+        absent) where ``include`` asks for "message.output_text.logprobs", else None (none asked for)."""
+        return (self.top_logprobs or 0) if "message.output_text.logprobs" in (self.include or []) else None
+
+    def continues_final_message(self) -> bool:
+        """Whether the input ends with an unfinished assistant message that the answer continues."""
+        return self.input[-1].get("status") in UNFINISHED
 
     def text_format(self) -> dict[str, Any]:
         """``text.format`` as given, ``{"type": "text"}`` when absent (what the response reports)."""
@@ -565,7 +608,12 @@ class ResponsesRequest(SamplingRequest):
     def chat_messages(self) -> list[ChatMessage]:
         """``instructions`` (as a system message) then the input's messages, for the chat template."""
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []  # vLLM
-        return system + [ChatMessage(**m) for m in self.input]
+        return system + [ChatMessage(role=m["role"], content=m["content"]) for m in self.input]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra chat template variables: ``reasoning_effort`` from ``reasoning.effort`` (vLLM's)."""
+        effort = (self.reasoning or {}).get("effort")
+        return {"reasoning_effort": effort} if effort is not None else {}
 
 
 # ---- models, tokenizer ----

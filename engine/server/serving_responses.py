@@ -11,12 +11,14 @@ Streamed (``stream: true``), the events are OpenAI's, each an SSE ``event:`` lin
 text's deltas (``response.reasoning_text.delta`` or ``response.output_text.delta``), their ``.done`` events,
 ``response.content_part.done`` and ``response.output_item.done``; last ``response.completed`` with the whole
 response, whatever its status (as vLLM; the OpenAI SDK's stream helper needs that event). An error after the stream
-started is an ``error`` event. Nothing is stored (``store`` has no effect).
+started is an ``error`` event. Nothing is stored (``store`` has no effect). Where ``include`` asks for them, the
+message's text part carries each output token's logprobs (:class:`_Logprobs`), and so does each text delta.
 """
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +35,7 @@ from engine.server.errors import APIError
 from engine.server.protocol import ChatCompletionRequest, ResponsesRequest
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, event_stream,
                                    kept_prompt_len, merge, stream_error, submit)
+from engine.server.logprobs import chat_logprobs
 from engine.server.serving_chat import reasoning_start, render_chat
 
 def _id(prefix: str) -> str:
@@ -42,24 +45,27 @@ def _id(prefix: str) -> str:
 async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request) -> Response:
     """Answer one Responses request (JSON, or SSE events when ``stream``). Errors: ``APIError`` (404/400/503)."""
     ctx.check_model(req.model)
+    if req.previous_response_id:  # nothing is stored, so no response can be found (vLLM without a store)
+        raise APIError(404, f"Response with id '{req.previous_response_id}' not found.",
+                       param="previous_response_id", code="response_not_found")
     llm = ctx.ready_engine()
-    chat = ChatCompletionRequest.model_construct(messages=req.chat_messages())  # the chat endpoint's defaults
-    prompt = render_chat(llm.tokenizer, chat, field="input")
+    prompt = _prompt(llm.tokenizer, req, llm.max_model_len)
     open_ = reasoning_start(ctx, llm.tokenizer, req, prompt)
     room = llm.max_model_len - kept_prompt_len(len(prompt), req.truncate_prompt_tokens, llm.max_model_len)
     max_tokens = req.max_output_tokens
     if max_tokens is not None and room >= 1:  # vLLM's rule here (unlike chat's 400): what the context has room for
         max_tokens = min(max_tokens, room)
     try:
-        params = build_params(req.sampling_params, max_tokens, None, llm.default_sampling, None)
+        params = build_params(req.sampling_params, max_tokens, req.output_logprobs(), llm.default_sampling, None)
     except APIError as e:  # name the request's own field for the answer's length
         if e.param == "max_tokens":
             e.param, e.message = "max_output_tokens", "max_output_tokens" + e.message.removeprefix("max_tokens")
         raise
-    head = _Head(_id("resp"), int(time.time()), ctx.model_name, req, params)
+    head = _Head(req.request_id, int(time.time()), ctx.model_name, req, params, room)
     streams = await submit(ctx, [prompt], params, head.id, "input")
+    logprobs = _Logprobs(llm.tokenizer, req.output_logprobs())
     if req.stream:
-        return event_stream(_framed(_events(head, streams, open_)))
+        return event_stream(_framed(_events(head, streams, open_, logprobs)))
     finals = await collect(streams, raw)
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
@@ -69,19 +75,64 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     items = []
     if thought is not None:
         items.append(_reasoning_item(_id("rs"), thought, "completed"))
-    if text is not None:
-        items.append(_message_item(_id("msg"), text, "completed"))
+    if text is not None:  # every output token's logprobs, as vLLM (a thinking model's reasoning tokens too)
+        items.append(_message_item(_id("msg"), text, "completed", logprobs.of(choice, 0)))
     items[-1]["status"] = _item_status(choice.finish_reason)  # the item an answer cut short was cut in
     return JSONResponse(head.response(items, final))
 
 
+def _prompt(tokenizer: Any, req: ResponsesRequest, max_model_len: int) -> list[int]:
+    """The input through the chat template, continuing an unfinished assistant message last. With ``truncation``
+    "auto", while it leaves no room for one output token, the oldest message after a leading system message is
+    dropped (and an assistant message that then comes first), the last one always kept (OpenAI's rule: items
+    dropped from the conversation's start); a last message too long alone is the usual 400."""
+    messages, continues = req.chat_messages(), req.continues_final_message()
+
+    def render() -> list[int]:
+        chat = ChatCompletionRequest.model_construct(  # the chat endpoint's defaults for the rest
+            messages=messages, add_generation_prompt=not continues, continue_final_message=continues,
+            chat_template_kwargs=req.template_kwargs() or None)
+        return render_chat(tokenizer, chat, field="input")
+
+    prompt = render()
+    first = 1 if messages[0].role == "system" else 0
+    while req.truncation == "auto" and len(prompt) >= max_model_len and len(messages) - first > 1:
+        del messages[first]
+        while messages[first].role == "assistant" and len(messages) - first > 1:
+            del messages[first]
+        prompt = render()
+    return prompt
+
+
+class _Logprobs:
+    """The output text's logprobs where ``include`` asked for them (``k`` most likely beside each token; None:
+    not asked, every list empty): OpenAI's ``{token, logprob, bytes, top_logprobs}`` per token, a NaN logprob (of
+    NaN logits) as null so that the JSON stays valid."""
+
+    def __init__(self, tokenizer: Any, k: int | None) -> None:
+        self.tokenizer, self.k = tokenizer, k
+
+    def of(self, choice: Any, start: int) -> list[dict[str, Any]]:
+        """Those of ``choice``'s tokens from ``start`` on."""
+        if self.k is None or choice.logprobs is None:
+            return []
+        entries = chat_logprobs(self.tokenizer, choice.token_ids[start:], choice.logprobs[start:], self.k)
+        return [_finite(e) | {"top_logprobs": [_finite(t) for t in e["top_logprobs"]]} for e in entries["content"]]
+
+
+def _finite(entry: dict[str, Any]) -> dict[str, Any]:
+    return entry | {"logprob": None} if math.isnan(entry["logprob"]) else entry
+
+
 class _Head:
     """What every ``response`` object of one request repeats: id, creation time (s), model, the request's
-    settings as the engine took them (temperature and top_p after the model's generation config)."""
+    settings as the engine took them (temperature and top_p after the model's generation config, the output's
+    length cut to the context's ``room``), the rest echoed."""
 
     def __init__(self, response_id: str, created: int, model: str, req: ResponsesRequest,
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, room: int) -> None:
         self.id, self.created, self.model, self.req, self.params = response_id, created, model, req, params
+        self.max_output_tokens = params.max_tokens if params.max_tokens is not None else room
 
     def response(self, output: list[dict], final: RequestOutput | None) -> dict[str, Any]:
         """The ``response`` object: in progress while ``final`` is None, else completed, or incomplete where the
@@ -91,10 +142,12 @@ class _Head:
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
-            "output": output, "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
-            "store": False, "temperature": self.params.temperature, "top_p": self.params.top_p,
-            "text": {"format": req.text_format()}, "tool_choice": "auto", "tools": [], "truncation": "disabled",
+            "instructions": req.instructions, "max_output_tokens": self.max_output_tokens, "model": self.model,
+            "output": output, "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": req.reasoning, "store": False, "temperature": self.params.temperature,
+            "top_p": self.params.top_p, "top_logprobs": req.top_logprobs or 0, "background": False,
+            "service_tier": req.service_tier, "text": {"format": req.text_format()},
+            "tool_choice": req.tool_choice or "auto", "tools": [], "truncation": req.truncation or "disabled",
             "metadata": req.metadata, "user": req.user, "usage": None if final is None else _usage(final),
         }
 
@@ -112,13 +165,14 @@ def _usage(final: RequestOutput) -> dict[str, Any]:
             "total_tokens": prompt + output}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     """The answer as a "message" item with its one text part."""
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [_text_part(text)]}
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [_text_part(text, logprobs)]}
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -127,27 +181,31 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 
 class _Item:
-    """One output item being streamed: its id, index in ``output``, text so far, and whether it is open."""
+    """One output item being streamed: its id, index in ``output``, text and (message) logprobs so far."""
 
     def __init__(self, kind: str, index: int) -> None:
         self.kind, self.index, self.id, self.text = kind, index, _id("rs" if kind == "reasoning" else "msg"), ""
+        self.logprobs: list[dict[str, Any]] = []
 
-    def part(self, text: str) -> dict[str, Any]:
-        return {"type": "reasoning_text", "text": text} if self.kind == "reasoning" else _text_part(text)
+    def part(self, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": text} if self.kind == "reasoning" else _text_part(text, logprobs)
 
     def whole(self, status: str) -> dict[str, Any]:
         if self.kind == "reasoning":
             return _reasoning_item(self.id, self.text, status)
-        return _message_item(self.id, self.text, status)
+        return _message_item(self.id, self.text, status, self.logprobs)
 
 
-async def _events(head: _Head, streams: list[RequestStream], open_: bool | None) -> AsyncIterator[dict[str, Any]]:
+async def _events(head: _Head, streams: list[RequestStream], open_: bool | None,
+                  logprobs: _Logprobs) -> AsyncIterator[dict[str, Any]]:
     """The response's stream events (module doc) as dicts with their ``type``; ``sequence_number`` is added when
-    they are framed (:func:`_framed`)."""
+    they are framed (:func:`_framed`). Each ``response.output_text.delta`` carries the logprobs of the tokens
+    since the last delta sent (those of reasoning deltas are not sent, as vLLM's), the ``.done`` events all of
+    the item's."""
     yield {"type": "response.created", "response": head.response([], None)}
     yield {"type": "response.in_progress", "response": head.response([], None)}
     split = reasoning.StreamSplit(open_) if open_ is not None else None
-    tracker, done, final, open_item, said = DeltaTracker(1), [], None, None, False
+    tracker, done, final, open_item, said, sent = DeltaTracker(1), [], None, None, False, 0
 
     def opening(kind: str) -> list[dict[str, Any]]:
         nonlocal open_item, said
@@ -155,7 +213,7 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None)
         events = [{"type": "response.output_item.added", "output_index": open_item.index,
                    "item": open_item.whole("in_progress") | {"content": []}},
                   {"type": "response.content_part.added", "item_id": open_item.id, "output_index": open_item.index,
-                   "content_index": 0, "part": open_item.part("")}]
+                   "content_index": 0, "part": open_item.part("", [])}]
         return events
 
     def closing(status: str) -> list[dict[str, Any]]:
@@ -165,20 +223,23 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None)
         if item.kind == "reasoning":
             events = [{"type": "response.reasoning_text.done", **where, "text": item.text}]
         else:
-            events = [{"type": "response.output_text.done", **where, "text": item.text, "logprobs": []}]
-        events.append({"type": "response.content_part.done", **where, "part": item.part(item.text)})
+            events = [{"type": "response.output_text.done", **where, "text": item.text, "logprobs": item.logprobs}]
+        events.append({"type": "response.content_part.done", **where, "part": item.part(item.text, item.logprobs)})
         done.append(item.whole(status))
         return events + [{"type": "response.output_item.done", "output_index": item.index, "item": done[-1]}]
 
-    def adding(kind: str, delta: str) -> list[dict[str, Any]]:
+    def adding(kind: str, delta: str, lps: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events = []
         if open_item is not None and open_item.kind != kind:
             events += closing("completed")
         if open_item is None:
             events += opening(kind)
         open_item.text += delta
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        if kind == "reasoning":
+            name, extra = "response.reasoning_text.delta", {}
+        else:
+            name, extra = "response.output_text.delta", {"logprobs": lps}
+            open_item.logprobs += lps
         return events + [{"type": name, "item_id": open_item.id, "output_index": open_item.index,
                           "content_index": 0, "delta": delta, **extra}]
 
@@ -187,13 +248,15 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None)
         for d in tracker.update(0, out):
             finished = d.finish_reason is not None
             thought, said = split.delta(d.choice.text, finished) if split else (None, d.text or None)
+            if thought or said:  # the tokens since the last delta sent (a held-back one sends none)
+                lps, sent = logprobs.of(d.choice, sent), len(d.choice.token_ids)
             for kind, delta in (("reasoning", thought), ("message", said)):
                 if delta:
-                    for event in adding(kind, delta):
+                    for event in adding(kind, delta, lps if kind == "message" else []):
                         yield event
             if finished:
                 if not said and (split is None or reasoning.split(d.choice.text, open_)[1] is not None):
-                    for event in adding("message", ""):  # an empty answer is an empty message, as not streamed
+                    for event in adding("message", "", []):  # an empty answer is an empty message, as not streamed
                         if event["type"] != "response.output_text.delta":
                             yield event
                 if open_item is not None:
