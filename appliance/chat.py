@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,8 +29,10 @@ from appliance.errors import ApplianceError
 HELP = ('/bye ends the chat (so does Ctrl-D), /clear forgets the conversation, """ starts and ends a message of '
         "several lines, /set and /show change and show the options (/? set, /? show); Ctrl-C stops an answer")
 SET_HELP = ("/set parameter NAME VALUE (seed, num_predict, temperature, top_k, top_p, min_p, repeat_penalty, "
-            "presence_penalty, frequency_penalty, stop WORD ...), /set system TEXT, /set format json, /set noformat, "
-            "/set verbose (timings after each answer), /set quiet")
+            "presence_penalty, frequency_penalty, stop WORD ...; no VALUE: the server's default), /set system TEXT "
+            '(or a """ block), /set nosystem, /set format json, /set noformat, /set verbose (timings after each '
+            "answer), /set quiet")
+SYSTEM_BLOCK = "/set system "  # followed by \"\"\": a system prompt of several lines
 SHOW_HELP = "/show info (the model and its context), /show parameters, /show system"
 
 #: ``/set parameter`` names (Ollama's, and the OpenAI / vLLM field itself) -> (request field, value type)
@@ -139,11 +142,12 @@ class ChatSession:
             self.messages.insert(0, {"role": "system", "content": text})
 
     def headers(self) -> dict[str, str]:
+        """The API key's ``Authorization`` header, when there is one."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def card(self) -> dict:
         """The model's card from ``GET /v1/models`` ({} when the server does not list it); raises
-        ``httpx.HTTPError`` when the server cannot be reached or refuses."""
+        ``httpx.HTTPError`` when the server cannot be reached or refuses, ``ValueError`` for a body not JSON."""
         resp = httpx.get(f"{self.url}/v1/models", headers=self.headers(), timeout=10)
         resp.raise_for_status()
         return next((card for card in resp.json().get("data") or [] if card.get("id") == self.model), {})
@@ -283,38 +287,47 @@ class Block(str):
 
 def read_turn(read: Callable[[str], str]) -> str | None:
     """The user's next message from ``read(prompt)`` (``input``): one line, or with a line starting with
-    ``\"\"\"`` every line up to one ending with ``\"\"\"``, joined by newlines (a :class:`Block`). None at end of
+    ``\"\"\"`` every line up to one ending with ``\"\"\"``, joined by newlines (a :class:`Block`); ``/set system
+    \"\"\"`` opens such a block too (Ollama's), returned as that command with the block's text. None at end of
     input (EOFError)."""
     try:
         line = read(">>> ")
-        if not line.lstrip().startswith('"""'):
+        stripped = line.lstrip()
+        command = SYSTEM_BLOCK if stripped.startswith(SYSTEM_BLOCK) else ""
+        if not stripped[len(command):].startswith('"""'):
             return line
-        lines, line = [], line.lstrip()[3:]
+        lines, line = [], stripped[len(command) + 3:]
         while not line.rstrip().endswith('"""'):
             lines.append(line)
             line = read("... ")
         lines.append(line.rstrip()[:-3])
-        return Block("\n".join(lines).strip("\n"))
+        text = "\n".join(lines).strip("\n")
+        return command + text if command else Block(text)
     except EOFError:
         return None
 
 
 def _parse(name: str, kind: type, values: list[str]) -> Any:
-    """A ``/set parameter`` value as its request field takes it; ValueError with the reason for a bad one."""
+    """A ``/set parameter`` value as its request field takes it; ValueError with the reason for a bad one (not a
+    number, not finite, a ``num_predict`` below 1 but Ollama's -1 and -2)."""
     if kind is list:
-        if not values:
-            raise ValueError("give one or more stop words")
         return values
     if len(values) != 1:
         raise ValueError(f"give one value, e.g. /set parameter {name} {kind(1)}")
     try:
-        return kind(values[0])
+        value = kind(values[0])
     except ValueError:
         raise ValueError(f"{values[0]!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{values[0]!r} is not a finite number")
+    if PARAMETERS[name][0] == "max_tokens" and value < 1 and value not in (-1, -2):
+        raise ValueError("give at least 1 (or -1: the rest of the context)")
+    return value
 
 
 def set_option(session: ChatSession, args: list[str]) -> str:
-    """Apply ``/set ARGS`` to ``session``; returns the line to say (what was set, or why nothing was)."""
+    """Apply ``/set ARGS`` to ``session``; returns the line to say (what was set, or why nothing was).
+    ``/set parameter NAME`` without a value unsets it (the server's default again)."""
     what, rest = (args[0], args[1:]) if args else ("", [])
     if what == "parameter" and rest:
         name, values = rest[0], rest[1:]
@@ -323,18 +336,24 @@ def set_option(session: ChatSession, args: list[str]) -> str:
         if name not in PARAMETERS:
             return f"Unknown parameter {name!r}. {SET_HELP}."
         field_name, kind = PARAMETERS[name]
+        if not values:
+            session.options.pop(field_name, None)
+            return f"Unset parameter {name!r} (the server's default)."
         try:
             value = _parse(name, kind, values)
         except ValueError as exc:
             return f"Couldn't set parameter {name!r}: {exc}."
-        if field_name == "max_tokens" and value == -1:  # Ollama's num_predict -1: no limit
+        if field_name == "max_tokens" and value < 0:  # Ollama's -1 (no limit) and -2 (fill the context)
             session.options.pop(field_name, None)
-            return f"Set parameter {name!r} to '-1' (the rest of the context)."
+            return f"Set parameter {name!r} to {values[0]!r} (the rest of the context)."
         session.options[field_name] = value
         return f"Set parameter {name!r} to {' '.join(values)!r}."
     if what == "system" and rest:
         session.set_system(" ".join(rest))
         return "Set system message."
+    if args == ["nosystem"]:
+        session.set_system(None)
+        return "Removed the system message."
     if args == ["format", "json"]:
         session.options["response_format"] = {"type": "json_object"}
         return "Set format to 'json' mode."
@@ -364,7 +383,8 @@ def show(session: ChatSession, what: str) -> list[str]:
 
 
 def command(session: ChatSession, line: str) -> list[str] | None:
-    """Run one REPL command line (starting with ``/``); returns the lines to say, None for ``/bye``."""
+    """Run one REPL command line (starting with ``/``); returns the lines to say, None for ``/bye``. Raises
+    ``httpx.HTTPError`` or ``ValueError`` (a body that is not JSON) where ``/show info`` cannot ask the server."""
     name, *args = line.split()
     if name == "/bye":
         return None
@@ -374,7 +394,7 @@ def command(session: ChatSession, line: str) -> list[str] | None:
         session.clear()
         return ["Cleared the conversation."]
     if name == "/set":
-        if args[:1] == ["system"]:  # the system prompt as typed, spaces and all
+        if args[:1] == ["system"]:  # the system prompt as typed, spaces and lines and all
             text = line.split(None, 2)[2] if len(args) > 1 else ""
             args = ["system", text] if text else ["system"]
         return [set_option(session, args)]
@@ -401,15 +421,20 @@ def repl(session: ChatSession, read: Callable[[str], str], out: Callable[[str, b
             return
         if not text.strip():
             continue
-        try:
-            if text.strip().startswith("/") and not isinstance(text, Block):
+        if text.strip().startswith("/") and not isinstance(text, Block):
+            try:
                 lines = command(session, text.strip())
-                if lines is None:
-                    return
-                for line in lines:
-                    say(line)
-                continue
-            writer = AnswerWriter(out, hide_reasoning)
+            except KeyboardInterrupt:
+                lines = ["(stopped)"]
+            except (httpx.HTTPError, ValueError) as exc:
+                lines = [f"no answer from {session.url} ({type(exc).__name__}: {exc}); `appliance status` says why"]
+            if lines is None:
+                return
+            for line in lines:
+                say(line)
+            continue
+        writer = AnswerWriter(out, hide_reasoning)
+        try:
             session.ask(text, writer)
             writer.end()
             if session.verbose and session.last_stats:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shutil
 import sys
@@ -688,6 +689,8 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
 
     if max_tokens is not None and max_tokens < 1:
         raise ApplianceError(f"--max-tokens must be at least 1, got {max_tokens}", "e.g. --max-tokens 256")
+    if temperature is not None and not math.isfinite(temperature):
+        raise ApplianceError(f"--temperature must be a finite number, got {temperature}", "e.g. --temperature 0.7")
     url, api_key = _server(url, api_key)
     piped = None if sys.stdin.isatty() else sys.stdin.read()
     _check_serving(url, "chat", wait_s=600.0)

@@ -5,7 +5,7 @@ For each concurrency level, that many clients each stream completions back to ba
 and TTFT / TPOT / ITL / E2E latencies (mean, median, standard deviation, 99th percentile; the table shows medians
 and 99th percentiles). A request counts as failed on an HTTP error, an error event in its stream, or a stream
 without text (as vLLM's benchmark counts them). Everything goes over HTTP: it measures what a user sees. Before
-each level, untimed warm-up rounds (``--num-warmups``, as vLLM's ``bench serve``) of as many requests as clients,
+each level, untimed warm-up rounds (``--num-warmups``) of as many requests as clients,
 the level's prompt and :data:`WARMUP_TOKENS` output tokens, so that the level's batch sizes have run once.
 """
 from __future__ import annotations

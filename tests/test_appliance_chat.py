@@ -250,44 +250,60 @@ def test_chat_waits_for_a_loading_model():
 def test_set_and_show_change_and_show_what_the_next_turns_send():
     lines = iter(["/set parameter temperature 0", "/set parameter num_predict 7", "/set parameter seed 3",
                   "/set parameter stop END  STOP", "/set parameter repeat_penalty 1.1", "/set parameter num_ctx 4096",
-                  "/set parameter bogus 1", "/set parameter top_k x", "/set parameter top_p", "/set system Be  terse.",
-                  "/show parameters", "/show system", "/show info", "hello", "/set parameter num_predict -1",
-                  "/set format json", "/set verbose", "again", "/set noformat", "/set quiet", "/set", "/show",
-                  "/? set", "/bye"])
+                  "/set parameter bogus 1", "/set parameter top_k x", "/set parameter top_p 1 2",
+                  "/set parameter temperature nan", "/set parameter num_predict 0", "/set system Be  terse.",
+                  "/show parameters", "/show system", "/show info", "hello", "/set parameter num_predict -2",
+                  "/set parameter stop", "/set format json", "/set verbose", "again", "/set noformat", "/set quiet",
+                  "/set", "/show", "/? set", "/bye"])
     said = []
     with fake_server() as (url, fake):
         session = ChatSession(url, "fake-model", system="Be long.")
         repl(session, lambda prompt: next(lines), lambda text, dim: None, said.append)
         first, second = fake.params
+        asked = httpx.post(f"{url}/tokenize", json={"messages": session.messages[:-1]}).json()["count"]
     assert said[1:8] == ["Set parameter 'temperature' to '0'.", "Set parameter 'num_predict' to '7'.",
                          "Set parameter 'seed' to '3'.", "Set parameter 'stop' to 'END STOP'.",
                          "Set parameter 'repeat_penalty' to '1.1'.",
                          "num_ctx is not a per-request setting here: the context length is the server's max_model_len "
                          "(appliance install --max-model-len N).",
                          "Unknown parameter 'bogus'. " + SET_HELP + "."]
-    assert said[8] == "Couldn't set parameter 'top_k': 'x' is not an integer."
-    assert said[9] == "Couldn't set parameter 'top_p': give one value, e.g. /set parameter top_p 1.0."
-    assert said[10:17] == ["Set system message.", "User defined parameters:", "temperature          0.0",
+    assert said[8:12] == ["Couldn't set parameter 'top_k': 'x' is not an integer.",
+                          "Couldn't set parameter 'top_p': give one value, e.g. /set parameter top_p 1.0.",
+                          "Couldn't set parameter 'temperature': 'nan' is not a finite number.",
+                          "Couldn't set parameter 'num_predict': give at least 1 (or -1: the rest of the context)."]
+    assert said[12:19] == ["Set system message.", "User defined parameters:", "temperature          0.0",
                            "max_tokens           7", "seed                 3", 'stop                 ["END", "STOP"]',
                            "repetition_penalty   1.1"]
-    assert said[17:21] == ["Be  terse.", "  model           fake-model", "  context length  256",
+    assert said[19:23] == ["Be  terse.", "  model           fake-model", "  context length  256",
                            "  server          " + url]
+    assert said[23:25] == ["Set parameter 'num_predict' to '-2' (the rest of the context).",
+                           "Unset parameter 'stop' (the server's default)."]
     assert (first.temperature, first.max_tokens, first.seed, first.stop, first.repetition_penalty) == (
         0.0, 7, 3, ["END", "STOP"], 1.1)
     assert first.structured_outputs is None and second.structured_outputs.json_object is True
-    assert second.max_tokens is None and (second.temperature, second.seed) == (0.0, 3)
+    assert second.max_tokens is None and second.stop == [] and (second.temperature, second.seed) == (0.0, 3)
     assert session.messages[0] == {"role": "system", "content": "Be  terse."} and len(session.messages) == 5
     verbose = said[said.index("Set 'verbose' mode.") + 1:]
     assert verbose[0] == "" and verbose[1].startswith("total duration:") and verbose[2].startswith("time to first")
-    assert verbose[3] == f"prompt eval count:    {first_prompt_tokens(session)} token(s)"
+    assert verbose[3] == f"prompt eval count:    {asked} token(s)"  # the second turn's whole conversation
     assert verbose[4].startswith("eval count:") and verbose[5].startswith("eval rate:")
     assert said[-5:] == ["Disabled format.", "Set 'quiet' mode.", f"Usage: {SET_HELP}.", f"Usage: {SHOW_HELP}.",
                          SET_HELP]
     assert "response_format" not in session.options and not session.verbose
 
 
-def first_prompt_tokens(session: ChatSession) -> int:
-    return session.last_stats.prompt_tokens
+def test_a_system_prompt_of_several_lines_and_its_removal():
+    lines = iter(['/set system """You are', "  brief.", '"""', "/show system", "/set nosystem", "/show system",
+                  '/set system """One line."""', "/show info", "/bye"])
+    said = []
+    with fake_server() as (url, fake):
+        session = ChatSession(url, "fake-model")
+        session.ask("hi", lambda kind, text: None)
+    repl(session, lambda prompt: next(lines), lambda text, dim: None, said.append)  # the server is gone now
+    assert said[1:6] == ["Set system message.", "You are\n  brief.", "Removed the system message.",
+                         "No system message was specified.", "Set system message."]
+    assert said[6].startswith(f"no answer from {url} (ConnectError") and session.system == "One line."
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant"]
 
 
 def test_verbose_prints_the_answers_counts_on_stderr_and_model_picks_a_listed_model():
@@ -296,10 +312,12 @@ def test_verbose_prints_the_answers_counts_on_stderr_and_model_picks_a_listed_mo
         expected = answer_of(url, [user("Hello")], max_tokens=6)
         picked = runner.invoke(app, ["chat", "--url", url, "--model", "fake-model", "--max-tokens", "6", "Hello"])
         unknown = runner.invoke(app, ["chat", "--url", url, "--model", "other", "Hello"])
+        nan = runner.invoke(app, ["chat", "--url", url, "--temperature", "nan", "Hello"])
     assert result.exit_code == 0 and result.stdout == expected + "\n"
     assert "eval count:           6 token(s)" in result.stderr and "total duration:" in result.stderr
     assert (picked.exit_code, picked.stdout) == (0, expected + "\n")
     assert unknown.exit_code == 1 and "does not serve 'other' (it lists fake-model)" in unknown.output
+    assert nan.exit_code == 1 and "--temperature must be a finite number" in nan.output
 
 
 def test_input_history_is_read_before_and_written_after(tmp_path):

@@ -140,6 +140,8 @@ def test_a_json_schema_format_constrains_the_answer():
     ({"input": "q", "truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
     ({"input": "q", "reasoning": {"effort": "max"}}, "reasoning", "effort must be one of"),
     ({"input": "q", "metadata": {"a": 1}}, "metadata.a", "valid string"),
+    ({"input": "q", "tool_choice": "required"}, "tool_choice", "no tools are served"),
+    ({"input": "q", "request_id": ""}, "request_id", "at least 1 character"),
     ({"input": "q", "n": 2}, "n", "one answer"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      "only text parts"),
@@ -307,3 +309,20 @@ def test_the_response_echoes_the_request_s_settings_and_takes_its_id():
         "background": False, "top_logprobs": 0}
     assert r["usage"]["input_tokens"] == effort["usage"]["prompt_tokens"] > plain["usage"]["input_tokens"]
     assert plain["max_output_tokens"] == 256 - plain["usage"]["input_tokens"] and plain["id"].startswith("resp_")
+
+
+@pytest.mark.parametrize("reply, parser", [(None, "none"), ("<think>why not</think>the answer", "deepseek_r1")])
+def test_streamed_logprobs_are_the_answer_s_as_not_streamed(reply, parser):
+    """Every output token's logprobs in both: the EOS's, which writes no text, and a thinking model's reasoning
+    tokens (in the first text delta when streamed)."""
+    body = {"input": "Hello", "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    with server(FakeEngine(max_model_len=256, reply=reply), reasoning_parser=parser) as (url, fake, client):
+        whole = httpx.post(url + "/v1/responses", json={"model": "fake-model", **body}).json()
+        streamed = events(url, body)
+    final = next(e for name, e in streamed if name == "response.completed")["response"]
+    deltas = [lp for name, e in streamed if name == "response.output_text.delta" for lp in e["logprobs"]]
+    assert whole["output"][-1]["content"][0]["logprobs"] == final["output"][-1]["content"][0]["logprobs"]
+    assert len(final["output"][-1]["content"][0]["logprobs"]) == final["usage"]["output_tokens"]
+    lps = final["output"][-1]["content"][0]["logprobs"]
+    assert deltas == lps[:len(deltas)] and len(lps) - len(deltas) <= 1  # an EOS alone in its step: in .done only
+    assert whole["status"] == final["status"] == "completed"

@@ -476,6 +476,13 @@ def _input_message(item: Any) -> dict[str, str] | None:
     return {"role": RESPONSES_ROLES[role], "content": "\n".join(parts), **unfinished}
 
 
+class ResponsesStreamOptions(RequestModel):
+    """OpenAI's Responses ``stream_options``: ``include_obfuscation`` (random padding of the stream's events, which
+    this server does not add)."""
+
+    include_obfuscation: bool = True
+
+
 class ResponsesRequest(SamplingRequest):
     """``POST /v1/responses``: OpenAI's Responses API, the part a server without a response store or tools serves
     (as vLLM's does without them): ``input`` as text (one user message) or a list of messages (an assistant message
@@ -483,14 +490,15 @@ class ResponsesRequest(SamplingRequest):
     message before them, ``max_output_tokens``, ``text.format`` (text, json_object, json_schema), ``include`` with
     "message.output_text.logprobs" and ``top_logprobs`` (each output token's logprob and its ``top_logprobs`` most
     likely; as vLLM, ``top_logprobs`` alone asks for nothing), ``truncation`` "auto" (the oldest input messages
-    after the system one are dropped until the input leaves room for ``max_output_tokens``, else for one token:
-    OpenAI's rule), ``reasoning.effort`` (given to the chat template as ``reasoning_effort``, as vLLM), the
-    sampling fields and vLLM's extras as on the chat endpoint (``request_id`` names the response), ``stream``.
-    Accepted and only echoed: ``store`` (nothing is stored, so a response cannot be fetched or continued),
-    ``metadata``, ``parallel_tool_calls``, ``service_tier``, ``stream_options``, the other ``include`` values.
-    A 400 naming them: ``tools``, ``conversation``, ``background``, ``n`` above 1 and chat's ``response_format``
-    (not Responses fields; ``text.format`` is); ``previous_response_id`` is a 404 (no response is ever stored),
-    as vLLM answers it without a store."""
+    after the system one are dropped until the input leaves room for one output token: OpenAI's rule),
+    ``reasoning.effort`` (given to the chat template as ``reasoning_effort``, as vLLM), the sampling fields and
+    vLLM's extras as on the chat endpoint (``request_id`` names the response), ``stream``. Echoed in the response
+    and otherwise without effect: ``metadata``, ``parallel_tool_calls``, ``service_tier``, ``tool_choice`` "auto"
+    or "none". Accepted without effect: ``store`` (nothing is stored, so a response cannot be fetched or
+    continued; the response says false), ``stream_options`` (streamed or not, as OpenAI's), the other ``include``
+    values. A 400 naming them: ``tools``, any other ``tool_choice``, ``conversation``, ``background``, ``n``
+    above 1 and chat's ``response_format`` (not Responses fields; ``text.format`` is); ``previous_response_id`` is
+    a 404 (no response is ever stored), as vLLM answers it without a store."""
 
     input: str | list[Any]
     instructions: str | None = None
@@ -510,9 +518,8 @@ class ResponsesRequest(SamplingRequest):
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
     service_tier: str = "auto"
-    #: OpenAI's Responses ``stream_options`` ({"include_obfuscation": ...}): accepted, streamed or not
-    stream_options: dict[str, Any] | None = None
-    request_id: str = Field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")  # vLLM: the response's id
+    stream_options: ResponsesStreamOptions | None = None
+    request_id: str = Field(default_factory=lambda: f"resp_{uuid.uuid4().hex}", min_length=1)  # vLLM: the id
 
     @field_validator("n")
     @classmethod
@@ -558,8 +565,26 @@ class ResponsesRequest(SamplingRequest):
 
     @field_validator("stream_options")
     @classmethod
-    def _stream_options_need_stream(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
-        """Not chat's rule: the Responses ``stream_options`` are accepted without ``stream`` (as OpenAI's)."""
+    def _stream_options_need_stream(cls, value: ResponsesStreamOptions | None,
+                                    info: ValidationInfo) -> ResponsesStreamOptions | None:
+        """Overrides chat's rule (same name): the Responses ``stream_options`` are accepted without ``stream``."""
+        return value
+
+    @property
+    def include_usage(self) -> bool:  # the usage is in response.completed, never in chunks of its own
+        return False
+
+    @property
+    def continuous_usage(self) -> bool:
+        return False
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        """No tools are served here: a choice that asks for a call is a 400 naming it."""
+        if value not in (None, "auto", "none"):
+            raise ValueError("no tools are served on /v1/responses here (use /v1/chat/completions): only \"auto\" "
+                             "or \"none\"")
         return value
 
     @field_validator("reasoning")

@@ -32,10 +32,10 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server import reasoning
 from engine.server.errors import APIError
-from engine.server.protocol import ChatCompletionRequest, ResponsesRequest
+from engine.server.logprobs import chat_logprobs
+from engine.server.protocol import ChatCompletionRequest, ChatMessage, ResponsesRequest
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, event_stream,
                                    kept_prompt_len, merge, stream_error, submit)
-from engine.server.logprobs import chat_logprobs
 from engine.server.serving_chat import reasoning_start, render_chat
 
 def _id(prefix: str) -> str:
@@ -75,7 +75,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     items = []
     if thought is not None:
         items.append(_reasoning_item(_id("rs"), thought, "completed"))
-    if text is not None:  # every output token's logprobs, as vLLM (a thinking model's reasoning tokens too)
+    if text is not None:  # every output token's logprobs, as vLLM's (a thinking model's reasoning tokens too)
         items.append(_message_item(_id("msg"), text, "completed", logprobs.of(choice, 0)))
     items[-1]["status"] = _item_status(choice.finish_reason)  # the item an answer cut short was cut in
     return JSONResponse(head.response(items, final))
@@ -83,25 +83,35 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
 
 def _prompt(tokenizer: Any, req: ResponsesRequest, max_model_len: int) -> list[int]:
     """The input through the chat template, continuing an unfinished assistant message last. With ``truncation``
-    "auto", while it leaves no room for one output token, the oldest message after a leading system message is
-    dropped (and an assistant message that then comes first), the last one always kept (OpenAI's rule: items
-    dropped from the conversation's start); a last message too long alone is the usual 400."""
+    "auto", where it leaves no room for one output token, the fewest oldest messages after a leading system message
+    are dropped that make it fit, the kept ones starting at a message that is not the assistant's (or the last
+    one, always kept): OpenAI's rule, items dropped from the conversation's start, found in O(log n) renders. A
+    last message too long alone is the usual 400."""
     messages, continues = req.chat_messages(), req.continues_final_message()
 
-    def render() -> list[int]:
+    def render(kept: list[ChatMessage]) -> list[int]:
         chat = ChatCompletionRequest.model_construct(  # the chat endpoint's defaults for the rest
-            messages=messages, add_generation_prompt=not continues, continue_final_message=continues,
+            messages=kept, add_generation_prompt=not continues, continue_final_message=continues,
             chat_template_kwargs=req.template_kwargs() or None)
         return render_chat(tokenizer, chat, field="input")
 
-    prompt = render()
+    prompt = render(messages)
+    if req.truncation != "auto" or len(prompt) < max_model_len:
+        return prompt
     first = 1 if messages[0].role == "system" else 0
-    while req.truncation == "auto" and len(prompt) >= max_model_len and len(messages) - first > 1:
-        del messages[first]
-        while messages[first].role == "assistant" and len(messages) - first > 1:
-            del messages[first]
-        prompt = render()
-    return prompt
+    head, last = messages[:first], len(messages) - 1
+    starts = [i for i in range(first + 1, len(messages)) if messages[i].role != "assistant" or i == last]
+    fitting, lo, hi = None, 0, len(starts) - 1  # the kept tokens shrink as the start moves on: binary search
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = render(head + messages[starts[mid]:])
+        if len(candidate) < max_model_len:
+            fitting, hi = candidate, mid - 1
+        else:
+            lo = mid + 1
+    if fitting is not None:
+        return fitting
+    return render(head + messages[starts[-1]:]) if starts else prompt
 
 
 class _Logprobs:
@@ -200,8 +210,8 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None,
                   logprobs: _Logprobs) -> AsyncIterator[dict[str, Any]]:
     """The response's stream events (module doc) as dicts with their ``type``; ``sequence_number`` is added when
     they are framed (:func:`_framed`). Each ``response.output_text.delta`` carries the logprobs of the tokens
-    since the last delta sent (those of reasoning deltas are not sent, as vLLM's), the ``.done`` events all of
-    the item's."""
+    since the last one (the first also those of the reasoning before it), the ``.done`` events all of the
+    message's, also of tokens that wrote no text: the same list as the answer not streamed."""
     yield {"type": "response.created", "response": head.response([], None)}
     yield {"type": "response.in_progress", "response": head.response([], None)}
     split = reasoning.StreamSplit(open_) if open_ is not None else None
@@ -248,11 +258,12 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None,
         for d in tracker.update(0, out):
             finished = d.finish_reason is not None
             thought, said = split.delta(d.choice.text, finished) if split else (None, d.text or None)
-            if thought or said:  # the tokens since the last delta sent (a held-back one sends none)
-                lps, sent = logprobs.of(d.choice, sent), len(d.choice.token_ids)
             for kind, delta in (("reasoning", thought), ("message", said)):
+                lps = []
+                if delta and kind == "message":  # the tokens since the last text delta (reasoning ones too)
+                    lps, sent = logprobs.of(d.choice, sent), len(d.choice.token_ids)
                 if delta:
-                    for event in adding(kind, delta, lps if kind == "message" else []):
+                    for event in adding(kind, delta, lps):
                         yield event
             if finished:
                 if not said and (split is None or reasoning.split(d.choice.text, open_)[1] is not None):
@@ -260,6 +271,8 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None,
                         if event["type"] != "response.output_text.delta":
                             yield event
                 if open_item is not None:
+                    if open_item.kind == "message":  # tokens that wrote no text: the EOS, a stop string cut
+                        open_item.logprobs += logprobs.of(d.choice, sent)
                     for event in closing(_item_status(d.finish_reason)):
                         yield event
     # response.completed also where the status is "incomplete", as vLLM: the SDK's stream helper
