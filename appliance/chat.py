@@ -30,8 +30,8 @@ HELP = ('/bye ends the chat (so does Ctrl-D), /clear forgets the conversation, "
         "several lines, /set and /show change and show the options (/? set, /? show); Ctrl-C stops an answer")
 SET_HELP = ("/set parameter NAME VALUE (seed, num_predict, temperature, top_k, top_p, min_p, repeat_penalty, "
             "presence_penalty, frequency_penalty, stop WORD ...; no VALUE: the server's default), /set system TEXT "
-            '(or a """ block), /set nosystem, /set format json, /set noformat, /set verbose (timings after each '
-            "answer), /set quiet")
+            '(or a """ block), /set nosystem, /set format json, /set noformat, /set think, /set nothink (a thinking '
+            "model's reasoning first, or not), /set verbose (timings after each answer), /set quiet")
 SYSTEM_BLOCK = "/set system "  # followed by \"\"\": a system prompt of several lines
 SHOW_HELP = "/show info (the model and its context), /show parameters, /show system"
 
@@ -151,6 +151,19 @@ class ChatSession:
         resp = httpx.get(f"{self.url}/v1/models", headers=self.headers(), timeout=10)
         resp.raise_for_status()
         return next((card for card in resp.json().get("data") or [] if card.get("id") == self.model), {})
+
+    def set_thinking(self, on: bool | None) -> None:
+        """Ask a thinking model to think first, or not (None: its template's default), through the chat template's
+        ``enable_thinking`` variable (``chat_template_kwargs``, as Qwen3's templates and vLLM's server take it);
+        templates without the variable ignore it."""
+        kwargs = dict(self.options.get("chat_template_kwargs") or {})
+        kwargs.pop("enable_thinking", None)
+        if on is not None:
+            kwargs["enable_thinking"] = on
+        if kwargs:
+            self.options["chat_template_kwargs"] = kwargs
+        else:
+            self.options.pop("chat_template_kwargs", None)
 
     def body(self) -> dict:
         """The request for the next answer: ``messages`` streamed, with the options that were set."""
@@ -362,6 +375,9 @@ def set_option(session: ChatSession, args: list[str]) -> str:
         return "Disabled format."
     if args in (["verbose"], ["quiet"]):
         session.verbose = args == ["verbose"]
+        return f"Set {args[0]!r} mode."
+    if args in (["think"], ["nothink"]):
+        session.set_thinking(args == ["think"])
         return f"Set {args[0]!r} mode."
     return f"Usage: {SET_HELP}."
 

@@ -678,6 +678,9 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
          temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (default: the "
                                                      "model's own, else 1.0)"),
          verbose: bool = typer.Option(False, "--verbose", help="print timings and token counts after each answer"),
+         think: Optional[bool] = typer.Option(None, "--think/--nothink", help="a thinking model reasons first, or "
+                                              "not (its chat template's enable_thinking; default: the model's)"),
+         format_: Optional[str] = typer.Option(None, "--format", help="json: answers are JSON objects"),
          hide_thinking: bool = typer.Option(False, "--hide-thinking", help="leave a thinking model's reasoning "
                                             "out (shown dimmed between Thinking... and ...done thinking.)")):
     """Chat with the running server in the terminal (as `ollama run`): /bye leaves, /clear forgets, /set and /show
@@ -694,8 +697,13 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
     url, api_key = _server(url, api_key)
     piped = None if sys.stdin.isatty() else sys.stdin.read()
     _check_serving(url, "chat", wait_s=600.0)
+    if format_ not in (None, "json"):
+        raise ApplianceError(f"--format {format_!r} is not known", "--format json, or leave it out")
     options = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}
+    if format_ == "json":
+        options["response_format"] = {"type": "json_object"}
     session = ChatSession(url, _served_model(url, api_key, model), api_key, system, options, verbose)
+    session.set_thinking(think)
 
     def out(text: str, dim: bool) -> None:  # the model's text as it is: no markup, emoji codes or highlighting
         console.print(text, end="", style="dim" if dim else None, markup=False, emoji=False, highlight=False,

@@ -337,3 +337,22 @@ def test_input_history_is_read_before_and_written_after(tmp_path):
     with input_history(blocked / "chat_history"):  # its folder cannot be made: the chat goes on without it
         readline.add_history("third")
     readline.clear_history()
+
+
+def test_think_nothink_and_format_json_reach_the_request():
+    lines = iter(["/set nothink", "one", "/set think", "two", "/bye"])
+    said = []
+    with fake_server() as (url, fake):
+        session = ChatSession(url, "fake-model")
+        repl(session, lambda prompt: next(lines), lambda text, dim: None, said.append)
+        no_thinking = answer_of(url, [user("one")], chat_template_kwargs={"enable_thinking": False})
+        default = answer_of(url, [user("one")])
+        one_shot = runner.invoke(app, ["chat", "--url", url, "--nothink", "--format", "json", "--max-tokens", "5", "x"])
+        bad = runner.invoke(app, ["chat", "--url", url, "--format", "yaml", "x"])
+    assert said[1:] == ["Set 'nothink' mode.", "Set 'think' mode."] and no_thinking != default
+    assert session.messages[1]["content"] == no_thinking
+    assert session.options == {"chat_template_kwargs": {"enable_thinking": True}}
+    assert one_shot.exit_code == 0 and fake.params[-1].structured_outputs.json_object is True
+    assert bad.exit_code == 1 and "--format 'yaml' is not known" in bad.output
+    session.set_thinking(None)
+    assert session.options == {}

@@ -55,6 +55,8 @@ class FakeTokenizer:
         text = kwargs.get("prefix", "") + text  # a chat_template_kwargs variable, as enable_thinking is for Qwen3
         if kwargs.get("reasoning_effort"):  # as gpt-oss's template writes it
             text = f"Reasoning: {kwargs['reasoning_effort']}\n" + text
+        if kwargs.get("enable_thinking") is False and add_generation_prompt:  # Qwen3's: an empty block, closed
+            kwargs["suffix"] = "<think>\n\n</think>\n\n" + kwargs.get("suffix", "")
         text = "".join(f"<tool {t['function']['name']}>" for t in kwargs.get("tools") or []) + text
         if continue_final_message:  # transformers cuts the rendered text right after the last message's content
             text = text[:-len("<|im_end|>\n")]
