@@ -214,6 +214,10 @@ def serve(
         None, "--keep-alive-on-engine-death/--exit-on-engine-death",
         help="an engine that dies while serving (a CUDA error, killed for memory): keep the server up answering "
              "503, or exit with status 1 so that systemd restarts it (the default)"),
+    sleep_after_idle: Optional[float] = typer.Option(
+        None, "--sleep-after-idle", help="seconds without requests after which the engine frees the GPU's memory "
+                                         "until the next request (which waits for the model to load again), as "
+                                         "Ollama's keep_alive; default: never (an engine on the CPU never does)"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
     from appliance.environment import check_kernels_package
@@ -227,7 +231,7 @@ def serve(
                  "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
                  "swap_space": swap_space, "max_waiting": max_waiting, "tool_call_parser": tool_call_parser,
                  "reasoning_parser": reasoning_parser, "allowed_origins": allowed_origins,
-                 "keep_alive_on_engine_death": keep_alive_on_engine_death}
+                 "keep_alive_on_engine_death": keep_alive_on_engine_death, "sleep_after_idle_s": sleep_after_idle}
     for key, value in overrides.items():
         if value is not None:
             setattr(conf, key, value)
@@ -237,6 +241,10 @@ def serve(
     if conf.max_waiting < 0:
         raise ApplianceError(f"max_waiting: must be at least 0, got {conf.max_waiting}",
                              "fix it in the config file, APPLIANCE_MAX_WAITING or --max-waiting")
+    if conf.sleep_after_idle_s is not None and not conf.sleep_after_idle_s >= 0:
+        raise ApplianceError(f"sleep_after_idle_s: must be at least 0 seconds, got {conf.sleep_after_idle_s}",
+                             "fix it in the config file, APPLIANCE_SLEEP_AFTER_IDLE_S or --sleep-after-idle "
+                             "(leave it out: never)")
     from engine.server import reasoning, tool_parsers
     for key, settings in (("tool_call_parser", tool_parsers.SETTINGS), ("reasoning_parser", reasoning.SETTINGS)):
         if getattr(conf, key) not in settings:
@@ -257,7 +265,8 @@ def serve(
         raise ApplianceError(f"the server is not available ({exc})", "reinstall with `pip install -e .`") from None
     run_server(engine_config, host=conf.host, port=conf.port, api_key=conf.api_key, max_waiting=conf.max_waiting,
                tool_call_parser=conf.tool_call_parser, reasoning_parser=conf.reasoning_parser,
-               allowed_origins=conf.allowed_origins, keep_alive_on_engine_death=conf.keep_alive_on_engine_death)
+               allowed_origins=conf.allowed_origins, keep_alive_on_engine_death=conf.keep_alive_on_engine_death,
+               sleep_after_idle_s=conf.sleep_after_idle_s)
 
 
 # -------------------------------------------------------------------------------------------------- lifecycle

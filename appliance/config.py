@@ -71,6 +71,8 @@ class Config:
     allowed_origins: str = LOCAL_ORIGINS  # web pages that may call the API from a browser (engine/server/cors.py)
     keep_alive_on_engine_death: bool = False  # an engine that dies while serving: keep answering 503 instead of
     # exiting with status 1 for systemd to restart the server (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)
+    sleep_after_idle_s: float | None = None  # seconds without requests after which a GPU engine frees the GPU's
+    # memory (its process stops) until the next request loads it again, as Ollama's keep_alive; none: never
     data_dir: str | None = None
 
     def engine_config(self):

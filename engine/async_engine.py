@@ -169,13 +169,21 @@ class AsyncLLMEngine:
     served name, known before load. States: "new" -> "loading" -> "ready", or "dead" once loading or a step raised
     (``error`` holds the exception). Requests submitted while loading wait for the load.
     ``max_waiting``: how many requests may wait beyond ``config.max_num_seqs`` (``EngineConfig``'s default when
-    there is no config) before ``add_request`` raises ``EngineOverloadedError``.
+    there is no config) before ``add_request`` raises ``EngineOverloadedError``. ``sleep_after_idle_s``: seconds
+    without requests after which an engine that can sleep (``EngineProcess.sleep``: its process stops, the GPU's
+    memory is freed) is put to sleep, as Ollama unloads an idle model; the next request loads it again and waits
+    for that (``EngineWakeFailed`` for it where the load fails). None: never (vLLM's way). The state stays "ready"
+    asleep.
     """
 
     def __init__(self, engine_factory: Callable[[], Any], model_name: str, config: EngineConfig | None = None,
-                 max_waiting: int = DEFAULT_MAX_WAITING):
+                 max_waiting: int = DEFAULT_MAX_WAITING, sleep_after_idle_s: float | None = None):
         if max_waiting < 0:
             raise ValueError(f"max_waiting: must be non-negative, got {max_waiting}")
+        if sleep_after_idle_s is not None and not sleep_after_idle_s >= 0:
+            raise ValueError("sleep_after_idle_s: must be None (never sleep) or at least 0 seconds, got "
+                             f"{sleep_after_idle_s}")
+        self.sleep_after_idle_s = sleep_after_idle_s
         self.model_name = model_name
         self.config = config
         self.max_waiting = max_waiting
@@ -201,11 +209,12 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_waiting: int = DEFAULT_MAX_WAITING,
-                    engine_process: bool | None = None) -> AsyncLLMEngine:
+                    engine_process: bool | None = None, sleep_after_idle_s: float | None = None) -> AsyncLLMEngine:
         """An engine that loads ``LLMEngine(config)`` when started; served as ``served_model_name`` or folder name.
         ``engine_process``: run the ``LLMEngine`` in a process of its own (``engine/engine_process.py``), so that
         the event loop's work never waits for the GIL the engine needs, or on this process's engine thread; None:
-        a process of its own on CUDA (``engine_process.wanted``)."""
+        a process of its own on CUDA (``engine_process.wanted``). ``sleep_after_idle_s``: see the class (only an
+        engine in a process of its own sleeps)."""
         from engine import engine_process as ep
         own_process = ep.wanted(config) if engine_process is None else engine_process
 
@@ -214,7 +223,8 @@ class AsyncLLMEngine:
                 return ep.EngineProcess(config)
             from engine.llm_engine import LLMEngine
             return LLMEngine(config)
-        return cls(build, config.served_model_name or Path(config.model).name, config, max_waiting)
+        return cls(build, config.served_model_name or Path(config.model).name, config, max_waiting,
+                   sleep_after_idle_s)
 
     # ---- state, read from any thread ----
     @property
@@ -434,8 +444,10 @@ class AsyncLLMEngine:
     def _wait_idle(self) -> None:
         """Sleep until a command or shutdown sets ``_wakeup``; an engine with ``idle_look_s`` (the CPU path's thread
         count; an engine process's liveness) gets ``idle()`` every that many seconds meanwhile and once on waking (a
-        failing look is logged, never fatal, except ``EngineBroken``: the engine is dead)."""
+        failing look is logged, never fatal, except ``EngineBroken``: the engine is dead), and, one that can sleep,
+        ``sleep()`` once ``sleep_after_idle_s`` seconds have passed."""
         period = getattr(self._engine, "idle_look_s", None)
+        since = time.monotonic()
         while not self._stop:
             woke = self._wakeup.wait(period)
             if period is not None:
@@ -447,6 +459,15 @@ class AsyncLLMEngine:
                     logger.exception("idle look failed")
             if woke:
                 return
+            if (self.sleep_after_idle_s is not None and time.monotonic() - since >= self.sleep_after_idle_s
+                    and hasattr(self._engine, "sleep") and not self._engine.asleep):
+                try:
+                    self._engine.sleep()
+                    self._stats = self._engine.get_stats()
+                except EngineBroken:
+                    raise
+                except Exception:  # noqa: BLE001 - an engine that cannot sleep goes on serving awake
+                    logger.exception("putting the engine to sleep failed")
 
     def _step_failed(self, e: StepFailed) -> None:
         """A step failed for some requests: they get the error, the others carry on (the step's outputs are

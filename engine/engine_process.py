@@ -26,7 +26,8 @@ Ctrl-C reaches the whole process group; the parent stops it) and, once serving, 
 signals the whole group; the parent's graceful shutdown needs the child to finish the running requests, then stops
 it: :meth:`EngineProcess.close`, or :meth:`EngineProcess.kill` for one stuck in a step, also at the parent's exit).
 A structured request's grammar is compiled again in the child, on its command reader's thread (the parent's
-compiled grammar does not cross the pipe).
+compiled grammar does not cross the pipe). :meth:`EngineProcess.sleep` stops the child of an idle engine (its GPU
+memory freed; ``AsyncLLMEngine``'s ``sleep_after_idle_s``) and the next ``add_request`` starts it again.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineBroken, StepFailed
+from engine.errors import EngineBroken, EngineWakeFailed, StepFailed
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -333,18 +334,11 @@ class EngineProcess:
     def __init__(self, config: EngineConfig):
         from transformers import AutoTokenizer
         self.config = config
-        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-        # two one-way pipes: commands to the child, outputs from it (see ``_serve`` for why not one)
-        commands_in, self._commands = ctx.Pipe(duplex=False)
-        self._conn, outputs_out = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_serve, args=(config, commands_in, outputs_out,
-                                                         logging.getLogger().getEffectiveLevel()),
-                                    name="llm-engine-core", daemon=True)
-        self._process.start()
-        _LIVE.add(self)
-        _kill_at_exit()
-        commands_in.close()  # the child's ends live in the child only: its exit shows here as end-of-file
-        outputs_out.close()
+        self._asleep = False
+        self._decoder = _Decoder()
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+        self._start()
         tokenizer_error = None
         try:
             try:  # while the child loads; the child's own error comes first (it checks the folder)
@@ -358,18 +352,72 @@ class EngineProcess:
         if msg[0] == "failed" or tokenizer_error is not None:
             self.close()
             raise msg[1] if msg[0] == "failed" else tokenizer_error
+        self._ready(msg)
+
+    def _start(self) -> None:
+        """Spawn the child, which loads the engine and then says "ready" (or "failed")."""
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        # two one-way pipes: commands to the child, outputs from it (see ``_serve`` for why not one)
+        commands_in, self._commands = ctx.Pipe(duplex=False)
+        self._conn, outputs_out = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_serve, args=(self.config, commands_in, outputs_out,
+                                                         logging.getLogger().getEffectiveLevel()),
+                                    name="llm-engine-core", daemon=True)
+        self._process.start()
+        _LIVE.add(self)
+        _kill_at_exit()
+        commands_in.close()  # the child's ends live in the child only: its exit shows here as end-of-file
+        outputs_out.close()
+
+    def _ready(self, msg: tuple) -> None:
+        """Take in the child's "ready" message: what the loaded engine tells (``EngineInfo``) and its first
+        snapshot, which is also what a sleeping engine reports (every block free)."""
         _, info, self._stats = msg
+        self._fresh_stats = self._stats
         self.info: EngineInfo = info
         self.model_name, self.max_model_len, self.vocab_size = info.model_name, info.max_model_len, info.vocab_size
         self.default_sampling = info.default_sampling
-        self._decoder = _Decoder()
-        self._grammars = None
-        self._grammars_lock = threading.Lock()
         logger.info("engine process %d ready", self._process.pid)
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        """The child's process id; None while asleep."""
+        return None if self._asleep else self._process.pid
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the child is stopped by :meth:`sleep` (the next request starts it again)."""
+        return self._asleep
+
+    def sleep(self) -> None:
+        """Stop the child, which frees all its memory (the GPU's: weights, KV cache, CUDA graphs), and keep what
+        this side holds (tokenizer, ``EngineInfo``): the next ``add_request`` loads the engine again (as long as a
+        start; as Ollama's ``keep_alive`` unloads a model). Only with no request held (``ValueError`` otherwise);
+        idempotent. The prefix cache is lost with the child."""
+        if self._asleep:
+            return
+        if self._decoder.held:
+            raise ValueError(f"sleep: {len(self._decoder.held)} requests are running")
+        self.close()
+        self._asleep, self._stats = True, self._fresh_stats
+        logger.info("engine asleep: its process stopped, its GPU memory freed; the next request loads it again")
+
+    def _wake(self) -> None:
+        """Start the child again after :meth:`sleep` and wait for its load. Raises ``EngineWakeFailed`` when the
+        load fails (or the child dies first) and stays asleep, so that the next request tries again."""
+        start = time.monotonic()
+        self._start()
+        try:
+            msg = self._recv()
+        except EngineProcessDied as e:
+            self.close()
+            raise EngineWakeFailed(f"the engine process did not start again: {e}") from e
+        if msg[0] == "failed":
+            self.close()
+            raise EngineWakeFailed(f"loading the model again failed: {type(msg[1]).__name__}: {msg[1]}")
+        self._ready(msg)
+        self._asleep = False
+        logger.info("engine awake in %.1f s", time.monotonic() - start)
 
     def _recv(self) -> tuple:
         try:
@@ -392,12 +440,14 @@ class EngineProcess:
     # ---- what LLMEngine offers ----
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, grammar: Any = None) -> None:
-        """Check and queue a request (``LLMEngine.add_request``'s errors, raised here at once); ``grammar`` is not
-        sent (the child compiles its own)."""
+        """Check and queue a request (``LLMEngine.add_request``'s errors, raised here at once; ``EngineWakeFailed``
+        where it wakes a sleeping engine that cannot load); ``grammar`` is not sent (the child compiles its own)."""
         from engine.llm_engine import prompt_token_ids
         if request_id in self._decoder.held:
             raise ValueError(f"request_id: {request_id!r} is already running")
         ids = prompt_token_ids(self.tokenizer, self.vocab_size, self.max_model_len, prompt, params)
+        if self._asleep:  # a request the engine would take: load it again (EngineWakeFailed if that fails)
+            self._wake()
         self._send(("add", request_id, ids, params, arrival_time or time.monotonic()))
         self._decoder.add(request_id, prompt if isinstance(prompt, str) else None, ids)
 
@@ -426,8 +476,8 @@ class EngineProcess:
         return self._stats
 
     def idle(self) -> None:
-        """Raises ``EngineProcessDied`` when the child has exited (it takes its own idle looks)."""
-        if not self._process.is_alive():
+        """Raises ``EngineProcessDied`` when the child has exited (it takes its own idle looks), unless asleep."""
+        if not self._asleep and not self._process.is_alive():
             raise self._died(RuntimeError("found dead while the server waited"))
 
     def grammar_compiler(self):

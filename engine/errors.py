@@ -44,6 +44,12 @@ class StepFailed(RuntimeError):
         self.request_ids, self.cause, self.outputs, self.request_error = request_ids, cause, outputs or [], request_error
 
 
+class EngineWakeFailed(RuntimeError):
+    """An engine put to sleep after ``sleep_after_idle_s`` seconds without requests (its process stopped, the GPU's
+    memory freed) could not load its model again when a request came (that memory taken by other programs, say).
+    That request fails with it (a 503); the engine stays asleep, not dead, and the next request tries again."""
+
+
 class EngineBroken(RuntimeError):
     """The engine itself cannot go on (its process exited, its pipe broke): never one request's fault, so a server
     that gets it while adding a request declares the engine dead instead of refusing that request."""

@@ -294,6 +294,25 @@ def test_serve_exits_on_engine_death_unless_kept_alive(tmp_path, monkeypatch):
     assert started == [False, True, False, True, False]
 
 
+def test_serve_passes_sleep_after_idle_from_flag_config_or_variable(tmp_path, monkeypatch):
+    """``sleep_after_idle_s``: None (never) by default, then the flag, then the variable ("none" is never again);
+    a negative one is a one-line error."""
+    from engine.server import api_server
+
+    started = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(kw["sleep_after_idle_s"]))
+    model = str(make_model(tmp_path / "m"))
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    assert runner.invoke(app, ["serve", model, "--sleep-after-idle", "300"]).exit_code == 0
+    monkeypatch.setenv("APPLIANCE_SLEEP_AFTER_IDLE_S", "60")
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    monkeypatch.setenv("APPLIANCE_SLEEP_AFTER_IDLE_S", "none")
+    assert runner.invoke(app, ["serve", model]).exit_code == 0
+    assert started == [None, 300.0, 60.0, None]
+    one_line_error(runner.invoke(app, ["serve", model, "--sleep-after-idle", "-1"]),
+                   "sleep_after_idle_s: must be at least 0 seconds, got -1.0")
+
+
 @pytest.mark.parametrize("root", [False, True])
 def test_background_install_removes_the_unit_of_an_earlier_install(monkeypatch, tmp_path, root):
     """`install --no-service` where an earlier install of the same kind (system-wide as root, else the user's) left

@@ -20,7 +20,7 @@ import pytest
 from engine import engine_process as ep
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.config import EngineConfig
-from engine.errors import ContextLengthError, StepFailed
+from engine.errors import ContextLengthError, EngineWakeFailed, StepFailed
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from test_server_fakes import demo_model_server, run, wait_for
@@ -217,6 +217,49 @@ def test_shutdown_stops_the_engine_process(demo_model):
     child = eng.engine._process
     eng.shutdown()
     assert not child.is_alive() and child.exitcode == 0
+
+
+def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model, tmp_path):
+    """sleep_after_idle_s=1: once idle, the child exits (its memory freed) and the engine stays ready; a request
+    loads it again and gets the same greedy answer. A model folder gone by then fails that request alone
+    (EngineWakeFailed) and the engine stays asleep; once the folder is back, the next request wakes it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in demo_model.iterdir():
+        (model / f.name).symlink_to(f)
+    eng = AsyncLLMEngine.from_config(EngineConfig(model=str(model), device="cpu", max_model_len=256, max_num_seqs=8),
+                                     engine_process=True, sleep_after_idle_s=1.0)
+    eng.start()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        wait_for(lambda: eng.is_ready or eng.is_dead, timeout=300, what="model load")
+        first = run(_final(eng, "The quick brown fox", params, "a"), timeout=120)
+        child = eng.engine._process
+        wait_for(lambda: eng.engine.asleep, timeout=30, what="the engine asleep")
+        assert not child.is_alive() and child.exitcode == 0 and eng.engine.pid is None and eng.is_ready
+        assert eng.get_stats().num_free_blocks == eng.get_stats().num_blocks
+        again = run(_final(eng, "The quick brown fox", params, "b"), timeout=300)
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids and len(first.outputs[0].token_ids) == 8
+        assert not eng.engine.asleep and eng.engine.pid not in (None, child.pid)
+        wait_for(lambda: eng.engine.asleep, timeout=30, what="the engine asleep again")
+        model.rename(tmp_path / "gone")
+        with pytest.raises(EngineWakeFailed, match="loading the model again failed: FileNotFoundError"):
+            run(_final(eng, "The quick brown fox", params, "c"), timeout=300)
+        assert eng.engine.asleep and eng.is_ready
+        (tmp_path / "gone").rename(model)
+        third = run(_final(eng, "The quick brown fox", params, "d"), timeout=300)
+        assert third.outputs[0].token_ids == first.outputs[0].token_ids and not eng.engine.asleep
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_wake_is_a_503_with_retry_after():
+    from engine.server.errors import from_engine_exception
+
+    err = from_engine_exception(EngineWakeFailed("loading the model again failed: OutOfMemoryError"), "prompt")
+    assert (err.status, err.code, err.headers) == (503, "model_load_failed", {"Retry-After": "30"})
+    assert err.message == ("The model was unloaded while idle (loading the model again failed: OutOfMemoryError); "
+                           "retry later, or free the GPU's memory")
 
 
 def test_the_server_streams_and_counts_through_the_engine_process():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from engine.server.__main__ import _engine_options
 
 
@@ -70,3 +72,15 @@ def test_main_passes_keep_alive_on_engine_death(monkeypatch):
     server_main.main(["--model", "/m"])
     server_main.main(["--model", "/m", "--keep-alive-on-engine-death"])
     assert started == [False, True]
+
+
+def test_main_passes_sleep_after_idle(monkeypatch, capsys):
+    from engine.server import __main__ as server_main
+
+    started = []
+    monkeypatch.setattr(server_main, "run_server", lambda config, **kw: started.append(kw["sleep_after_idle_s"]))
+    server_main.main(["--model", "/m"])
+    server_main.main(["--model", "/m", "--sleep-after-idle", "2.5"])
+    with pytest.raises(SystemExit):
+        server_main.main(["--model", "/m", "--sleep-after-idle", "-3"])
+    assert started == [None, 2.5] and "--sleep-after-idle: must be at least 0 seconds" in capsys.readouterr().err

@@ -28,7 +28,7 @@ SERVER = textwrap.dedent("""
     from engine.async_engine import AsyncLLMEngine
     from engine.server import api_server
 
-    def from_config(cls, config, max_waiting=512, engine_process=None):
+    def from_config(cls, config, max_waiting=512, engine_process=None, sleep_after_idle_s=None):
         return cls(lambda: FakeEngine(fail_at_step={fail!r}), "fake-model", None, max_waiting)
 
     AsyncLLMEngine.from_config = classmethod(from_config)

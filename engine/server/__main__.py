@@ -56,18 +56,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-alive-on-engine-death", action="store_true",
                         help="an engine that dies while serving: keep the server up answering 503 (default: exit "
                              "with status 1 so that a service manager restarts it, as vLLM)")
+    parser.add_argument("--sleep-after-idle", type=float, default=None, metavar="SECONDS",
+                        help="seconds without requests after which an engine in a process of its own frees the "
+                             "GPU's memory until the next request (as Ollama's keep_alive; default: never)")
     _engine_options(parser)
     args = vars(parser.parse_args(argv))
     host, port, api_key, log_level, max_waiting, parser_name, reasoning_name, origins, own_process, keep_alive = (
         args.pop(k) for k in ("host", "port", "api_key", "log_level", "max_waiting", "tool_call_parser",
                               "reasoning_parser", "allowed_origins", "engine_process", "keep_alive_on_engine_death"))
+    sleep_after_idle = args.pop("sleep_after_idle")
     try:
         origin_regex(origins)
     except ValueError as exc:
         parser.error(str(exc))
+    if sleep_after_idle is not None and not sleep_after_idle >= 0:
+        parser.error(f"--sleep-after-idle: must be at least 0 seconds, got {sleep_after_idle}")
     run_server(EngineConfig(**args), host=host, port=port, api_key=api_key, log_level=log_level,
                max_waiting=max_waiting, tool_call_parser=parser_name, reasoning_parser=reasoning_name,
-               engine_process=own_process, allowed_origins=origins, keep_alive_on_engine_death=keep_alive)
+               engine_process=own_process, allowed_origins=origins, keep_alive_on_engine_death=keep_alive,
+               sleep_after_idle_s=sleep_after_idle)
 
 
 if __name__ == "__main__":

@@ -221,13 +221,15 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
                api_key: str | None = None, log_level: str = "info",
                max_waiting: int = DEFAULT_MAX_WAITING, tool_call_parser: str = "auto",
                reasoning_parser: str = "auto", engine_process: bool | None = None,
-               allowed_origins: str = LOCAL_ORIGINS, keep_alive_on_engine_death: bool = False) -> None:
+               allowed_origins: str = LOCAL_ORIGINS, keep_alive_on_engine_death: bool = False,
+               sleep_after_idle_s: float | None = None) -> None:
     """Load the engine (in the background; /health is 503 until ready) and serve until SIGINT/SIGTERM.
 
     ``max_waiting``: requests queued beyond ``max_num_seqs`` before new ones get 503 (``AsyncLLMEngine``).
     ``engine_process``: the engine in a process of its own (``AsyncLLMEngine.from_config``; None: on CUDA).
     ``tool_call_parser``, ``reasoning_parser``, ``allowed_origins``: see :func:`build_app`.
-    An engine that dies while serving (a CUDA error, its process killed by the OOM killer, steps failing in a row)
+    ``sleep_after_idle_s``: an engine in a process of its own frees the GPU after that many seconds without
+    requests, until the next one (``AsyncLLMEngine``; None: never). An engine that dies while serving (a CUDA error, its process killed by the OOM killer, steps failing in a row)
     fails its requests, then the server shuts down gracefully and exits with ``SystemExit(ENGINE_DIED_EXIT)``, as
     vLLM's does, so that systemd starts it again; ``keep_alive_on_engine_death`` keeps it up instead (vLLM's
     ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``), answering 503. A model that fails to load keeps it up either way:
@@ -238,7 +240,8 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     counts) go to stderr at ``log_level`` unless the caller set up logging first.
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting, engine_process=engine_process)
+    engine = AsyncLLMEngine.from_config(engine_config, max_waiting=max_waiting, engine_process=engine_process,
+                                        sleep_after_idle_s=sleep_after_idle_s)
     app = build_app(engine, api_key=api_key, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                     allowed_origins=allowed_origins, stop_engine=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
