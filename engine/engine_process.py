@@ -32,6 +32,7 @@ memory freed; ``AsyncLLMEngine``'s ``sleep_after_idle_s``) and the next ``add_re
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import faulthandler
 import logging
 import multiprocessing
@@ -56,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 #: seconds ``close`` waits for the child to exit after "stop" before it is killed
 STOP_WAIT_S = 10.0
+#: ``EngineStats``' cumulative counters: a woken engine's child counts from 0, the parent adds what came before
+_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
+             "prefix_cache_hits_total")
 
 
 class EngineProcessDied(EngineBroken):
@@ -372,8 +376,8 @@ class EngineProcess:
     def _ready(self, msg: tuple) -> None:
         """Take in the child's "ready" message: what the loaded engine tells (``EngineInfo``) and its first
         snapshot, which is also what a sleeping engine reports (every block free)."""
-        _, info, self._stats = msg
-        self._fresh_stats = self._stats
+        _, info, stats = msg
+        self._stats = self._fresh_stats = self._counted(stats)
         self.info: EngineInfo = info
         self.model_name, self.max_model_len, self.vocab_size = info.model_name, info.max_model_len, info.vocab_size
         self.default_sampling = info.default_sampling
@@ -399,7 +403,8 @@ class EngineProcess:
         if self._decoder.held:
             raise ValueError(f"sleep: {len(self._decoder.held)} requests are running")
         self.close()
-        self._asleep, self._stats = True, self._fresh_stats
+        self._carried = {name: getattr(self._stats, name) for name in _COUNTERS}  # the next child counts from 0
+        self._asleep, self._stats = True, self._counted(self._fresh_stats, fresh=True)
         logger.info("engine asleep: its process stopped, its GPU memory freed; the next request loads it again")
 
     def _wake(self) -> None:
@@ -464,16 +469,28 @@ class EngineProcess:
         ``LLMEngine.step`` does, and ``EngineProcessDied``."""
         msg = self._recv()
         if msg[0] == "step":
-            _, deltas, self._stats = msg
+            _, deltas, stats = msg
+            self._stats = self._counted(stats)
             return self._decoder.decode(deltas)
-        _, request_ids, cause, request_error, deltas, self._stats = msg
+        _, request_ids, cause, request_error, deltas, stats = msg
+        self._stats = self._counted(stats)
         for request_id in request_ids:
             self._decoder.held.pop(request_id, None)
         raise StepFailed(request_ids, cause, self._decoder.decode(deltas), request_error=request_error)
 
     def get_stats(self) -> EngineStats:
-        """The child's snapshot after its latest step read here."""
+        """The child's snapshot after its latest step read here (asleep: all blocks free), its counters counting
+        on over sleeps."""
         return self._stats
+
+    def _counted(self, stats: EngineStats, fresh: bool = False) -> EngineStats:
+        """``stats`` with the counters of the children before this one added (a counter never goes back); with
+        ``fresh``, ``stats`` is a first snapshot whose counters are replaced by the totals so far."""
+        carried = getattr(self, "_carried", None)
+        if not carried:
+            return stats
+        return dataclasses.replace(stats, **{name: carried[name] + (0 if fresh else getattr(stats, name))
+                                             for name in _COUNTERS})
 
     def idle(self) -> None:
         """Raises ``EngineProcessDied`` when the child has exited (it takes its own idle looks), unless asleep."""

@@ -221,7 +221,7 @@ def test_shutdown_stops_the_engine_process(demo_model):
 
 def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model, tmp_path):
     """sleep_after_idle_s=1: once idle, the child exits (its memory freed) and the engine stays ready; a request
-    loads it again and gets the same greedy answer. A model folder gone by then fails that request alone
+    loads it again and gets the same greedy answer; the token counters count on. A model folder gone by then fails that request alone
     (EngineWakeFailed) and the engine stays asleep; once the folder is back, the next request wakes it."""
     model = tmp_path / "model"
     model.mkdir()
@@ -237,10 +237,12 @@ def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model,
         child = eng.engine._process
         wait_for(lambda: eng.engine.asleep, timeout=30, what="the engine asleep")
         assert not child.is_alive() and child.exitcode == 0 and eng.engine.pid is None and eng.is_ready
-        assert eng.get_stats().num_free_blocks == eng.get_stats().num_blocks
+        stats = eng.get_stats()
+        assert stats.num_free_blocks == stats.num_blocks and stats.generation_tokens_total == 8
         again = run(_final(eng, "The quick brown fox", params, "b"), timeout=300)
         assert again.outputs[0].token_ids == first.outputs[0].token_ids and len(first.outputs[0].token_ids) == 8
         assert not eng.engine.asleep and eng.engine.pid not in (None, child.pid)
+        assert eng.get_stats().generation_tokens_total == 16  # counters go on counting over the sleep
         wait_for(lambda: eng.engine.asleep, timeout=30, what="the engine asleep again")
         model.rename(tmp_path / "gone")
         with pytest.raises(EngineWakeFailed, match="loading the model again failed: FileNotFoundError"):
@@ -249,6 +251,7 @@ def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model,
         (tmp_path / "gone").rename(model)
         third = run(_final(eng, "The quick brown fox", params, "d"), timeout=300)
         assert third.outputs[0].token_ids == first.outputs[0].token_ids and not eng.engine.asleep
+        assert eng.get_stats().generation_tokens_total == 24
     finally:
         eng.shutdown()
 
