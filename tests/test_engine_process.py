@@ -221,8 +221,9 @@ def test_shutdown_stops_the_engine_process(demo_model):
 
 def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model, tmp_path):
     """sleep_after_idle_s=1: once idle, the child exits (its memory freed) and the engine stays ready; a request
-    loads it again and gets the same greedy answer; the token counters count on. A model folder gone by then fails that request alone
-    (EngineWakeFailed) and the engine stays asleep; once the folder is back, the next request wakes it."""
+    loads it again and gets the same greedy answer; the token counters count on. A model folder gone by then
+    fails that request alone (EngineWakeFailed) and the engine stays asleep; once the folder is back, the next
+    request wakes it."""
     model = tmp_path / "model"
     model.mkdir()
     for f in demo_model.iterdir():
