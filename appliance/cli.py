@@ -217,7 +217,8 @@ def serve(
     sleep_after_idle: Optional[float] = typer.Option(
         None, "--sleep-after-idle", help="seconds without requests after which the engine frees the GPU's memory "
                                          "until the next request (which waits for the model to load again), as "
-                                         "Ollama's keep_alive; default: never (an engine on the CPU never does)"),
+                                         "Ollama's keep_alive; default: never; only an engine in a process of "
+                                         "its own sleeps: the default on a GPU)"),
 ):
     """Run the server in the foreground (the systemd unit's ExecStart)."""
     from appliance.environment import check_kernels_package

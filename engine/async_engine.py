@@ -400,6 +400,8 @@ class AsyncLLMEngine:
         try:
             self._engine = self._factory()
             self._stats = self._engine.get_stats()
+            if self.sleep_after_idle_s is not None and not hasattr(self._engine, "sleep"):
+                logger.warning("sleep_after_idle_s is ignored: only an engine in a process of its own sleeps")
             self._state = "ready"
             served = True
             logger.info("engine ready: %s", self.model_name)
@@ -522,6 +524,10 @@ class AsyncLLMEngine:
         """Hand ``stream``'s request to the ``LLMEngine`` unless it was aborted meanwhile. While the engine still
         holds an old request of the same id (aborted, its last output not out yet) it is parked until that ends."""
         if not self._is_live(stream):  # aborted before the engine saw it
+            return
+        if self._stop:  # shutting down: no request starts now (nor wakes a sleeping engine)
+            if self._release(stream):
+                stream.put_threadsafe(EngineDeadError("engine was shut down"))
             return
         if stream.request_id in self._routes:
             self._parked[stream.request_id] = (stream, prompt, params, arrival, grammar)  # an earlier one was aborted

@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 #: seconds ``close`` waits for the child to exit after "stop" before it is killed
 STOP_WAIT_S = 10.0
+#: seconds a sleeping engine's wake may take to load the model (a stuck CUDA start, say) before it is given up
+WAKE_TIMEOUT_S = 600.0
+#: seconds after a failed wake during which requests get its error at once (the HTTP 503's Retry-After)
+WAKE_RETRY_S = 10.0
 #: ``EngineStats``' cumulative counters: a woken engine's child counts from 0, the parent adds what came before
 _COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
              "prefix_cache_hits_total")
@@ -331,6 +335,8 @@ class EngineProcess:
     (``FileNotFoundError``, ``ValueError``, ...), or ``EngineProcessDied`` when the child exited first.
     """
 
+    #: what the child runs (``_serve``; a test may swap in another module-level function)
+    _child_main = staticmethod(_serve)
     #: seconds between the caller's idle looks: each checks that the child is alive (it judges the CPU thread count
     #: itself, ``_serve``), so a child that died while the server waited (the OOM killer) shows on /health at once
     idle_look_s = 1.0
@@ -338,7 +344,8 @@ class EngineProcess:
     def __init__(self, config: EngineConfig):
         from transformers import AutoTokenizer
         self.config = config
-        self._asleep = False
+        self._asleep = self._stopping = False
+        self._wake_failure: tuple[float, str] = (float("-inf"), "")  # (monotonic time, error) of the last failed wake
         self._decoder = _Decoder()
         self._grammars = None
         self._grammars_lock = threading.Lock()
@@ -364,7 +371,7 @@ class EngineProcess:
         # two one-way pipes: commands to the child, outputs from it (see ``_serve`` for why not one)
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._conn, outputs_out = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_serve, args=(self.config, commands_in, outputs_out,
+        self._process = ctx.Process(target=self._child_main, args=(self.config, commands_in, outputs_out,
                                                          logging.getLogger().getEffectiveLevel()),
                                     name="llm-engine-core", daemon=True)
         self._process.start()
@@ -408,18 +415,35 @@ class EngineProcess:
         logger.info("engine asleep: its process stopped, its GPU memory freed; the next request loads it again")
 
     def _wake(self) -> None:
-        """Start the child again after :meth:`sleep` and wait for its load. Raises ``EngineWakeFailed`` when the
-        load fails (or the child dies first) and stays asleep, so that the next request tries again."""
+        """Start the child again after :meth:`sleep` and wait for its load (at most ``WAKE_TIMEOUT_S``). Raises
+        ``EngineWakeFailed`` when the load fails, the child dies first or does not load in time, the spawn fails,
+        or the engine is being killed (:meth:`kill`), and stays asleep: the next request tries again, or, within
+        ``WAKE_RETRY_S`` of a failure, gets that failure at once (requests queued behind a failed wake do not
+        each wait for a load of their own)."""
+        if self._stopping:
+            raise EngineWakeFailed("the engine is stopping")
+        failed_at, error = self._wake_failure
+        if time.monotonic() - failed_at < WAKE_RETRY_S:
+            raise EngineWakeFailed(f"{error} ({time.monotonic() - failed_at:.1f} s ago; not tried again yet)")
         start = time.monotonic()
-        self._start()
         try:
+            self._start()
+            if self._stopping:  # a kill() that came while the child started, before it could see the child
+                raise EngineWakeFailed("the engine is stopping")
+            if not self._conn.poll(WAKE_TIMEOUT_S):
+                raise EngineWakeFailed(f"the engine process did not load the model in {WAKE_TIMEOUT_S:.0f} s")
             msg = self._recv()
-        except EngineProcessDied as e:
+            if msg[0] == "failed":
+                raise EngineWakeFailed(f"loading the model again failed: {type(msg[1]).__name__}: {msg[1]}")
+        except BaseException as e:
+            self._kill_child()
             self.close()
-            raise EngineWakeFailed(f"the engine process did not start again: {e}") from e
-        if msg[0] == "failed":
-            self.close()
-            raise EngineWakeFailed(f"loading the model again failed: {type(msg[1]).__name__}: {msg[1]}")
+            if not isinstance(e, (EngineWakeFailed, EngineProcessDied, OSError)):
+                raise
+            error = e if isinstance(e, EngineWakeFailed) else EngineWakeFailed(
+                f"the engine process did not start again: {type(e).__name__}: {e}")
+            self._wake_failure = (time.monotonic(), str(error))
+            raise error from (None if error is e else e)
         self._ready(msg)
         self._asleep = False
         logger.info("engine awake in %.1f s", time.monotonic() - start)
@@ -510,7 +534,12 @@ class EngineProcess:
 
     def kill(self) -> None:
         """Kill the child at once (SIGKILL) and reap it: for one stuck in a step, which a stop command never
-        reaches. Its end of the outputs pipe closes, so a thread blocked reading it gets end-of-file."""
+        reaches. Its end of the outputs pipe closes, so a thread blocked reading it gets end-of-file. An engine
+        asleep is not woken after this (``EngineWakeFailed``)."""
+        self._stopping = True  # set before the look at the child: _wake looks at it after its start
+        self._kill_child()
+
+    def _kill_child(self) -> None:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5.0)

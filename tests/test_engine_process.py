@@ -11,6 +11,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from multiprocessing import Pipe
 from types import SimpleNamespace
 
@@ -219,11 +220,12 @@ def test_shutdown_stops_the_engine_process(demo_model):
     assert not child.is_alive() and child.exitcode == 0
 
 
-def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model, tmp_path):
+def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model, tmp_path, monkeypatch):
     """sleep_after_idle_s=1: once idle, the child exits (its memory freed) and the engine stays ready; a request
     loads it again and gets the same greedy answer; the token counters count on. A model folder gone by then
-    fails that request alone (EngineWakeFailed) and the engine stays asleep; once the folder is back, the next
-    request wakes it."""
+    fails the requests alone (EngineWakeFailed; three at once try one load) and the engine stays asleep; once the
+    folder is back, the next request wakes it."""
+    monkeypatch.setattr(ep, "WAKE_RETRY_S", 1.0)
     model = tmp_path / "model"
     model.mkdir()
     for f in demo_model.iterdir():
@@ -246,10 +248,19 @@ def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model,
         assert eng.get_stats().generation_tokens_total == 16  # counters go on counting over the sleep
         wait_for(lambda: eng.engine.asleep, timeout=30, what="the engine asleep again")
         model.rename(tmp_path / "gone")
-        with pytest.raises(EngineWakeFailed, match="loading the model again failed: FileNotFoundError"):
-            run(_final(eng, "The quick brown fox", params, "c"), timeout=300)
+        starts, start = [], eng.engine._start
+        eng.engine._start = lambda: (starts.append(1), start())[1]
+
+        async def three():
+            return await asyncio.gather(*(_final(eng, "The quick brown fox", params, f"c{i}") for i in range(3)),
+                                        return_exceptions=True)
+        failed = run(three(), timeout=300)
+        assert all(isinstance(e, EngineWakeFailed) for e in failed) and len(starts) == 1  # one load tried
+        assert sorted("not tried again yet" in str(e) for e in failed) == [False, True, True]
+        assert all("loading the model again failed: FileNotFoundError" in str(e) for e in failed)
         assert eng.engine.asleep and eng.is_ready
         (tmp_path / "gone").rename(model)
+        time.sleep(ep.WAKE_RETRY_S)  # 1 s here (monkeypatched above)
         third = run(_final(eng, "The quick brown fox", params, "d"), timeout=300)
         assert third.outputs[0].token_ids == first.outputs[0].token_ids and not eng.engine.asleep
         assert eng.get_stats().generation_tokens_total == 24
@@ -257,11 +268,43 @@ def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model,
         eng.shutdown()
 
 
+def _never_loads(*args) -> None:
+    """An engine process's main that never says ready (a CUDA start stuck, say)."""
+    time.sleep(600)
+
+
+def test_a_shutdown_during_a_wake_that_hangs_stops_it_and_wakes_nothing_more(demo_model):
+    eng = AsyncLLMEngine.from_config(EngineConfig(model=str(demo_model), device="cpu", max_model_len=256,
+                                                  max_num_seqs=8), engine_process=True, sleep_after_idle_s=0.0)
+    eng.start()
+    params, results = SamplingParams(temperature=0, max_tokens=4), []
+    try:
+        wait_for(lambda: eng.is_ready or eng.is_dead, timeout=300, what="model load")
+        wait_for(lambda: eng.engine.asleep, timeout=30, what="the engine asleep")
+        asleep_child = eng.engine._process
+        eng.engine._child_main = _never_loads
+
+        async def three():
+            return await asyncio.gather(*(_final(eng, "Hi", params, f"r{i}") for i in range(3)),
+                                        return_exceptions=True)
+        asking = threading.Thread(target=lambda: results.extend(run(three(), timeout=120)))
+        asking.start()
+        wait_for(lambda: eng.engine._process is not asleep_child and eng.engine._process.is_alive(), timeout=60,
+                 what="the wake's child started")
+        waking = eng.engine._process
+    finally:
+        eng.shutdown(timeout=2.0)
+    asking.join(60)
+    assert not asking.is_alive() and not eng._thread.is_alive() and not waking.is_alive()
+    assert eng.engine._process is waking  # no second wake was tried
+    assert len(results) == 3 and all(isinstance(r, (EngineWakeFailed, EngineDeadError)) for r in results), results
+
+
 def test_a_failed_wake_is_a_503_with_retry_after():
     from engine.server.errors import from_engine_exception
 
     err = from_engine_exception(EngineWakeFailed("loading the model again failed: OutOfMemoryError"), "prompt")
-    assert (err.status, err.code, err.headers) == (503, "model_load_failed", {"Retry-After": "30"})
+    assert (err.status, err.code, err.headers) == (503, "model_load_failed", {"Retry-After": "10"})
     assert err.message == ("The model was unloaded while idle (loading the model again failed: OutOfMemoryError); "
                            "retry later, or free the GPU's memory")
 

@@ -1,6 +1,6 @@
 """``python -m engine.server --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N]
 [--tool-call-parser auto|hermes|llama3_json|none] [--reasoning-parser auto|deepseek_r1|qwen3|none]
-[--[no-]engine-process] [--keep-alive-on-engine-death] [engine options]``.
+[--[no-]engine-process] [--keep-alive-on-engine-death] [--sleep-after-idle SECONDS] [engine options]``.
 
 Every ``EngineConfig`` field is an option (``--max-model-len 2048``, ``--enforce-eager``, ...).
 """

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError
+from engine.engine_process import WAKE_RETRY_S
 from engine.errors import ContextLengthError, EngineWakeFailed
 from engine.server.protocol import ErrorInfo, ErrorResponse
 
@@ -64,7 +65,7 @@ def from_engine_exception(e: Exception, prompt_field: str) -> APIError:
         return APIError(503, f"The engine stopped and cannot serve requests: {e}", code="engine_dead")
     if isinstance(e, EngineWakeFailed):  # asleep after sleep_after_idle_s and could not load again: a later try may
         return APIError(503, f"The model was unloaded while idle ({e}); retry later, or free the GPU's memory",
-                        code="model_load_failed", headers={"Retry-After": "30"})
+                        code="model_load_failed", headers={"Retry-After": str(int(WAKE_RETRY_S))})
     if isinstance(e, EngineOverloadedError):
         return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
     if isinstance(e, ValueError):
