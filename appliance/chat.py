@@ -43,6 +43,8 @@ PARAMETERS: dict[str, tuple[str, type]] = {
     "repetition_penalty": ("repetition_penalty", float), "presence_penalty": ("presence_penalty", float),
     "frequency_penalty": ("frequency_penalty", float), "stop": ("stop", list),
 }
+#: the request fields shown under Ollama's names (``/show parameters``)
+OLLAMA_NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
 #: Ollama parameters that are the server's, not a request's: the reason they cannot be set from the chat
 SERVER_PARAMETERS = {
     "num_ctx": "the context length is the server's max_model_len (appliance install --max-model-len N)",
@@ -392,7 +394,8 @@ def show(session: ChatSession, what: str) -> list[str]:
     if what == "parameters":
         if not session.options:
             return ["No parameters were set: the server's defaults apply (the model's generation_config)."]
-        return ["User defined parameters:"] + [f"{k:<20} {json.dumps(v)}" for k, v in session.options.items()]
+        return ["User defined parameters:"] + [f"{OLLAMA_NAMES.get(k, k):<20} {json.dumps(v)}"
+                                               for k, v in session.options.items()]
     if what == "system":
         return [session.system or "No system message was specified."]
     return [f"Usage: {SHOW_HELP}."]

@@ -272,8 +272,8 @@ def test_set_and_show_change_and_show_what_the_next_turns_send():
                           "Couldn't set parameter 'temperature': 'nan' is not a finite number.",
                           "Couldn't set parameter 'num_predict': give at least 1 (or -1: the rest of the context)."]
     assert said[12:19] == ["Set system message.", "User defined parameters:", "temperature          0.0",
-                           "max_tokens           7", "seed                 3", 'stop                 ["END", "STOP"]',
-                           "repetition_penalty   1.1"]
+                           "num_predict          7", "seed                 3", 'stop                 ["END", "STOP"]',
+                           "repeat_penalty       1.1"]
     assert said[19:23] == ["Be  terse.", "  model           fake-model", "  context length  256",
                            "  server          " + url]
     assert said[23:25] == ["Set parameter 'num_predict' to '-2' (the rest of the context).",
