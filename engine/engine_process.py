@@ -346,6 +346,7 @@ class EngineProcess:
         self.config = config
         self._asleep = self._stopping = False
         self._wake_failure: tuple[float, str] = (float("-inf"), "")  # (monotonic time, error) of the last failed wake
+        self._carried: dict[str, int] = {}  # the counters of the children before this one (sleep)
         self._decoder = _Decoder()
         self._grammars = None
         self._grammars_lock = threading.Lock()
@@ -371,9 +372,9 @@ class EngineProcess:
         # two one-way pipes: commands to the child, outputs from it (see ``_serve`` for why not one)
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._conn, outputs_out = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=self._child_main, args=(self.config, commands_in, outputs_out,
-                                                         logging.getLogger().getEffectiveLevel()),
-                                    name="llm-engine-core", daemon=True)
+        self._process = ctx.Process(target=self._child_main, name="llm-engine-core", daemon=True,
+                                    args=(self.config, commands_in, outputs_out,
+                                          logging.getLogger().getEffectiveLevel()))
         self._process.start()
         _LIVE.add(self)
         _kill_at_exit()
@@ -510,10 +511,9 @@ class EngineProcess:
     def _counted(self, stats: EngineStats, fresh: bool = False) -> EngineStats:
         """``stats`` with the counters of the children before this one added (a counter never goes back); with
         ``fresh``, ``stats`` is a first snapshot whose counters are replaced by the totals so far."""
-        carried = getattr(self, "_carried", None)
-        if not carried:
+        if not self._carried:
             return stats
-        return dataclasses.replace(stats, **{name: carried[name] + (0 if fresh else getattr(stats, name))
+        return dataclasses.replace(stats, **{name: self._carried[name] + (0 if fresh else getattr(stats, name))
                                              for name in _COUNTERS})
 
     def idle(self) -> None:
