@@ -336,7 +336,7 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
 
     url = client_url(conf.host, conf.port)
     state, health = _serving_state(url, st)
-    label, note = {"ready": ("[green]running[/green]", ""),
+    label, note = {"ready": ("[green]running[/green]", "" if health.detail == "ready" else f"; {health.detail}"),
                    "loading": ("[yellow]starting[/yellow]", "; loading the model, ready in a moment"),
                    "starting": ("[yellow]starting[/yellow]", f"; not answering at {url} yet"),
                    "hung": ("[red]not answering[/red]", f"; no answer at {url}, {_silence(st)} ({health.detail})"),

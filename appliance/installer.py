@@ -325,7 +325,8 @@ HealthState = Literal["ready", "loading", "failed", "no answer", "other"]
 
 @dataclass(frozen=True)
 class Health:
-    """What a server's ``GET /health`` said. ``state``: "ready" (200), "loading" (503 while the engine loads the
+    """What a server's ``GET /health`` said. ``state``: "ready" (200; ``detail`` :data:`SLEEPING` where the engine
+    sleeps), "loading" (503 while the engine loads the
     model), "failed" (503 once the engine stopped: it could not load, its steps kept failing, or it was shut down;
     ``detail`` holds its error), "no answer" (nothing accepted the connection or answered in time: a server still
     starting, a hung one, or none), or "other" (another status: a server that is not ours, say). ``detail``: one
@@ -333,6 +334,10 @@ class Health:
 
     state: HealthState
     detail: str
+
+
+#: ``Health.detail`` of a ready server whose engine sleeps (``sleep_after_idle_s``)
+SLEEPING = "asleep: the model is unloaded (GPU memory free) until the next request loads it again"
 
 
 def server_health(url: str, timeout: float = 5.0) -> Health:
@@ -343,13 +348,13 @@ def server_health(url: str, timeout: float = 5.0) -> Health:
         r = httpx.get(f"{url}/health", timeout=timeout)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         return Health("no answer", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-    if r.status_code == 200:
-        return Health("ready", "ready")
     try:
-        body = r.json() if r.status_code == 503 else {}
+        body = r.json() if r.status_code in (200, 503) else {}
     except ValueError:
         body = {}
     body = body if isinstance(body, dict) else {}
+    if r.status_code == 200:
+        return Health("ready", SLEEPING if body.get("asleep") is True else "ready")
     if body.get("status") in ("new", "loading"):
         return Health("loading", "loading the model")
     if body.get("status") == "dead":

@@ -240,6 +240,11 @@ class AsyncLLMEngine:
         return self._state == "dead"
 
     @property
+    def asleep(self) -> bool:
+        """Whether the engine sleeps (``sleep_after_idle_s``): still "ready", its GPU memory freed until a request."""
+        return bool(getattr(self._engine, "asleep", False))
+
+    @property
     def engine(self) -> Any:
         """The loaded ``LLMEngine`` (read-only use: ``tokenizer``, ``max_model_len``); None until ready."""
         return self._engine

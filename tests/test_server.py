@@ -876,6 +876,24 @@ def test_health_is_503_while_loading_then_200():
     engine.shutdown()
 
 
+def test_health_says_a_sleeping_engine_sleeps_and_stays_200():
+    from appliance.installer import SLEEPING, server_health
+
+    fake = FakeEngine()
+    engine, srv = serve(fake)
+    with srv as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        awake = (httpx.get(f"{url}/health").json(), server_health(url))
+        fake.asleep = True  # as EngineProcess.asleep after sleep_after_idle_s
+        asleep = (httpx.get(f"{url}/health"), server_health(url))
+    engine.shutdown()
+    assert awake[0] == {"status": "ready", "model": "fake-model"} and (awake[1].state, awake[1].detail) == (
+        "ready", "ready")
+    assert asleep[0].status_code == 200 and asleep[0].json() == {"status": "ready", "model": "fake-model",
+                                                                   "asleep": True}
+    assert (asleep[1].state, asleep[1].detail) == ("ready", SLEEPING)
+
+
 def test_dead_engine_gives_503_not_500():
     engine, srv = serve(FakeEngine(fail_at_step=0))
     with srv as url:

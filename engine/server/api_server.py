@@ -63,9 +63,10 @@ async def models(raw: Request) -> ModelList:
 
 @router.get("/health")
 async def health(raw: Request) -> JSONResponse:
-    """200 when the engine is ready; 503 while loading or once dead (with the error)."""
+    """200 when the engine is ready (``"asleep": true`` while it sleeps: ``sleep_after_idle_s``); 503 while loading
+    or once dead (with the error)."""
     engine = _ctx(raw).engine
-    body = {"status": engine.state, "model": engine.model_name}
+    body = {"status": engine.state, "model": engine.model_name, **({"asleep": True} if engine.asleep else {})}
     if engine.error is not None:
         body["error"] = repr(engine.error)
     return JSONResponse(body, status_code=200 if engine.is_ready else 503)
