@@ -230,7 +230,8 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     ``engine_process``: the engine in a process of its own (``AsyncLLMEngine.from_config``; None: on CUDA).
     ``tool_call_parser``, ``reasoning_parser``, ``allowed_origins``: see :func:`build_app`.
     ``sleep_after_idle_s``: an engine in a process of its own frees the GPU after that many seconds without
-    requests, until the next one (``AsyncLLMEngine``; None: never). An engine that dies while serving (a CUDA error, its process killed by the OOM killer, steps failing in a row)
+    requests, until the next one (``AsyncLLMEngine``; None: never).
+    An engine that dies while serving (a CUDA error, its process killed by the OOM killer, steps failing in a row)
     fails its requests, then the server shuts down gracefully and exits with ``SystemExit(ENGINE_DIED_EXIT)``, as
     vLLM's does, so that systemd starts it again; ``keep_alive_on_engine_death`` keeps it up instead (vLLM's
     ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``), answering 503. A model that fails to load keeps it up either way:
