@@ -215,11 +215,11 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None,
     yield {"type": "response.created", "response": head.response([], None)}
     yield {"type": "response.in_progress", "response": head.response([], None)}
     split = reasoning.StreamSplit(open_) if open_ is not None else None
-    tracker, done, final, open_item, said, sent = DeltaTracker(1), [], None, None, False, 0
+    tracker, done, final, open_item, sent = DeltaTracker(1), [], None, None, 0
 
     def opening(kind: str) -> list[dict[str, Any]]:
-        nonlocal open_item, said
-        open_item, said = _Item(kind, len(done)), said or kind == "message"
+        nonlocal open_item
+        open_item = _Item(kind, len(done))
         events = [{"type": "response.output_item.added", "output_index": open_item.index,
                    "item": open_item.whole("in_progress") | {"content": []}},
                   {"type": "response.content_part.added", "item_id": open_item.id, "output_index": open_item.index,
@@ -259,12 +259,13 @@ async def _events(head: _Head, streams: list[RequestStream], open_: bool | None,
             finished = d.finish_reason is not None
             thought, said = split.delta(d.choice.text, finished) if split else (None, d.text or None)
             for kind, delta in (("reasoning", thought), ("message", said)):
+                if not delta:
+                    continue
                 lps = []
-                if delta and kind == "message":  # the tokens since the last text delta (reasoning ones too)
+                if kind == "message":  # the tokens since the last text delta (reasoning ones too)
                     lps, sent = logprobs.of(d.choice, sent), len(d.choice.token_ids)
-                if delta:
-                    for event in adding(kind, delta, lps):
-                        yield event
+                for event in adding(kind, delta, lps):
+                    yield event
             if finished:
                 if not said and (split is None or reasoning.split(d.choice.text, open_)[1] is not None):
                     for event in adding("message", "", []):  # an empty answer is an empty message, as not streamed
