@@ -149,10 +149,10 @@ class ChatSession:
 
     def card(self) -> dict:
         """The model's card from ``GET /v1/models`` ({} when the server does not list it); raises
-        ``httpx.HTTPError`` when the server cannot be reached or refuses, ``ValueError`` for a body not JSON."""
-        resp = httpx.get(f"{self.url}/v1/models", headers=self.headers(), timeout=10)
-        resp.raise_for_status()
-        return next((card for card in resp.json().get("data") or [] if card.get("id") == self.model), {})
+        ``httpx.HTTPError`` when the server cannot be reached or refuses, ``ValueError`` / ``KeyError`` /
+        ``TypeError`` for a body that is no model list (``loadgen.model_cards``)."""
+        from appliance.loadgen import model_cards
+        return next((card for card in model_cards(self.url, self.api_key) if card.get("id") == self.model), {})
 
     def set_thinking(self, on: bool | None) -> None:
         """Ask a thinking model to think first, or not (None: its template's default), through the chat template's
@@ -402,8 +402,8 @@ def show(session: ChatSession, what: str) -> list[str]:
 
 
 def command(session: ChatSession, line: str) -> list[str] | None:
-    """Run one REPL command line (starting with ``/``); returns the lines to say, None for ``/bye``. Raises
-    ``httpx.HTTPError`` or ``ValueError`` (a body that is not JSON) where ``/show info`` cannot ask the server."""
+    """Run one REPL command line (starting with ``/``); returns the lines to say, None for ``/bye``. Raises what
+    ``ChatSession.card`` raises where ``/show info`` cannot read the server's model list."""
     name, *args = line.split()
     if name == "/bye":
         return None
@@ -445,7 +445,7 @@ def repl(session: ChatSession, read: Callable[[str], str], out: Callable[[str, b
                 lines = command(session, text.strip())
             except KeyboardInterrupt:
                 lines = ["(stopped)"]
-            except (httpx.HTTPError, ValueError) as exc:
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:  # /show info: no model list
                 lines = [f"no answer from {session.url} ({type(exc).__name__}: {exc}); `appliance status` says why"]
             if lines is None:
                 return

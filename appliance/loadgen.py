@@ -238,13 +238,19 @@ def _child() -> None:
               sys.stdout)
 
 
-def served_models(url: str, api_key: str | None = None) -> list[str]:
-    """The model ids the server lists (``GET /v1/models``; raises httpx.HTTPError when it is unreachable or
-    refuses, KeyError / TypeError for a body that is no model list)."""
+def model_cards(url: str, api_key: str | None = None) -> list[dict]:
+    """The model cards the server lists (``GET /v1/models``' ``data``; raises httpx.HTTPError when it is
+    unreachable or refuses, ValueError for a body that is not JSON, KeyError / TypeError for one that is no model
+    list)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     resp = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
     resp.raise_for_status()
-    return [card["id"] for card in resp.json()["data"]]
+    return list(resp.json()["data"])
+
+
+def served_models(url: str, api_key: str | None = None) -> list[str]:
+    """The model ids the server lists (:func:`model_cards`' errors)."""
+    return [card["id"] for card in model_cards(url, api_key)]
 
 
 def served_model(url: str, api_key: str | None = None) -> str:
