@@ -746,6 +746,68 @@ def test_malformed_json_and_unknown_routes(server):
     assert "Content-Type" not in _error(upper, 400, param="body")["message"]  # media types ignore case
 
 
+def test_models_retrieve_gives_the_served_models_card_and_404_for_another(server):
+    url, _, _ = server
+    card = sdk(url).models.retrieve(MODEL)
+    assert (card.id, card.object, card.max_model_len) == (MODEL, "model", 256)
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk(url).models.retrieve("org/other-model")
+    assert info.value.code == "model_not_found" and info.value.body["param"] == "model"
+
+
+def test_request_ids_come_from_the_header_then_the_body_field_and_go_back_in_a_header(server):
+    url, fake, _ = server
+    client = sdk(url)
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                                          extra_headers={"X-Request-Id": "trace-7"})
+    assert raw.parse().id == "chatcmpl-trace-7" and raw.headers["x-request-id"] == "trace-7"
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=2,
+                                                      extra_body={"request_id": "mine"})
+    assert raw.parse().id == "cmpl-mine" and len(raw.headers["x-request-id"]) == 32  # a fresh one for the header
+    both = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"request_id": "body"},
+                                     extra_headers={"X-Request-Id": "head"})
+    assert both.id == "cmpl-head"  # vLLM's precedence: the header
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert raw.parse().id == f"chatcmpl-{raw.headers['x-request-id']}"  # no id given: one fresh id for both
+    assert httpx.get(f"{url}/health", headers={"X-Request-Id": "probe"}).headers["x-request-id"] == "probe"
+    # one live request per id: a second one under a running id is refused, naming the field
+    fake.step_delay = 0.01
+    body = {"model": MODEL, "prompt": "long one", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Request-Id": "dup"}, timeout=20) as r:
+        lines = r.iter_lines()  # held: a generator over it, collected, would close the stream (an abort)
+        next(line for line in lines if line.startswith("data: "))
+        again = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers={"X-Request-Id": "dup"})
+        err = _error(again, 400, param="request_id")
+        assert "'cmpl-dup' is already running" in err["message"]
+
+
+def test_unknown_fields_are_ignored_with_a_warning_naming_them(server, caplog):
+    url, _, _ = server
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    with caplog.at_level("WARNING", logger="engine.server.protocol"):
+        plain = httpx.post(f"{url}/v1/chat/completions", json=body)
+        assert plain.status_code == 200 and "ignored" not in caplog.text
+        extra = httpx.post(f"{url}/v1/chat/completions", json={**body, "guided_json": {"type": "object"},
+                                                               "guided_choice": ["a"]})
+    assert extra.status_code == 200
+    assert extra.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+    assert ("The following fields were present in the request but ignored: ['guided_choice', 'guided_json']"
+            in caplog.text)
+
+
+def test_the_developer_role_is_the_system_role_unless_the_template_names_it(server):
+    url, fake, _ = server
+
+    def tokens(role):
+        messages = [{"role": role, "content": "Be brief."}, *MESSAGES]
+        return httpx.post(f"{url}/tokenize", json={"messages": messages})
+
+    assert tokens("developer").json()["tokens"] == tokens("system").json()["tokens"]
+    fake.tokenizer.chat_template = "{% if message.role == 'developer' %}...{% endif %}"  # a template that knows it
+    err = _error(tokens("developer"), 400, param="messages")  # the fake's template then gets the role (and refuses)
+    assert "unknown role 'developer'" in err["message"]
+
+
 def test_unknown_model_is_404(server):
     url, _, _ = server
     with pytest.raises(openai.NotFoundError) as info:
@@ -794,8 +856,10 @@ def test_api_key_guards_v1_only():
         wait_for(lambda: engine.is_ready, what="engine ready")
         with pytest.raises(openai.AuthenticationError):
             sdk(url, api_key="wrong").models.list()
-        err = _error(httpx.post(f"{url}/v1/chat/completions", content=b"{oops"), 401, code="invalid_api_key")
+        refused = httpx.post(f"{url}/v1/chat/completions", content=b"{oops", headers={"X-Request-Id": "r401"})
+        err = _error(refused, 401, code="invalid_api_key")
         assert err["type"] == "invalid_request_error"  # OpenAI's type for a wrong key
+        assert refused.headers["x-request-id"] == "r401"  # the id layer is outside the key check
         assert sdk(url, api_key="sekrit").models.list().data[0].id == MODEL
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/metrics").status_code == 200

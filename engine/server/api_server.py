@@ -24,6 +24,7 @@ from engine.server.errors import APIError, install_error_handlers
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     DetokenizeResponse, ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
                                     TokenizeResponse)
+from engine.server.request_ids import RequestIdMiddleware
 from engine.server.serving import ServingContext
 from engine.server.serving_chat import create_chat_completion, render_chat
 from engine.server.serving_completion import create_completion
@@ -54,11 +55,23 @@ async def responses(req: ResponsesRequest, raw: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(raw: Request) -> ModelList:
+    return ModelList(data=[_card(_ctx(raw))])
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, raw: Request) -> ModelCard:
+    """One model's card (OpenAI's ``models.retrieve``, as Ollama serves it; vLLM has only the list); 404
+    ``model_not_found`` for a name this server does not serve."""
     ctx = _ctx(raw)
+    ctx.check_model(model)
+    return _card(ctx)
+
+
+def _card(ctx: ServingContext) -> ModelCard:
+    """The served model's card (503 while the engine loads, or once it died)."""
     llm = ctx.ready_engine()
     config = ctx.engine.config
-    return ModelList(data=[ModelCard(id=ctx.model_name, root=config.model if config else None,
-                                     max_model_len=llm.max_model_len)])
+    return ModelCard(id=ctx.model_name, root=config.model if config else None, max_model_len=llm.max_model_len)
 
 
 @router.get("/health")
@@ -186,6 +199,7 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
     app.include_router(router)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)  # outside the key check: a 401 carries the id too
     if cors:  # added last: the outermost layer (vLLM's defaults but the origins: any method and header, no cookies)
         app.add_middleware(CORSMiddleware, allow_origin_regex=cors, allow_methods=["*"], allow_headers=["*"])
     return app

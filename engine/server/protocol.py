@@ -1,15 +1,16 @@
 """OpenAI-compatible request and response models (pydantic v2), with vLLM's extra sampling fields.
 
 Range checks live in ``SamplingParams.validate`` (one source of truth); the models here only check types.
-Unknown request fields are ignored, as OpenAI's and vLLM's servers do. A ``null`` in a field whose type excludes
-it (at the top level, or in ``stream_options``) means the field's default (OpenAI's spec makes ``n``, ``stream``,
-``logprobs``, ``echo``... nullable; clients that send every field send them as ``null``); fields that take None
-keep it (``max_tokens: null`` on completions: up to the context, as in vLLM). A string holding a lone UTF-16
-surrogate (JSON's ``"\ud800"`` escape unpaired: no text, and no tokenizer encodes it) is refused with a 400
-naming its field.
+Unknown request fields are ignored, as OpenAI's and vLLM's servers do, and named in a warning in the log, as
+vLLM's. A ``null`` in a field whose type excludes it (at the top level, or in ``stream_options``) means the field's
+default (OpenAI's spec makes ``n``, ``stream``, ``logprobs``, ``echo``... nullable; clients that send every field
+send them as ``null``); fields that take None keep it (``max_tokens: null`` on completions: up to the context, as
+in vLLM). A string holding a lone UTF-16 surrogate (JSON's ``"\ud800"`` escape unpaired: no text, and no
+tokenizer encodes it) is refused with a 400 naming its field.
 """
 from __future__ import annotations
 
+import logging
 import re
 import time
 import types
@@ -17,16 +18,14 @@ import typing
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.generation_config import with_defaults
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.server.tools import check_choice, check_tools, schema as tool_schema
 from engine.structured_output import check
 
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+logger = logging.getLogger(__name__)
 
 
 #: UTF-16 surrogate code points: JSON decodes a well-formed pair to one character, so any left stand alone
@@ -64,10 +63,21 @@ Tools = Annotated[list[dict[str, Any]] | None, AfterValidator(_checked_tools)]
 
 
 class RequestModel(BaseModel):
-    """A request body: unknown fields are ignored; ``null`` in a field whose type excludes it means its default; a
-    field holding a lone UTF-16 surrogate is refused (ValueError: a 400 naming it)."""
+    """A request body: unknown fields are ignored, with a warning in the log that names them (vLLM's: a field of
+    another server's, or of an older vLLM, such as ``guided_json``, then explains an answer it did not shape);
+    ``null`` in a field whose type excludes it means its default; a field holding a lone UTF-16 surrogate is
+    refused (ValueError: a 400 naming it)."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ignored = sorted(str(k) for k in data if k not in cls.model_fields)
+            if ignored:
+                logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        return data
 
     @field_validator("*", mode="before")
     @classmethod
@@ -294,6 +304,7 @@ class ChatCompletionRequest(SamplingRequest):
     #: (engine/server/tools.py); "auto" reads calls out of free text where the model has a parser (tool_parsers.py)
     tools: Tools = None
     tool_choice: str | dict[str, Any] | None = Field(default=None, validate_default=True)
+    request_id: str | None = None  # vLLM: names the answer, chatcmpl-<id> (engine/server/request_ids.py)
 
     def echoed(self) -> str:
         """With ``echo``, the text the answer starts with (vLLM): the last message's, where its role is the
@@ -402,6 +413,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM: string prompts get the tokenizer's BOS (and the like)
+    request_id: str | None = None  # vLLM: names the answer, cmpl-<id> (engine/server/request_ids.py)
 
     @field_validator("suffix")
     @classmethod

@@ -15,7 +15,8 @@ from engine.server.errors import APIError, bad_value
 from engine.server.logprobs import chat_logprobs, response_prompt_logprobs
 from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
-                                    TokenizeRequest, UsageInfo, random_id)
+                                    TokenizeRequest, UsageInfo)
+from engine.server.request_ids import base_request_id
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response,
                                    kept_prompt_len, merge, running_usage, sse_response, submit, usage)
 from engine.server import reasoning, tool_parsers
@@ -43,7 +44,8 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
         raise APIError(400, "chat_template_kwargs: a request cannot replace the chat template",
                        param="chat_template_kwargs")
     try:
-        messages = [_for_template(m.model_dump(exclude_none=True), m.text()) for m in req.messages or []]
+        developer = "developer" if "developer" in str(getattr(tokenizer, "chat_template", None) or "") else "system"
+        messages = [_for_template(m.model_dump(exclude_none=True), m.text(), developer) for m in req.messages or []]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message, tokenize=False,
                                              **kwargs)
@@ -65,9 +67,11 @@ def reasoning_start(ctx: ServingContext, tokenizer: Any, req: Any, prompt: list[
     return reasoning.starts_open(tokenizer.decode(prompt[-PROMPT_TAIL:]))
 
 
-def _for_template(message: dict[str, Any], text: str) -> dict[str, Any]:
-    """A message as chat templates take it: its text as ``content``, and the ``arguments`` of the tool calls an
-    assistant message carries back as objects, not JSON text (as vLLM: templates serialize them with ``tojson``)."""
+def _for_template(message: dict[str, Any], text: str, developer: str = "developer") -> dict[str, Any]:
+    """A message as chat templates take it: its text as ``content``, the ``arguments`` of the tool calls an
+    assistant message carries back as objects, not JSON text (as vLLM: templates serialize them with ``tojson``),
+    and the role "developer" as ``developer`` (``render_chat``: "system" for a template that never names it: OpenAI's
+    newer name for the system message, which such a template would render as a role its model never saw)."""
     calls = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function") if isinstance(call, dict) else None
@@ -77,7 +81,8 @@ def _for_template(message: dict[str, Any], text: str) -> dict[str, Any]:
             except ValueError:
                 pass  # not JSON: the template gets the text
         calls.append(call)
-    return {**message, "content": text, **({"tool_calls": calls} if calls else {})}
+    role = {"role": developer} if message.get("role") == "developer" else {}
+    return {**message, **role, "content": text, **({"tool_calls": calls} if calls else {})}
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -105,7 +110,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         if req.max_completion_tokens is not None and e.param == "max_tokens":
             e.param, e.message = "max_completion_tokens", "max_completion_tokens" + e.message.removeprefix("max_tokens")
         raise
-    request_id = random_id("chatcmpl")
+    request_id = f"chatcmpl-{base_request_id(raw, req.request_id)}"
     streams = await submit(ctx, [prompt], params, request_id, "messages")
     if req.stream:
         kept = kept_prompt_len(len(prompt), params.truncate_prompt_tokens, llm.max_model_len)

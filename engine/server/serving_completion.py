@@ -12,7 +12,8 @@ from engine.async_engine import RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
 from engine.server.logprobs import completion_logprobs, response_prompt_logprobs
-from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, random_id
+from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from engine.server.request_ids import base_request_id
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response, merge,
                                    running_usage, sse_response, submit, usage)
 
@@ -43,7 +44,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     echo_only = req.echo and req.max_tokens == 0  # vLLM: the prompt back, one token generated and dropped
     params = build_params(req.sampling_params, 1 if echo_only else req.max_tokens, req.logprobs,
                           llm.default_sampling, _engine_prompt_logprobs(req))
-    request_id = random_id("cmpl")
+    request_id = f"cmpl-{base_request_id(raw, req.request_id)}"
     streams = await submit(ctx, prompts, params, request_id, "prompt")  # checks the token ids before echo decodes
     echo = prompt_texts(llm.tokenizer, given) if req.echo else [""] * len(given)
     created = int(time.time())
