@@ -421,6 +421,28 @@ def test_a_lone_surrogate_is_400_naming_its_field_and_the_connection_serves_on(s
     assert pair.status_code == 200 and pair.json()["count"] > 0
 
 
+@pytest.mark.parametrize("path,template,param", [
+    ("/v1/completions", '{"prompt": %s, "max_tokens": 1}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 1, "logit_bias": %s}', "logit_bias"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", "x": %s}], "max_tokens": 1}', None),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, '
+                             '"chat_template_kwargs": {"x": %s}}', None),
+])
+def test_json_nested_hundreds_of_levels_deep_is_no_500_and_the_connection_serves_on(server, path, template, param):
+    """The lone-surrogate check walked values by recursion: 321 levels of JSON nesting raised RecursionError, a
+    500, and uvicorn closed the kept-alive connection (found by a robustness audit). Now the body answers as any
+    other: a 400 naming the field where the type is wrong, else 200."""
+    url, _, _ = server
+    deep = "[" * 900 + "]" * 900
+    with httpx.Client() as client:
+        r = client.post(f"{url}{path}", content=template % deep, headers={"content-type": "application/json"})
+        if param is None:
+            assert r.status_code == 200, r.text
+        else:
+            _error(r, 400, param=param, code="invalid_type")
+        assert client.get(f"{url}/health").status_code == 200
+
+
 def test_null_means_the_default(server):
     """OpenAI's spec makes these nullable; clients that send every field send ``null``: the default, never a 400."""
     url, _, _ = server
@@ -731,6 +753,9 @@ def test_malformed_json_and_unknown_routes(server):
     url, _, _ = server
     r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
     _error(r, 400, param="body", code="invalid_json")
+    for body in (b'{"prompt": "\xff"}', b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"):  # not UTF-8; too deep
+        r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert "does not decode" in _error(r, 400, param="body", code="invalid_json")["message"]
     _error(httpx.get(f"{url}/v1/nothing-here"), 404)
     _error(httpx.post(f"{url}/v1/completions", json={"prompt": []}), 400, param="prompt")
     form = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi"}',  # curl -d without -H: a form

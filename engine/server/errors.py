@@ -97,6 +97,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}", param=param, code=code)
 
 
+#: FastAPI's 400 for a body its JSON decoder failed on with an error other than a syntax error (a body that is not
+#: UTF-8, nesting past the decoder's recursion limit, an integer of over 4,300 digits)
+FASTAPI_BODY_ERROR = "There was an error parsing the body"
+BODY_ERROR_WHY = "it does not decode (not UTF-8, nested too deeply, or a number with too many digits)"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error through the OpenAI shape, FastAPI's 422 included (as 400)."""
 
@@ -115,6 +121,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:
+            return APIError(400, f"Malformed JSON body: {BODY_ERROR_WHY}", param="body", code="invalid_json").response()
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)

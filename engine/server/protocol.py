@@ -33,13 +33,19 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _holds_lone_surrogate(value: Any) -> bool:
-    """Whether a decoded JSON value (str, list, dict; keys too) holds a lone surrogate anywhere."""
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, dict):
-        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_holds_lone_surrogate(v) for v in value)
+    """Whether a decoded JSON value (str, list, dict; keys too) holds a lone surrogate anywhere. Walked with a stack
+    of its own, not by recursion: JSON nested a few hundred levels deep is valid input, not a RecursionError."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item) is not None:
+                return True
+        elif isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
     return False
 
 
