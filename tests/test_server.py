@@ -443,6 +443,46 @@ def test_json_nested_hundreds_of_levels_deep_is_no_500_and_the_connection_serves
         assert client.get(f"{url}/health").status_code == 200
 
 
+@pytest.mark.parametrize("what", ["grammar check", "chat template", "tokenize", "completion encode", "responses"])
+def test_slow_request_preparation_runs_off_the_event_loop(server, monkeypatch, what):
+    """A schema's grammar check and a prompt's tokenization can take seconds (a ``pattern`` with a repeat count in
+    the thousands; megabytes of text): on the event loop they stalled every stream and /health for as long (a
+    robustness audit: 29 s). Here each is held until /health has answered meanwhile."""
+    url, fake, _ = server
+    entered, gate = threading.Event(), threading.Event()
+
+    def held(fn):
+        def wrapper(*args, **kwargs):
+            entered.set()
+            gate.wait(20)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    body = {"max_tokens": 2}
+    if what == "grammar check":
+        from engine.server import protocol
+        monkeypatch.setattr(protocol, "check", held(protocol.check))
+        path, body = "/v1/chat/completions", {**body, "messages": MESSAGES, "response_format": JSON_SCHEMA}
+    elif what == "completion encode":
+        monkeypatch.setattr(fake.tokenizer, "encode", held(fake.tokenizer.encode))
+        path, body = "/v1/completions", {**body, "prompt": "hi"}
+    else:
+        monkeypatch.setattr(fake.tokenizer, "apply_chat_template", held(fake.tokenizer.apply_chat_template))
+        path, body = {"chat template": ("/v1/chat/completions", {**body, "messages": MESSAGES}),
+                      "tokenize": ("/tokenize", {"messages": MESSAGES}),
+                      "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 2})}[what]
+    result = {}
+    client = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}{path}", json=body, timeout=30)))
+    client.start()
+    try:
+        assert entered.wait(10)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # the loop serves while it is held
+    finally:
+        gate.set()
+        client.join(30)
+    assert result["r"].status_code == 200, result["r"].text
+
+
 def test_null_means_the_default(server):
     """OpenAI's spec makes these nullable; clients that send every field send ``null``: the default, never a 400."""
     url, _, _ = server

@@ -122,10 +122,11 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
     ctx = _ctx(raw)
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
-    if req.messages is not None:
-        tokens = render_chat(llm.tokenizer, req, add_special_tokens=bool(req.add_special_tokens))
+    if req.messages is not None:  # on a worker thread, as every tokenization of the server: megabytes take seconds
+        tokens = await asyncio.to_thread(render_chat, llm.tokenizer, req, bool(req.add_special_tokens))
     elif req.prompt is not None:
-        tokens = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        tokens = await asyncio.to_thread(llm.tokenizer.encode, req.prompt,
+                                         add_special_tokens=req.add_special_tokens is not False)
     else:
         raise APIError(400, "prompt: either prompt or messages is required", param="prompt")
     strs = llm.tokenizer.convert_ids_to_tokens(list(tokens)) if req.return_token_strs else None

@@ -191,8 +191,8 @@ class SamplingRequest(RequestModel):
     @field_validator("response_format")
     @classmethod
     def _known_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A 400 naming it for another type, a json_schema without a schema object, or (xgrammar installed) a
-        schema that cannot be turned into a grammar; never ignored."""
+        """A 400 naming it for another type or a json_schema without a schema object; never ignored (a schema that
+        cannot be turned into a grammar: :meth:`check_constraint`)."""
         kind = format_kind(value)
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
@@ -200,7 +200,6 @@ class SamplingRequest(RequestModel):
             spec = value.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ValueError("json_schema needs {\"name\": ..., \"schema\": {...}}")
-            check(StructuredOutputsParams(json=spec["schema"]))
         return value
 
     #: vLLM's extra parameter: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": EBNF} |
@@ -210,8 +209,8 @@ class SamplingRequest(RequestModel):
     @field_validator("structured_outputs")
     @classmethod
     def _known_structured_outputs(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
-        """A 400 naming it for a key this server does not follow, none or several of the five, a JSON
-        response_format beside it, or (xgrammar installed) a schema, regex or grammar it cannot compile."""
+        """A 400 naming it for a key this server does not follow, none or several of the five, or a JSON
+        response_format beside it (a schema, regex or grammar it cannot compile: :meth:`check_constraint`)."""
         if value is None:
             return None
         given = {k: v for k, v in value.items() if v is not None and v is not False}  # vLLM's defaults: unset
@@ -226,7 +225,6 @@ class SamplingRequest(RequestModel):
             spec = StructuredOutputsParams(**given)
         except ValueError as e:
             raise ValueError(str(e).removeprefix("structured_outputs: ")) from None
-        check(spec)
         return given
 
     def constraint(self) -> StructuredOutputsParams | None:
@@ -240,6 +238,23 @@ class SamplingRequest(RequestModel):
         if kind == "json_schema":
             return StructuredOutputsParams(json=self.response_format["json_schema"]["schema"])
         return None
+
+    def constraint_field(self) -> str:
+        """The request's field that :meth:`constraint` comes from (the one a 400 about it names)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def check_constraint(self) -> None:
+        """Raise ValueError ("<field>: not a ... this server can follow (...)", the field of
+        :meth:`constraint_field`) when xgrammar (if installed) cannot make a grammar of :meth:`constraint`. It can
+        take seconds (a schema ``pattern`` with a repeat count in the thousands), and xgrammar releases the GIL
+        meanwhile: the server calls it on a worker thread, never in a validator, which runs on the event loop
+        (a robustness audit saw every stream and /health stall for 29 s behind one such request)."""
+        spec = self.constraint()
+        if spec is not None:
+            try:
+                check(spec)
+            except ValueError as e:
+                raise ValueError(f"{self.constraint_field()}: {e}") from e
 
     @field_validator("stream_options")
     @classmethod
@@ -324,9 +339,9 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("tool_choice")
     @classmethod
     def _tool_calls_we_can_make(cls, value: str | dict[str, Any] | None, info: ValidationInfo) -> Any:
-        """A 400 naming it for a tool_choice ``tools.check_choice`` refuses, a call whose schema the grammar
-        cannot follow, and a call-making tool_choice beside a JSON response_format or structured_outputs (one
-        constraint per request)."""
+        """A 400 naming it for a tool_choice ``tools.check_choice`` refuses and a call-making tool_choice beside a
+        JSON response_format or structured_outputs (one constraint per request); a call whose schema the grammar
+        cannot follow: :meth:`check_constraint`."""
         tools = info.data.get("tools")
         check_choice(tools, value)
         call = tool_schema(tools, value)
@@ -335,13 +350,15 @@ class ChatCompletionRequest(SamplingRequest):
         if info.data.get("structured_outputs") or format_kind(info.data.get("response_format")) != "text":
             raise ValueError("a tool_choice that makes a call cannot be combined with response_format or "
                              "structured_outputs")
-        check(StructuredOutputsParams(json=call))
         return value
 
     def constraint(self) -> StructuredOutputsParams | None:
         """A call-making tool_choice's JSON schema (``tools.schema``), else the response format's."""
         call = tool_schema(self.tools, self.tool_choice)
         return StructuredOutputsParams(json=call) if call is not None else super().constraint()
+
+    def constraint_field(self) -> str:
+        return "tool_choice" if tool_schema(self.tools, self.tool_choice) is not None else super().constraint_field()
 
     @field_validator("top_logprobs")
     @classmethod
@@ -560,8 +577,8 @@ class ResponsesRequest(SamplingRequest):
     @field_validator("text")
     @classmethod
     def _known_text_format(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
-        """A 400 naming it for another format type, a json_schema without a schema object, one (xgrammar
-        installed) that cannot be turned into a grammar, or a JSON format beside ``structured_outputs``."""
+        """A 400 naming it for another format type, a json_schema without a schema object, or a JSON format beside
+        ``structured_outputs`` (one that cannot be turned into a grammar: :meth:`check_constraint`)."""
         fmt = (value or {}).get("format") or {"type": "text"}
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind not in ("text", "json_object", "json_schema"):
@@ -569,7 +586,6 @@ class ResponsesRequest(SamplingRequest):
         if kind == "json_schema":
             if not isinstance(fmt.get("schema"), dict):
                 raise ValueError('format json_schema needs {"name": ..., "schema": {...}}')
-            check(StructuredOutputsParams(json=fmt["schema"]))
         if kind != "text" and info.data.get("structured_outputs"):
             raise ValueError("give a JSON format or structured_outputs, not both")
         return value
@@ -647,6 +663,9 @@ class ResponsesRequest(SamplingRequest):
         if fmt["type"] == "json_schema":
             return StructuredOutputsParams(json=fmt["schema"])
         return super().constraint()
+
+    def constraint_field(self) -> str:
+        return "text" if self.text_format()["type"] != "text" else super().constraint_field()
 
     def chat_messages(self) -> list[ChatMessage]:
         """``instructions`` (as a system message) then the input's messages, for the chat template."""

@@ -78,6 +78,15 @@ def build_params(build: Any, *args: Any) -> SamplingParams:
         raise bad_value(e) from e
 
 
+async def check_constraint(req: Any) -> None:
+    """``req.check_constraint()`` (a grammar of its structured output can be made) on a worker thread, off the event
+    loop: its ValueError becomes a 400 naming the field."""
+    try:
+        await asyncio.to_thread(req.check_constraint)
+    except ValueError as e:
+        raise bad_value(e) from e
+
+
 async def submit(ctx: ServingContext, prompts: list[str | list[int]], params: SamplingParams,
                  request_id: str, prompt_field: str) -> list[RequestStream]:
     """Submit one engine request per prompt, all or none; engine rejections become ``APIError``s. A batch larger

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: messages -> chat template -> one engine request -> response or SSE chunks."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -17,8 +18,8 @@ from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, C
                                     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage,
                                     TokenizeRequest, UsageInfo)
 from engine.server.request_ids import base_request_id
-from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response,
-                                   kept_prompt_len, merge, running_usage, sse_response, submit, usage)
+from engine.server.serving import (DeltaTracker, ServingContext, build_params, check_constraint, collect,
+                                   json_response, kept_prompt_len, merge, running_usage, sse_response, submit, usage)
 from engine.server import reasoning, tool_parsers
 from engine.server.tools import AUTO_REFUSED, is_auto, new_call, tool_calls
 
@@ -99,7 +100,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             raise APIError(400, f"tool_choice: {AUTO_REFUSED.format(why=why)}", param="tool_choice",
                            code="invalid_value")
         req.skip_special_tokens = False  # as vLLM's hermes parser: a model's <tool_call> may be a special token
-    prompt = render_chat(llm.tokenizer, req)
+    await check_constraint(req)
+    prompt = await asyncio.to_thread(render_chat, llm.tokenizer, req)  # seconds for megabytes: not on the loop
     open_ = reasoning_start(ctx, llm.tokenizer, req, prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

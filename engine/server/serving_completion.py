@@ -1,6 +1,7 @@
 """``POST /v1/completions``: one engine request per prompt (string or token ids) -> response or SSE chunks."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,8 +15,8 @@ from engine.server.errors import APIError
 from engine.server.logprobs import completion_logprobs, response_prompt_logprobs
 from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from engine.server.request_ids import base_request_id
-from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, json_response, merge,
-                                   running_usage, sse_response, submit, usage)
+from engine.server.serving import (DeltaTracker, ServingContext, build_params, check_constraint, collect,
+                                   json_response, merge, running_usage, sse_response, submit, usage)
 
 
 def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -29,6 +30,11 @@ def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list
     return list(prompt)  # type: ignore[arg-type]
 
 
+def _encoded(tokenizer: Any, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
+    """Each prompt as token ids (texts encoded as the engine would, with the special tokens unless told not to)."""
+    return [tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p for p in prompts]
+
+
 def prompt_texts(tokenizer: Any, prompts: list[str | list[int]]) -> list[str]:
     """Each prompt as text (for ``echo``)."""
     return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
@@ -39,8 +45,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
     given = split_prompts(req.prompt)
-    prompts = given if req.add_special_tokens else [  # the engine encodes strings with them: hand it ids without
-        llm.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in given]
+    await check_constraint(req)
+    if req.add_special_tokens and req.truncate_prompt_tokens is not None:
+        prompts = given  # the engine truncates a text keeping the special tokens its encoding adds (a BOS)
+    else:  # encoded here, on a worker thread (megabytes take seconds): the engine thread then gets ids
+        prompts = await asyncio.to_thread(_encoded, llm.tokenizer, given, req.add_special_tokens)
     echo_only = req.echo and req.max_tokens == 0  # vLLM: the prompt back, one token generated and dropped
     params = build_params(req.sampling_params, 1 if echo_only else req.max_tokens, req.logprobs,
                           llm.default_sampling, _engine_prompt_logprobs(req))

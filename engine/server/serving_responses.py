@@ -16,6 +16,7 @@ message's text part carries each output token's logprobs (:class:`_Logprobs`), a
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -34,8 +35,8 @@ from engine.server import reasoning
 from engine.server.errors import APIError
 from engine.server.logprobs import chat_logprobs
 from engine.server.protocol import ChatCompletionRequest, ChatMessage, ResponsesRequest
-from engine.server.serving import (DeltaTracker, ServingContext, build_params, collect, event_stream,
-                                   kept_prompt_len, merge, stream_error, submit)
+from engine.server.serving import (DeltaTracker, ServingContext, build_params, check_constraint, collect,
+                                   event_stream, kept_prompt_len, merge, stream_error, submit)
 from engine.server.serving_chat import reasoning_start, render_chat
 
 def _id(prefix: str) -> str:
@@ -49,7 +50,8 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
         raise APIError(404, f"Response with id '{req.previous_response_id}' not found.",
                        param="previous_response_id", code="response_not_found")
     llm = ctx.ready_engine()
-    prompt = _prompt(llm.tokenizer, req, llm.max_model_len)
+    await check_constraint(req)
+    prompt = await asyncio.to_thread(_prompt, llm.tokenizer, req, llm.max_model_len)  # not on the event loop
     open_ = reasoning_start(ctx, llm.tokenizer, req, prompt)
     room = llm.max_model_len - kept_prompt_len(len(prompt), req.truncate_prompt_tokens, llm.max_model_len)
     max_tokens = req.max_output_tokens
