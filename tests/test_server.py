@@ -389,6 +389,10 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     ("/v1/completions", {"prompt": [104, -1], "echo": True}, "prompt"),  # checked before echo decodes it
     ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
      "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs"),  # apply_chat_template's own argument: was a TypeError's text naming the messages
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/detokenize", {"tokens": [104, -1]}, "tokens"),
@@ -400,6 +404,7 @@ def test_more_bad_fields_are_400_naming_the_field(server, path, body, param):
     err = _error(httpx.post(f"{url}{path}", json=body), 400, param=param)
     assert "Value error" not in err["message"] and err["message"].startswith(f"{param}: ")
     assert not err["message"].startswith(f"{param}: {param}:")  # named once
+    assert err["code"] in ("invalid_value", "invalid_type")
 
 
 @pytest.mark.parametrize("path,body,param", [

@@ -128,7 +128,7 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
         tokens = await asyncio.to_thread(llm.tokenizer.encode, req.prompt,
                                          add_special_tokens=req.add_special_tokens is not False)
     else:
-        raise APIError(400, "prompt: either prompt or messages is required", param="prompt")
+        raise APIError(400, "prompt: either prompt or messages is required", param="prompt", code="invalid_value")
     strs = llm.tokenizer.convert_ids_to_tokens(list(tokens)) if req.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=llm.max_model_len, tokens=list(tokens), token_strs=strs)
 

@@ -29,6 +29,13 @@ from engine.server.tools import AUTO_REFUSED, is_auto, new_call, tool_calls
 PROMPT_TAIL = 16
 
 
+#: keyword arguments of ``apply_chat_template`` itself that ``render_chat`` sets (or that change what it returns):
+#: not template variables, so not ``chat_template_kwargs``
+TEMPLATE_CALL_ARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                                "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
+                                "truncation", "max_length", "tokenizer_kwargs", "self"})
+
+
 def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
                 add_special_tokens: bool = False, field: str = "messages") -> list[int]:
     """Prompt token ids: the tokenizer's chat template (with the request's ``chat_template_kwargs``), ending with
@@ -37,13 +44,18 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
     ``field`` (the request's name for the messages)."""
     if req.add_generation_prompt and req.continue_final_message:  # vLLM's rule: one or the other
         raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
-                       "`add_generation_prompt` to true", param="continue_final_message")
+                       "`add_generation_prompt` to true", param="continue_final_message", code="invalid_value")
     kwargs = dict(req.chat_template_kwargs or {})
     if getattr(req, "tools", None):  # the model sees them, whatever the tool_choice, as in vLLM
         kwargs["tools"] = req.tools
     if "chat_template" in kwargs:  # vLLM too needs a server flag for this: a template is code the server runs
         raise APIError(400, "chat_template_kwargs: a request cannot replace the chat template",
-                       param="chat_template_kwargs")
+                       param="chat_template_kwargs", code="invalid_value")
+    taken = sorted(TEMPLATE_CALL_ARGS & set(kwargs))
+    if taken:  # transformers' own arguments, not template variables: a TypeError deep in its call otherwise
+        raise APIError(400, f"chat_template_kwargs: {', '.join(taken)} set how the template is called, not a "
+                       "variable of it (add_generation_prompt and continue_final_message are fields of the request)",
+                       param="chat_template_kwargs", code="invalid_value")
     try:
         developer = "developer" if "developer" in str(getattr(tokenizer, "chat_template", None) or "") else "system"
         messages = [_for_template(m.model_dump(exclude_none=True), m.text(), developer) for m in req.messages or []]
@@ -53,7 +65,8 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
     except ValueError as e:
         raise bad_value(e, field) from e
     except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages it refuses
-        raise APIError(400, f"{field}: the chat template rejected them: {e}", param=field) from e
+        raise APIError(400, f"{field}: the chat template rejected them: {e}", param=field,
+                       code="invalid_value") from e
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
