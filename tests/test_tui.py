@@ -124,7 +124,7 @@ def test_dashboard_reads_the_server(server):
             await app.poll()
             summary = text(app.query_one("#summary").content)
             assert "fake-model" in summary and "of 512 blocks of 4 tokens" in summary
-            assert "2 finished" in summary
+            assert "2 finished" in summary and "asleep" not in summary
             ttft50 = app.shown.percentiles["time_to_first_token"][0]
             assert ttft50 is not None and _ms(ttft50) in text(app.query_one("#latency").content).split("p50")[1]
             assert text(app.query_one("#blocks").content).startswith("block map, one cell per 2 blocks")
@@ -137,6 +137,24 @@ def test_dashboard_reads_the_server(server):
             await pilot.press("p")  # resumed: the window starts again
             assert not app.scrapes
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_dashboard_says_when_the_engine_sleeps():
+    """``sleep_after_idle_s``: /v1/kv says so, and the dashboard's model line (the counts are an empty cache's)."""
+    fake = FakeEngine()
+    fake.asleep = True  # as EngineProcess.asleep after sleep()
+    engine = AsyncLLMEngine(lambda: fake, "fake-model")
+    with ServerThread(build_app(engine)) as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        assert httpx.get(f"{url}/v1/kv").json()["asleep"] is True
+
+        async def scenario():
+            app = TopApp(url, interval=60)
+            async with app.run_test(size=(160, 50)):
+                await until(lambda: app.kv is not None)
+                assert "asleep: unloaded, the next request loads it again" in text(app.query_one("#summary").content)
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    engine.shutdown()
 
 
 def test_dashboard_window_starts_again_after_a_gap_or_a_restart():
