@@ -389,10 +389,6 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     ("/v1/completions", {"prompt": [104, -1], "echo": True}, "prompt"),  # checked before echo decodes it
     ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
      "chat_template_kwargs"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
-     "chat_template_kwargs"),  # apply_chat_template's own argument: was a TypeError's text naming the messages
-    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}},
-     "chat_template_kwargs"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/detokenize", {"tokens": [104, -1]}, "tokens"),
@@ -468,9 +464,9 @@ def test_slow_request_preparation_runs_off_the_event_loop(server, monkeypatch, w
         from engine.server import protocol
         monkeypatch.setattr(protocol, "check", held(protocol.check))
         path, body = "/v1/chat/completions", {**body, "messages": MESSAGES, "response_format": JSON_SCHEMA}
-    elif what == "completion encode":
+    elif what == "completion encode":  # without special tokens: encoded on the event loop before
         monkeypatch.setattr(fake.tokenizer, "encode", held(fake.tokenizer.encode))
-        path, body = "/v1/completions", {**body, "prompt": "hi"}
+        path, body = "/v1/completions", {**body, "prompt": "hi", "add_special_tokens": False}
     else:
         monkeypatch.setattr(fake.tokenizer, "apply_chat_template", held(fake.tokenizer.apply_chat_template))
         path, body = {"chat template": ("/v1/chat/completions", {**body, "messages": MESSAGES}),
@@ -713,6 +709,19 @@ def test_a_grammar_that_fails_to_compile_is_a_400_and_nothing_is_kept():
     engine.shutdown()
 
 
+def test_a_schema_no_grammar_can_follow_is_a_400_while_the_model_loads():
+    """Not the 503 of a loading model, which the SDKs retry: this request can never succeed."""
+    gate = threading.Event()
+    engine, srv = serve(gate=gate)
+    with srv as url:
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "response_format": bad})
+        _error(r, 400, param="response_format", code="invalid_value")
+        assert httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES}).status_code == 503
+        gate.set()
+    engine.shutdown()
+
+
 def test_a_client_gone_while_its_grammar_compiles_leaves_nothing():
     fake = SlowCompileFake()
     engine, srv = serve(fake)
@@ -825,8 +834,8 @@ def test_models_retrieve_gives_the_served_models_card_and_404_for_another(server
     assert info.value.code == "model_not_found" and info.value.body["param"] == "model"
 
 
-def test_request_ids_come_from_the_header_then_the_body_field_and_go_back_in_a_header(server):
-    url, fake, _ = server
+def test_request_ids_come_from_the_header_then_the_body_field_and_go_back_in_a_header(server, monkeypatch):
+    url, fake, engine = server
     client = sdk(url)
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2,
                                                           extra_headers={"X-Request-Id": "trace-7"})
@@ -840,15 +849,23 @@ def test_request_ids_come_from_the_header_then_the_body_field_and_go_back_in_a_h
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     assert raw.parse().id == f"chatcmpl-{raw.headers['x-request-id']}"  # no id given: one fresh id for both
     assert httpx.get(f"{url}/health", headers={"X-Request-Id": "probe"}).headers["x-request-id"] == "probe"
-    # one live request per id: a second one under a running id is refused, naming the field
+    # a client's id sent again while a request under it runs (a proxy's retry, say): both run, as in current vLLM,
+    # whose engine ids are made unique: here the client's id with a random suffix
     fake.step_delay = 0.01
     body = {"model": MODEL, "prompt": "long one", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Request-Id": "dup"}, timeout=20) as r:
         lines = r.iter_lines()  # held: a generator over it, collected, would close the stream (an abort)
         next(line for line in lines if line.startswith("data: "))
-        again = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers={"X-Request-Id": "dup"})
-        err = _error(again, 400, param="request_id")
-        assert "'cmpl-dup' is already running" in err["message"]
+        running = [r["request_id"] for r in httpx.get(f"{url}/v1/kv").json()["running"]]
+        assert len(running) == 1 and running[0].startswith("cmpl-dup-")
+        again = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 3},
+                           headers={"X-Request-Id": "dup"})
+        assert again.status_code == 200 and again.json()["id"] == "cmpl-dup"
+    # a 500 (answered outside the id layer) carries it too
+    wait_for(lambda: engine.num_requests == 0 and not fake.running, what="the stream aborted")
+    monkeypatch.setattr(fake.tokenizer, "decode", lambda ids, **kw: 1 / 0)
+    broken = httpx.post(f"{url}/detokenize", json={"tokens": [104]}, headers={"X-Request-Id": "r500"})
+    assert broken.status_code == 500 and broken.headers["x-request-id"] == "r500"
 
 
 def test_unknown_fields_are_ignored_with_a_warning_naming_them(server, caplog):
@@ -863,6 +880,25 @@ def test_unknown_fields_are_ignored_with_a_warning_naming_them(server, caplog):
     assert extra.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
     assert ("The following fields were present in the request but ignored: ['guided_choice', 'guided_json']"
             in caplog.text)
+
+
+def test_chat_template_kwargs_set_the_template_call_as_vllm_and_its_call_arguments_are_dropped(server):
+    """vLLM lays chat_template_kwargs over the request's add_generation_prompt / continue_final_message and drops
+    what is not a template variable (tokenize, max_length, ...: here a TypeError's text in a 400 once)."""
+    url, _, _ = server
+
+    def tokens(**fields):
+        r = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    plain = tokens()
+    assert tokens(chat_template_kwargs={"add_generation_prompt": False}) == tokens(add_generation_prompt=False)
+    assert tokens(chat_template_kwargs={"add_generation_prompt": False}) != plain
+    assert tokens(chat_template_kwargs={"tokenize": True, "max_length": 5, "padding": True}) == plain
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
+                                                       "chat_template_kwargs": {"tokenize": True}})
+    assert r.status_code == 200, r.text
 
 
 def test_the_developer_role_is_the_system_role_unless_the_template_names_it(server):
@@ -962,6 +998,7 @@ def test_cors_lets_pages_of_this_machine_in_and_the_api_key_lets_preflights_thro
         assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:5173"
         r = httpx.get(f"{url}/v1/models", headers={**page, "Authorization": "Bearer sekrit"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:5173"
+        assert r.headers["access-control-expose-headers"].lower() == "x-request-id"  # the page may read it
         r = httpx.get(f"{url}/v1/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer sekrit"})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     engine.shutdown()

@@ -25,7 +25,7 @@ from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, De
                                     DetokenizeResponse, ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
                                     TokenizeResponse)
 from engine.server.request_ids import RequestIdMiddleware
-from engine.server.serving import ServingContext
+from engine.server.serving import ServingContext, tokenizing
 from engine.server.serving_chat import create_chat_completion, render_chat
 from engine.server.serving_completion import create_completion
 from engine.server.serving_responses import create_response
@@ -123,14 +123,14 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
     ctx = _ctx(raw)
     ctx.check_model(req.model)
     llm = ctx.ready_engine()
-    if req.messages is not None:  # on a worker thread, as every tokenization of the server: megabytes take seconds
-        tokens = await asyncio.to_thread(render_chat, llm.tokenizer, req, bool(req.add_special_tokens))
+    if req.messages is not None:  # off the event loop, as every tokenization of the server: megabytes take seconds
+        tokens = await tokenizing(render_chat, llm.tokenizer, req, bool(req.add_special_tokens))
     elif req.prompt is not None:
-        tokens = await asyncio.to_thread(llm.tokenizer.encode, req.prompt,
-                                         add_special_tokens=req.add_special_tokens is not False)
+        special = req.add_special_tokens is not False
+        tokens = await tokenizing(llm.tokenizer.encode, req.prompt, add_special_tokens=special)
     else:
         raise APIError(400, "prompt: either prompt or messages is required", param="prompt", code="invalid_value")
-    strs = llm.tokenizer.convert_ids_to_tokens(list(tokens)) if req.return_token_strs else None
+    strs = await tokenizing(llm.tokenizer.convert_ids_to_tokens, list(tokens)) if req.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=llm.max_model_len, tokens=list(tokens), token_strs=strs)
 
 
@@ -142,7 +142,7 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse
     vocab = len(llm.tokenizer)
     if any(not 0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens", code="invalid_value")
-    return DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens))
+    return DetokenizeResponse(prompt=await tokenizing(llm.tokenizer.decode, req.tokens))
 
 
 class ApiKeyMiddleware:
@@ -203,7 +203,8 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestIdMiddleware)  # outside the key check: a 401 carries the id too
     if cors:  # added last: the outermost layer (vLLM's defaults but the origins: any method and header, no cookies)
-        app.add_middleware(CORSMiddleware, allow_origin_regex=cors, allow_methods=["*"], allow_headers=["*"])
+        app.add_middleware(CORSMiddleware, allow_origin_regex=cors, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id"])
     return app
 
 

@@ -126,6 +126,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error (a bug)", exc_info=exc)
-        return APIError(500, f"Internal server error: {exc!r}").response()
+        rid = request.scope.get("state", {}).get("request_id")  # answered outside the id layer: its header here
+        return APIError(500, f"Internal server error: {exc!r}",
+                        headers={"x-request-id": rid} if rid else None).response()

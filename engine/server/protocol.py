@@ -467,8 +467,9 @@ class CompletionResponse(BaseModel):
 
 
 # ---- responses ----
-#: what a Responses ``input`` message's role becomes for the chat template ("developer" is OpenAI's newer "system")
-RESPONSES_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+#: the roles a Responses ``input`` message may have ("developer", OpenAI's newer "system", is rendered as the chat
+#: endpoint renders it: ``serving_chat.render_chat``)
+RESPONSES_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "developer"}
 #: statuses of an input assistant message that the answer continues (vLLM's ``should_continue_final_message``)
 UNFINISHED = ("in_progress", "incomplete")
 #: OpenAI's ``reasoning.effort`` values

@@ -5,8 +5,9 @@ of its engine request, is ``chatcmpl-<base>`` / ``cmpl-<base>``, where ``<base>`
 when the client sends one, else the body's ``request_id`` field, else a fresh random id. Every HTTP answer carries
 an ``X-Request-Id`` header, as OpenAI's (the SDK's ``with_raw_response...request_id`` reads it) and vLLM's with
 ``--enable-request-id-headers``: the client's own, else the fresh id that a chat or completion answer without a
-``request_id`` field is named after. The engine holds one live request per id: a second one under an id still
-running is a 400 naming ``request_id`` (``AsyncLLMEngine``).
+``request_id`` field is named after (all but CORS preflights, which the CORS layer outside answers; a browser page
+may read the header). A client may send an id again while a request under it runs: the engine's own id for a
+client's id has a random suffix (``serving.submit``), as current vLLM makes its internal ids unique.
 """
 from __future__ import annotations
 
@@ -41,12 +42,12 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def base_request_id(raw: Request, given: str | None) -> str:
+def base_request_id(raw: Request, given: str | None) -> tuple[str, bool]:
     """``<base>`` of the module doc: the ``X-Request-Id`` header, else ``given`` (the body's ``request_id``), else
-    the fresh id the middleware drew (a fresh one here where no middleware ran)."""
+    the fresh id the middleware drew (a fresh one here where no middleware ran); and whether it is the client's."""
     header = raw.headers.get(HEADER)
     if header:
-        return header
+        return header, True
     if given:
-        return given
-    return getattr(raw.state, "request_id", None) or uuid.uuid4().hex
+        return given, True
+    return getattr(raw.state, "request_id", None) or uuid.uuid4().hex, False

@@ -6,10 +6,13 @@ answered as index ``i * n + c`` (OpenAI's order for batched completions).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from fastapi import Request
@@ -78,23 +81,46 @@ def build_params(build: Any, *args: Any) -> SamplingParams:
         raise bad_value(e) from e
 
 
+#: The threads that tokenize (chat templates, prompts, /tokenize and /detokenize): off the event loop, where
+#: megabytes of text would stall every stream for seconds (the tokenizers release the GIL), and apart from the
+#: default pool, where slow grammar checks and compiles run, so those never hold up a plain request.
+TOKENIZER_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenizer")
+
+
+async def tokenizing(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on one of :data:`TOKENIZER_THREADS`."""
+    return await asyncio.get_running_loop().run_in_executor(TOKENIZER_THREADS, functools.partial(fn, *args, **kwargs))
+
+
 async def check_constraint(req: Any) -> None:
     """``req.check_constraint()`` (a grammar of its structured output can be made) on a worker thread, off the event
-    loop: its ValueError becomes a 400 naming the field."""
+    loop (it can take seconds): its ValueError becomes a 400 naming the field. Nothing for a request without one."""
+    if req.constraint() is None:
+        return
     try:
         await asyncio.to_thread(req.check_constraint)
     except ValueError as e:
         raise bad_value(e) from e
 
 
-async def submit(ctx: ServingContext, prompts: list[str | list[int]], params: SamplingParams,
-                 request_id: str, prompt_field: str) -> list[RequestStream]:
-    """Submit one engine request per prompt, all or none; engine rejections become ``APIError``s. A batch larger
-    than the engine ever admits at once is a 400 naming the prompt (a 503 would ask for retries that never work)."""
+def check_batch(ctx: ServingContext, count: int, prompt_field: str) -> None:
+    """A 400 naming the prompt for a batch larger than the engine ever admits at once (a 503 would ask for retries
+    that never work)."""
     limit = getattr(ctx.engine, "max_requests", None)
-    if isinstance(limit, int) and len(prompts) > limit:
-        raise bad_value(ValueError(f"{prompt_field}: {len(prompts)} prompts in one request, the server admits at "
+    if isinstance(limit, int) and count > limit:
+        raise bad_value(ValueError(f"{prompt_field}: {count} prompts in one request, the server admits at "
                                    f"most {limit} at once (max_num_seqs + max_waiting)"))
+
+
+async def submit(ctx: ServingContext, prompts: list[str | list[int]], params: SamplingParams,
+                 request_id: str, prompt_field: str, client_id: bool = False) -> list[RequestStream]:
+    """Submit one engine request per prompt, all or none; engine rejections become ``APIError``s (and
+    :func:`check_batch`). The engine's ids are ``request_id`` (``-i`` after it for several prompts), with a random
+    suffix where the id is the client's (``client_id``), so that a client may send its id again while a request
+    under it still runs (current vLLM's rule: ids unique inside the engine)."""
+    check_batch(ctx, len(prompts), prompt_field)
+    if client_id:
+        request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     arrival = time.monotonic()
     results = await asyncio.gather(*(ctx.engine.add_request(rid, p, params, arrival)

@@ -1,7 +1,6 @@
 """``POST /v1/chat/completions``: messages -> chat template -> one engine request -> response or SSE chunks."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +18,8 @@ from engine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, C
                                     TokenizeRequest, UsageInfo)
 from engine.server.request_ids import base_request_id
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, check_constraint, collect,
-                                   json_response, kept_prompt_len, merge, running_usage, sse_response, submit, usage)
+                                   json_response, kept_prompt_len, merge, running_usage, sse_response, submit,
+                                   tokenizing, usage)
 from engine.server import reasoning, tool_parsers
 from engine.server.tools import AUTO_REFUSED, is_auto, new_call, tool_calls
 
@@ -29,39 +29,36 @@ from engine.server.tools import AUTO_REFUSED, is_auto, new_call, tool_calls
 PROMPT_TAIL = 16
 
 
-#: keyword arguments of ``apply_chat_template`` itself that ``render_chat`` sets (or that change what it returns):
-#: not template variables, so not ``chat_template_kwargs``
-TEMPLATE_CALL_ARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                                "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
-                                "truncation", "max_length", "tokenizer_kwargs", "self"})
+#: keyword arguments of ``apply_chat_template`` itself that ``render_chat`` sets or that change what it returns (or
+#: do nothing without tokenizing): not template variables, so dropped from ``chat_template_kwargs``, as vLLM's
+#: server drops what is not one (once a TypeError's text in a 400 naming the messages: a robustness audit)
+TEMPLATE_CALL_ARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors",
+                                "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                                "tokenizer_kwargs", "self"})
 
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
                 add_special_tokens: bool = False, field: str = "messages") -> list[int]:
-    """Prompt token ids: the tokenizer's chat template (with the request's ``chat_template_kwargs``), ending with
-    the assistant turn's header (``add_generation_prompt``) or inside the last message (``continue_final_message``),
-    encoded without extra special tokens unless asked (the template has them). A template error is a 400 on
-    ``field`` (the request's name for the messages)."""
-    if req.add_generation_prompt and req.continue_final_message:  # vLLM's rule: one or the other
+    """Prompt token ids: the tokenizer's chat template (with the request's ``chat_template_kwargs``, which may also
+    set the next two), ending with the assistant turn's header (``add_generation_prompt``) or inside the last message
+    (``continue_final_message``), encoded without extra special tokens unless asked (the template has them). A
+    template error is a 400 on ``field`` (the request's name for the messages)."""
+    # vLLM's order: the request's fields, then chat_template_kwargs over them (its add_generation_prompt and
+    # continue_final_message win); transformers' own arguments in it are dropped (vLLM's: not template variables)
+    kwargs = {"add_generation_prompt": req.add_generation_prompt,
+              "continue_final_message": req.continue_final_message,
+              **({"tools": req.tools} if getattr(req, "tools", None) else {}),  # shown whatever the tool_choice
+              **{k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_CALL_ARGS}}
+    if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:  # vLLM's rule: one or the other
         raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
                        "`add_generation_prompt` to true", param="continue_final_message", code="invalid_value")
-    kwargs = dict(req.chat_template_kwargs or {})
-    if getattr(req, "tools", None):  # the model sees them, whatever the tool_choice, as in vLLM
-        kwargs["tools"] = req.tools
     if "chat_template" in kwargs:  # vLLM too needs a server flag for this: a template is code the server runs
         raise APIError(400, "chat_template_kwargs: a request cannot replace the chat template",
-                       param="chat_template_kwargs", code="invalid_value")
-    taken = sorted(TEMPLATE_CALL_ARGS & set(kwargs))
-    if taken:  # transformers' own arguments, not template variables: a TypeError deep in its call otherwise
-        raise APIError(400, f"chat_template_kwargs: {', '.join(taken)} set how the template is called, not a "
-                       "variable of it (add_generation_prompt and continue_final_message are fields of the request)",
                        param="chat_template_kwargs", code="invalid_value")
     try:
         developer = "developer" if "developer" in str(getattr(tokenizer, "chat_template", None) or "") else "system"
         messages = [_for_template(m.model_dump(exclude_none=True), m.text(), developer) for m in req.messages or []]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message, tokenize=False,
-                                             **kwargs)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except ValueError as e:
         raise bad_value(e, field) from e
     except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages it refuses
@@ -102,6 +99,7 @@ def _for_template(message: dict[str, Any], text: str, developer: str = "develope
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     """Answer one chat request (JSON, or SSE when ``stream``). Errors: ``APIError`` (404/400/503)."""
     ctx.check_model(req.model)
+    await check_constraint(req)  # a 400 the request would get at any time, before the engine's 503 while it loads
     llm = ctx.ready_engine()
     auto = is_auto(req.tools, req.tool_choice)
     parser = ctx.tool_parser(llm.tokenizer) if auto else None
@@ -113,8 +111,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             raise APIError(400, f"tool_choice: {AUTO_REFUSED.format(why=why)}", param="tool_choice",
                            code="invalid_value")
         req.skip_special_tokens = False  # as vLLM's hermes parser: a model's <tool_call> may be a special token
-    await check_constraint(req)
-    prompt = await asyncio.to_thread(render_chat, llm.tokenizer, req)  # seconds for megabytes: not on the loop
+    prompt = await tokenizing(render_chat, llm.tokenizer, req)  # seconds for megabytes: not on the event loop
     open_ = reasoning_start(ctx, llm.tokenizer, req, prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -125,8 +122,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         if req.max_completion_tokens is not None and e.param == "max_tokens":
             e.param, e.message = "max_completion_tokens", "max_completion_tokens" + e.message.removeprefix("max_tokens")
         raise
-    request_id = f"chatcmpl-{base_request_id(raw, req.request_id)}"
-    streams = await submit(ctx, [prompt], params, request_id, "messages")
+    base, client_id = base_request_id(raw, req.request_id)
+    request_id = f"chatcmpl-{base}"
+    streams = await submit(ctx, [prompt], params, request_id, "messages", client_id)
     if req.stream:
         kept = kept_prompt_len(len(prompt), params.truncate_prompt_tokens, llm.max_model_len)
         return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, kept, parser, open_))

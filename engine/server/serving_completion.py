@@ -1,7 +1,6 @@
 """``POST /v1/completions``: one engine request per prompt (string or token ids) -> response or SSE chunks."""
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,8 +14,9 @@ from engine.server.errors import APIError
 from engine.server.logprobs import completion_logprobs, response_prompt_logprobs
 from engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from engine.server.request_ids import base_request_id
-from engine.server.serving import (DeltaTracker, ServingContext, build_params, check_constraint, collect,
-                                   json_response, merge, running_usage, sse_response, submit, usage)
+from engine.server.serving import (DeltaTracker, ServingContext, build_params, check_batch, check_constraint,
+                                   collect, json_response, merge, running_usage, sse_response, submit, tokenizing,
+                                   usage)
 
 
 def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -43,19 +43,21 @@ def prompt_texts(tokenizer: Any, prompts: list[str | list[int]]) -> list[str]:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     """Answer one completion request (JSON, or SSE when ``stream``). Errors: ``APIError`` (404/400/503)."""
     ctx.check_model(req.model)
+    await check_constraint(req)  # a 400 the request would get at any time, before the engine's 503 while it loads
     llm = ctx.ready_engine()
     given = split_prompts(req.prompt)
-    await check_constraint(req)
-    if req.add_special_tokens and req.truncate_prompt_tokens is not None:
-        prompts = given  # the engine truncates a text keeping the special tokens its encoding adds (a BOS)
-    else:  # encoded here, on a worker thread (megabytes take seconds): the engine thread then gets ids
-        prompts = await asyncio.to_thread(_encoded, llm.tokenizer, given, req.add_special_tokens)
     echo_only = req.echo and req.max_tokens == 0  # vLLM: the prompt back, one token generated and dropped
     params = build_params(req.sampling_params, 1 if echo_only else req.max_tokens, req.logprobs,
                           llm.default_sampling, _engine_prompt_logprobs(req))
-    request_id = f"cmpl-{base_request_id(raw, req.request_id)}"
-    streams = await submit(ctx, prompts, params, request_id, "prompt")  # checks the token ids before echo decodes
-    echo = prompt_texts(llm.tokenizer, given) if req.echo else [""] * len(given)
+    check_batch(ctx, len(given), "prompt")  # the cheap checks before the tokenizer's work
+    if req.add_special_tokens and req.truncate_prompt_tokens is not None:
+        prompts = given  # the engine truncates a text keeping the special tokens its encoding adds (a BOS)
+    else:  # encoded here, off the event loop (megabytes take seconds): the engine thread then gets ids
+        prompts = await tokenizing(_encoded, llm.tokenizer, given, req.add_special_tokens)
+    base, client_id = base_request_id(raw, req.request_id)
+    request_id = f"cmpl-{base}"
+    streams = await submit(ctx, prompts, params, request_id, "prompt", client_id)  # checks ids before echo decodes
+    echo = await tokenizing(prompt_texts, llm.tokenizer, given) if req.echo else [""] * len(given)
     created = int(time.time())
     if req.stream:
         return sse_response(_chunks(ctx, llm.tokenizer, req, streams, request_id, created, echo, echo_only))

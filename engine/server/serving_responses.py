@@ -16,7 +16,6 @@ message's text part carries each output token's logprobs (:class:`_Logprobs`), a
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import math
@@ -36,7 +35,7 @@ from engine.server.errors import APIError
 from engine.server.logprobs import chat_logprobs
 from engine.server.protocol import ChatCompletionRequest, ChatMessage, ResponsesRequest
 from engine.server.serving import (DeltaTracker, ServingContext, build_params, check_constraint, collect,
-                                   event_stream, kept_prompt_len, merge, stream_error, submit)
+                                   event_stream, kept_prompt_len, merge, stream_error, submit, tokenizing)
 from engine.server.serving_chat import reasoning_start, render_chat
 
 def _id(prefix: str) -> str:
@@ -49,9 +48,9 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     if req.previous_response_id:  # nothing is stored, so no response can be found (vLLM without a store)
         raise APIError(404, f"Response with id '{req.previous_response_id}' not found.",
                        param="previous_response_id", code="response_not_found")
+    await check_constraint(req)  # a 400 the request would get at any time, before the engine's 503 while it loads
     llm = ctx.ready_engine()
-    await check_constraint(req)
-    prompt = await asyncio.to_thread(_prompt, llm.tokenizer, req, llm.max_model_len)  # not on the event loop
+    prompt = await tokenizing(_prompt, llm.tokenizer, req, llm.max_model_len)  # not on the event loop
     open_ = reasoning_start(ctx, llm.tokenizer, req, prompt)
     room = llm.max_model_len - kept_prompt_len(len(prompt), req.truncate_prompt_tokens, llm.max_model_len)
     max_tokens = req.max_output_tokens
@@ -64,7 +63,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
             e.param, e.message = "max_output_tokens", "max_output_tokens" + e.message.removeprefix("max_tokens")
         raise
     head = _Head(req.request_id, int(time.time()), ctx.model_name, req, params, room)
-    streams = await submit(ctx, [prompt], params, head.id, "input")
+    streams = await submit(ctx, [prompt], params, head.id, "input", "request_id" in req.model_fields_set)
     logprobs = _Logprobs(llm.tokenizer, req.output_logprobs())
     if req.stream:
         return event_stream(_framed(_events(head, streams, open_, logprobs)))
@@ -100,7 +99,7 @@ def _prompt(tokenizer: Any, req: ResponsesRequest, max_model_len: int) -> list[i
     prompt = render(messages)
     if req.truncation != "auto" or len(prompt) < max_model_len:
         return prompt
-    first = 1 if messages[0].role == "system" else 0
+    first = 1 if messages[0].role in ("system", "developer") else 0
     head, last = messages[:first], len(messages) - 1
     starts = [i for i in range(first + 1, len(messages)) if messages[i].role != "assistant" or i == last]
     fitting, lo, hi = None, 0, len(starts) - 1  # the kept tokens shrink as the start moves on: binary search
