@@ -84,10 +84,10 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
 
 def _prompt(tokenizer: Any, req: ResponsesRequest, max_model_len: int) -> list[int]:
     """The input through the chat template, continuing an unfinished assistant message last. With ``truncation``
-    "auto", where it leaves no room for one output token, the fewest oldest messages after a leading system message
-    are dropped that make it fit, the kept ones starting at a message that is not the assistant's (or the last
-    one, always kept): OpenAI's rule, items dropped from the conversation's start, found in O(log n) renders. A
-    last message too long alone is the usual 400."""
+    "auto", where it leaves no room for one output token, the fewest oldest messages after a leading system (or
+    developer) message are dropped that make it fit, the kept ones starting at a message that is not the
+    assistant's (or the last one, always kept): OpenAI's rule, items dropped from the conversation's start, found in
+    O(log n) renders. A last message too long alone is the usual 400."""
     messages, continues = req.chat_messages(), req.continues_final_message()
 
     def render(kept: list[ChatMessage]) -> list[int]:
