@@ -3,11 +3,11 @@
 vLLM's rule for the chat and completion endpoints (``OpenAIServing._base_request_id``): the id of the answer is
 ``chatcmpl-<base>`` / ``cmpl-<base>``, where ``<base>`` is the ``X-Request-Id`` header when the client sends one,
 else the body's ``request_id`` field, else a fresh random id (the engine request's id too, but below). Every HTTP
-answer carries an ``X-Request-Id`` header, as OpenAI's (the SDK's ``with_raw_response...request_id`` reads it) and vLLM's with
-``--enable-request-id-headers``: the client's own, else the fresh id that a chat or completion answer without a
-``request_id`` field is named after (all but CORS preflights, which the CORS layer outside answers; a browser page
-may read the header). A client may send an id again while a request under it runs: the engine's own id for a
-client's id has a random suffix (``serving.submit``), as current vLLM makes its internal ids unique.
+answer carries an ``X-Request-Id`` header, as OpenAI's (the SDK's ``with_raw_response...request_id`` reads it) and
+vLLM's with ``--enable-request-id-headers``: the client's own, else the fresh id that a chat or completion answer
+without a ``request_id`` field is named after (all but CORS preflights, which the CORS layer outside answers; a
+browser page may read the header). A client may send an id again while a request under it runs: the engine's own id
+for a client's id has a random suffix (``serving.submit``), as current vLLM makes its internal ids unique.
 """
 from __future__ import annotations
 
