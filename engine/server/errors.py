@@ -128,6 +128,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error (a bug)", exc_info=exc)
-        rid = request.scope.get("state", {}).get("request_id")  # answered outside the id layer: its header here
+        rid = getattr(request.state, "request_id", None)  # answered outside the id layer: its header here
         return APIError(500, f"Internal server error: {exc!r}",
                         headers={"x-request-id": rid} if rid else None).response()

@@ -153,6 +153,7 @@ class SamplingRequest(RequestModel):
     #: vLLM's extra parameter: each prompt token's logprob and rank, and the k most likely tokens at its position
     #: (the response's ``prompt_logprobs``: per choice in completions, once for the request in chat)
     prompt_logprobs: int | None = None
+    request_id: str | None = None  # vLLM: names the answer, chatcmpl-<id> / cmpl-<id> (server/request_ids.py)
 
     @field_validator("best_of", "use_beam_search", "bad_words")
     @classmethod
@@ -325,7 +326,6 @@ class ChatCompletionRequest(SamplingRequest):
     #: (engine/server/tools.py); "auto" reads calls out of free text where the model has a parser (tool_parsers.py)
     tools: Tools = None
     tool_choice: str | dict[str, Any] | None = Field(default=None, validate_default=True)
-    request_id: str | None = None  # vLLM: names the answer, chatcmpl-<id> (engine/server/request_ids.py)
 
     def echoed(self) -> str:
         """With ``echo``, the text the answer starts with (vLLM): the last message's, where its role is the
@@ -436,7 +436,6 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM: string prompts get the tokenizer's BOS (and the like)
-    request_id: str | None = None  # vLLM: names the answer, cmpl-<id> (engine/server/request_ids.py)
 
     @field_validator("suffix")
     @classmethod
@@ -467,9 +466,9 @@ class CompletionResponse(BaseModel):
 
 
 # ---- responses ----
-#: the roles a Responses ``input`` message may have ("developer", OpenAI's newer "system", is rendered as the chat
-#: endpoint renders it: ``serving_chat.render_chat``)
-RESPONSES_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "developer"}
+#: the roles a Responses ``input`` message may have, passed on as they are ("developer", OpenAI's newer "system", is
+#: rendered as the chat endpoint renders it: ``serving_chat.render_chat``)
+RESPONSES_ROLES = ("user", "assistant", "system", "developer")
 #: statuses of an input assistant message that the answer continues (vLLM's ``should_continue_final_message``)
 UNFINISHED = ("in_progress", "incomplete")
 #: OpenAI's ``reasoning.effort`` values
@@ -500,7 +499,7 @@ def _input_message(item: Any) -> dict[str, str] | None:
     content = item.get("content")
     unfinished = {"status": item["status"]} if role == "assistant" and item.get("status") in UNFINISHED else {}
     if isinstance(content, str):
-        return {"role": RESPONSES_ROLES[role], "content": content, **unfinished}
+        return {"role": role, "content": content, **unfinished}
     if not isinstance(content, list):
         raise ValueError("content must be text or a list of text parts")
     parts = []
@@ -509,7 +508,7 @@ def _input_message(item: Any) -> dict[str, str] | None:
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise ValueError(f"only text parts (input_text, output_text) are served, got {kind!r}")
         parts.append(part["text"])
-    return {"role": RESPONSES_ROLES[role], "content": "\n".join(parts), **unfinished}
+    return {"role": role, "content": "\n".join(parts), **unfinished}
 
 
 class ResponsesStreamOptions(RequestModel):
