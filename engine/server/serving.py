@@ -115,9 +115,9 @@ def check_batch(ctx: ServingContext, count: int, prompt_field: str) -> None:
 async def submit(ctx: ServingContext, prompts: list[str | list[int]], params: SamplingParams,
                  request_id: str, prompt_field: str, client_id: bool = False) -> list[RequestStream]:
     """Submit one engine request per prompt, all or none; engine rejections become ``APIError``s (a batch of
-    several prompts passed :func:`check_batch` first). The engine's ids are ``request_id`` (``-i`` after it for several prompts), with a random
-    suffix where the id is the client's (``client_id``), so that a client may send its id again while a request
-    under it still runs (current vLLM's rule: ids unique inside the engine)."""
+    several prompts passed :func:`check_batch` first). The engine's ids are ``request_id`` (``-i`` after it for
+    several prompts), with a random suffix where the id is the client's (``client_id``), so that a client may send
+    its id again while a request under it still runs (current vLLM's rule: ids unique inside the engine)."""
     if client_id:
         request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
