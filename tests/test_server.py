@@ -580,6 +580,10 @@ def test_auto_tool_choice_reads_hermes_calls_out_of_the_text():
             assert [t.token for t in streamed] == [t.token for t in full] and len(full) == len(reply)
         plain = sdk(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300)  # no tools
         assert plain.choices[0].message.content == reply and plain.choices[0].finish_reason == "stop"
+        one = sdk(url).chat.completions.create(parallel_tool_calls=False, **kw).choices[0]  # OpenAI: one call at most
+        assert [c.function.name for c in one.message.tool_calls] == ["weather"] and one.finish_reason == "tool_calls"
+        deltas = [c.choices[0] for c in sdk(url).chat.completions.create(stream=True, parallel_tool_calls=False, **kw)]
+        assert [t.function.name for d in deltas for t in d.delta.tool_calls or []] == ["weather"]
     engine.shutdown()
     for parser, template in (("auto", None), ("none", fake.tokenizer.chat_template)):
         other = FakeEngine(max_model_len=512, reply=reply)
@@ -880,6 +884,33 @@ def test_unknown_fields_are_ignored_with_a_warning_naming_them(server, caplog):
     assert extra.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
     assert ("The following fields were present in the request but ignored: ['guided_choice', 'guided_json']"
             in caplog.text)
+
+
+def test_chat_fields_vllm_declares_reach_the_template_or_are_refused_without_a_warning(server, caplog):
+    """``reasoning_effort`` and ``documents`` are template variables (chat_template_kwargs win over them), as vLLM
+    gives them; ``parallel_tool_calls`` and ``include_reasoning`` are fields (tests in test_server_tools.py and
+    test_server_reasoning.py), not unknown ones; a request's ``chat_template`` and an unknown effort are 400s."""
+    url, fake, _ = server
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+
+    def prompt(**fields) -> str:
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, **fields})
+        assert r.status_code == 200, r.text
+        return "".join(map(chr, fake.prompts[-1]))
+
+    plain = prompt()
+    with caplog.at_level("WARNING", logger="engine.server.protocol"):
+        assert prompt(reasoning_effort="low") == "Reasoning: low\n" + plain
+        assert prompt(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}) == (
+            "Reasoning: high\n" + plain)
+        assert prompt(documents=[{"title": "Paris", "text": "..."}]) == "<doc Paris>" + plain
+        assert prompt(parallel_tool_calls=False, include_reasoning=False) == plain
+    assert "ignored" not in caplog.text
+    for field, value, message in [("reasoning_effort", "max", "must be one of none, minimal, low, medium, high"),
+                                  ("chat_template", "{{ messages }}", "cannot replace the chat template")]:
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert message in r.json()["error"]["message"]
 
 
 def test_chat_template_kwargs_set_the_template_call_as_vllm_and_its_call_arguments_are_dropped(server):

@@ -58,6 +58,7 @@ class FakeTokenizer:
         if kwargs.get("enable_thinking") is False and add_generation_prompt:  # Qwen3's: an empty block, closed
             kwargs["suffix"] = "<think>\n\n</think>\n\n" + kwargs.get("suffix", "")
         text = "".join(f"<tool {t['function']['name']}>" for t in kwargs.get("tools") or []) + text
+        text = "".join(f"<doc {d.get('title', '')}>" for d in kwargs.get("documents") or []) + text
         if continue_final_message:  # transformers cuts the rendered text right after the last message's content
             text = text[:-len("<|im_end|>\n")]
         # "suffix": what a template writes after the assistant header (DeepSeek-R1's "<think>\n" opens a block)
@@ -127,10 +128,12 @@ class FakeEngine:
         self.params: list[SamplingParams] = []  # of every request added, in order
         self.compiled: list[tuple] = []  # every grammar compiled ahead (compile)
         self.grammars: list = []  # the grammar handed over with every request added, in order
+        self.prompts: list = []  # the prompt (text or token ids) of every request added, in order
 
     def add_request(self, request_id, prompt, params, arrival_time=None, grammar=None) -> None:
         self.params.append(params)
         self.grammars.append(grammar)
+        self.prompts.append(prompt)
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")

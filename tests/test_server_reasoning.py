@@ -104,6 +104,9 @@ def test_server_splits_reasoning_streamed_and_not():
             cut = _chat(url, stream, max_tokens=13)  # "<think>" and 6 characters
             assert cut["finish_reason"] == "length" and cut["message"]["reasoning"] == "\nThe c"
             assert cut["message"].get("content") is None
+            hidden = _chat(url, stream, include_reasoning=False)  # vLLM's: the reasoning left out, content kept
+            assert hidden["message"]["content"] == "Paris." and hidden["message"].get("reasoning") is None
+            assert hidden["message"].get("reasoning_content") is None
             constrained = _chat(url, stream, response_format={"type": "json_object"})
             assert constrained["message"]["content"] == fake.reply and "reasoning" not in constrained["message"]
         fake.reply = "The capital.</think>Paris."

@@ -63,6 +63,9 @@ def test_schema_of_a_named_function_and_of_required():
     assert names == [["weather"], ["time"]]
     assert required["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
     assert tools.schema([WEATHER], "none") is None and tools.schema(None, None) is None
+    assert "maxItems" not in required and tools.schema([WEATHER, TIME], "required", parallel=False) == {
+        **required, "maxItems": 1}  # OpenAI's parallel_tool_calls false
+    assert tools.schema([WEATHER], {"type": "function", "function": {"name": "weather"}}, parallel=False) == named
 
 
 def test_tool_calls_from_the_constrained_output():

@@ -28,6 +28,9 @@ from engine.structured_output import check
 logger = logging.getLogger(__name__)
 
 
+#: OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) values
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
 #: UTF-16 surrogate code points: JSON decodes a well-formed pair to one character, so any left stand alone
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -326,6 +329,13 @@ class ChatCompletionRequest(SamplingRequest):
     #: (engine/server/tools.py); "auto" reads calls out of free text where the model has a parser (tool_parsers.py)
     tools: Tools = None
     tool_choice: str | dict[str, Any] | None = Field(default=None, validate_default=True)
+    parallel_tool_calls: bool = True  # OpenAI's: false allows at most one tool call in an answer
+    #: OpenAI's (one of REASONING_EFFORTS): the chat template's ``reasoning_effort`` variable, as vLLM gives it
+    #: (gpt-oss-style templates read it; ``chat_template_kwargs`` may set it too, and win)
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer, its content unchanged
+    documents: list[dict[str, Any]] | None = None  # vLLM's: the template's ``documents`` (retrieval templates)
+    chat_template: str | None = None  # vLLM's, behind a server flag there: a 400 here
 
     def echoed(self) -> str:
         """With ``echo``, the text the answer starts with (vLLM): the last message's, where its role is the
@@ -352,13 +362,30 @@ class ChatCompletionRequest(SamplingRequest):
                              "structured_outputs")
         return value
 
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _known_effort(cls, value: str | None) -> str | None:
+        if value is not None and value not in REASONING_EFFORTS:
+            raise ValueError(f"must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _no_request_template(cls, value: str | None) -> str | None:
+        """A 400: a template is code the server would run (vLLM runs one only with --trust-request-chat-template);
+        ignoring it would render another prompt than asked."""
+        if value is not None:
+            raise ValueError("a request cannot replace the chat template: the model's own is used")
+        return value
+
     def constraint(self) -> StructuredOutputsParams | None:
         """A call-making tool_choice's JSON schema (``tools.schema``), else the response format's."""
-        call = tool_schema(self.tools, self.tool_choice)
+        call = tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
         return StructuredOutputsParams(json=call) if call is not None else super().constraint()
 
     def constraint_field(self) -> str:
-        return "tool_choice" if tool_schema(self.tools, self.tool_choice) is not None else super().constraint_field()
+        call = tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return "tool_choice" if call is not None else super().constraint_field()
 
     @field_validator("top_logprobs")
     @classmethod
@@ -471,8 +498,6 @@ class CompletionResponse(BaseModel):
 RESPONSES_ROLES = ("user", "assistant", "system", "developer")
 #: statuses of an input assistant message that the answer continues (vLLM's ``should_continue_final_message``)
 UNFINISHED = ("in_progress", "incomplete")
-#: OpenAI's ``reasoning.effort`` values
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 #: what a Responses ``include`` may ask for (OpenAI's ``ResponseIncludable``); only the logprobs change an answer here
 INCLUDABLE = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
                      "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",

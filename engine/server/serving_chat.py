@@ -39,15 +39,16 @@ TEMPLATE_CALL_ARGS = frozenset({"conversation", "tokenize", "return_dict", "retu
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
                 add_special_tokens: bool = False, field: str = "messages") -> list[int]:
-    """Prompt token ids: the tokenizer's chat template (with the request's ``chat_template_kwargs``, which may also
-    set the next two), ending with the assistant turn's header (``add_generation_prompt``) or inside the last message
+    """Prompt token ids: the tokenizer's chat template, given the request's ``tools`` (whatever the tool_choice),
+    ``documents`` and ``reasoning_effort`` and then its ``chat_template_kwargs`` (which may set those too, and the
+    next two), ending with the assistant turn's header (``add_generation_prompt``) or inside the last message
     (``continue_final_message``), encoded without extra special tokens unless asked (the template has them). A
     template error is a 400 on ``field`` (the request's name for the messages)."""
     # vLLM's order: the request's fields, then chat_template_kwargs over them (its add_generation_prompt and
     # continue_final_message win); transformers' own arguments in it are dropped (vLLM's: not template variables)
     kwargs = {"add_generation_prompt": req.add_generation_prompt,
               "continue_final_message": req.continue_final_message,
-              **({"tools": req.tools} if getattr(req, "tools", None) else {}),  # shown whatever the tool_choice
+              **{k: getattr(req, k) for k in ("tools", "documents", "reasoning_effort") if getattr(req, k, None)},
               **{k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_CALL_ARGS}}
     if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:  # vLLM's rule: one or the other
         raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
@@ -151,22 +152,30 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 def _message(req: ChatCompletionRequest, text: str, parser: str | None = None,
              open_: bool | None = None) -> ChatResponseMessage:
     """The assistant's message: with ``open_`` (not None: the server splits reasoning, ``reasoning.starts_open``
-    of the prompt) the reasoning apart and the rest as the text; then the tool calls a call-making tool_choice asked
-    for (content "", as vLLM), those the model made under "auto" (``parser``'s, ``tool_parsers.parse``: the
-    content what it leaves), else the text."""
+    of the prompt) the reasoning apart (left out without ``include_reasoning``) and the rest as the text; then the
+    tool calls a call-making tool_choice asked for (content "", as vLLM), those the model made under "auto"
+    (``parser``'s, ``tool_parsers.parse``: the content what it leaves; the first alone without
+    ``parallel_tool_calls``), else the text."""
     thought = None
     if open_ is not None:
         thought, text = reasoning.split(text, open_)
+        thought = thought if req.include_reasoning else None
         if text is None:  # it stopped inside its reasoning
             return ChatResponseMessage(content=None, reasoning=thought, reasoning_content=thought)
     if parser is not None:
         content, calls = tool_parsers.parse(text, parser)
         return ChatResponseMessage(content=content, reasoning=thought, reasoning_content=thought,
-                                   tool_calls=calls or None)
+                                   tool_calls=_allowed(req, calls) or None)
     calls = tool_calls(text, req.tool_choice) if req.tools else None
     if calls:
         return ChatResponseMessage(content="", tool_calls=calls)
     return ChatResponseMessage(content=text, reasoning=thought, reasoning_content=thought)
+
+
+def _allowed(req: ChatCompletionRequest, calls: list[dict]) -> list[dict]:
+    """The calls an answer under "auto" keeps: all of them, or the first without ``parallel_tool_calls`` (a
+    "required" answer has one: its schema allows no more, ``tools.schema``)."""
+    return calls if req.parallel_tool_calls else calls[:1]
 
 
 def _delta(req: ChatCompletionRequest, d: Any, state: tool_parsers.StreamState | None,
@@ -178,13 +187,14 @@ def _delta(req: ChatCompletionRequest, d: Any, state: tool_parsers.StreamState |
     finished, text, thought = d.finish_reason is not None, d.choice.text, None
     if split is not None:
         thought, content = split.delta(text, finished)
+        thought = thought if req.include_reasoning else None
         if state is None:
             return DeltaMessage(content=content, reasoning=thought, reasoning_content=thought)
         text = split.content or ""
     if state is not None:  # the calls come all at once, in the last delta
         content, calls = state.delta(text, finished)
         return DeltaMessage(content=content, reasoning=thought, reasoning_content=thought,
-                            tool_calls=[{"index": i, **c} for i, c in enumerate(calls)] or None)
+                            tool_calls=[{"index": i, **c} for i, c in enumerate(_allowed(req, calls))] or None)
     if not req.tools or req.tool_choice == "none":
         return DeltaMessage(content=d.text)
     if isinstance(req.tool_choice, dict):

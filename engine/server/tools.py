@@ -52,10 +52,12 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def schema(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> dict[str, Any] | None:
+def schema(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+           parallel: bool = True) -> dict[str, Any] | None:
     """The JSON schema the output must follow (None when the tools only inform the template): the named function's
-    parameters, or for "required" a non-empty array of ``{"name": one of the tools, "parameters": its schema}``,
-    the tools' ``$defs`` moved to the array's root so their ``$ref``s still resolve. Assumes
+    parameters, or for "required" a non-empty array of ``{"name": one of the tools, "parameters": its schema}``
+    (of one element without ``parallel``: OpenAI's ``parallel_tool_calls`` false), the tools' ``$defs`` moved to
+    the array's root so their ``$ref``s still resolve. Assumes
     :func:`check_choice` passed; raises ValueError when two tools define one ``$defs`` name differently."""
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
@@ -72,7 +74,7 @@ def schema(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any]
         calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                                        "parameters": params},
                       "required": ["name", "parameters"], "additionalProperties": False})
-    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    array = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
     return {**array, "$defs": defs} if defs else array
 
 
