@@ -26,7 +26,10 @@ Policy (``CpuThreads.update``), once per ``INTERVAL_S`` of wall time while the e
   ``max_tokens`` 1) beside a busy process starts at the reduced count (without it such requests were never
   judged and each ran with every thread: 5-16 s against 0.2-0.6 s for a one-token chat answer of the demo model
   beside a busy loop, the README trial of the twenty-third session);
-* a change is logged at INFO at most once a minute (the rest at DEBUG); a probe that keeps the full count always;
+* a change is logged at INFO at most once a minute (the rest at DEBUG); a probe that keeps the full count always,
+  and so is a return to the full count after an INFO line gave a lower one; a count other than the last INFO line
+  gave is told at the first look a minute after that line (so the log never leaves a stale count standing: a
+  trial user read a drop at INFO, with its return at DEBUG, as the engine stuck on one thread);
 * ``OMP_NUM_THREADS`` in the environment fixes the count, and so does a failure to read the CPU times (logged).
 
 Greedy tokens of the demo model are the same with 1 and 2 threads (tests/test_cpu_threads.py); other models may
@@ -155,6 +158,7 @@ class CpuThreads:
         self._next_probe: float | None = None  # while the count is reduced: when to try the full count again
         self._probe_from: int | None = None  # the count a running probe came from
         self._logged = float("-inf")  # when the last INFO line went out
+        self._announced = self.cores  # the count the last INFO line gave (the start's full count before any)
         self._idle_last: CpuTimes | None = None  # the last idle look's reading, while the engine waits
 
     def _safe_read(self) -> CpuTimes | None:
@@ -193,9 +197,11 @@ class CpuThreads:
     def _apply(self, threads: int, others: float, now: CpuTimes, quiet: bool) -> int:
         """Set the count to ``threads`` if it changes (logged, :meth:`_log`); return the count."""
         if threads != self.threads:
-            self._log(f"{self.threads} -> {threads}", others, now, quiet)
+            self._log(f"{self.threads} -> {threads}", threads, others, now, quiet)
             self._set(threads)
             self.threads = threads
+        elif threads != self._announced and not quiet and now.wall - self._logged >= LOG_EVERY_S:
+            self._log(f"now {threads}", threads, others, now, quiet)  # a change told at DEBUG only, told again
         return self.threads
 
     def update(self) -> int:
@@ -222,14 +228,17 @@ class CpuThreads:
         elif threads == self.threads and now.wall >= self._next_probe:
             threads, self._probe_from = self.cores, self.threads  # a probe: the next look decides at full count
         if ended is not None and threads == self.threads:  # the probe's full count is kept: the load went away
-            self._log(f"stays at {threads}", others, now, quiet=False, always=True)
+            self._log(f"stays at {threads}", threads, others, now, quiet=False, always=True)
         return self._apply(threads, others, now, quiet=self._probe_from is not None or threads == ended)
 
-    def _log(self, what: str, others: float, now: CpuTimes, quiet: bool, always: bool = False) -> None:
-        """A probe and its return are DEBUG; a probe that keeps the full count is INFO; other changes are INFO at
-        most once a ``LOG_EVERY_S`` (DEBUG in between)."""
-        info = always or (not quiet and now.wall - self._logged >= LOG_EVERY_S)
-        self._logged = now.wall if info else self._logged
+    def _log(self, what: str, to: int, others: float, now: CpuTimes, quiet: bool, always: bool = False) -> None:
+        """A probe and its return are DEBUG; a probe that keeps the full count is INFO, and so is a return to the
+        full count after an INFO line gave a lower one; other changes to ``to`` threads are INFO at most once a
+        ``LOG_EVERY_S`` (DEBUG in between)."""
+        back = to == self.cores and self._announced != self.cores
+        info = always or (not quiet and (back or now.wall - self._logged >= LOG_EVERY_S))
+        if info:
+            self._logged, self._announced = now.wall, to
         (logger.info if info else logger.debug)(
             "CPU threads %s: other processes keep %.1f of %d CPUs busy%s (OMP_NUM_THREADS fixes it)", what, others,
             now.cpus, "; trying the full count" if self._probe_from else "")

@@ -181,6 +181,23 @@ def test_logs_say_what_changed_once_a_minute_at_most(monkeypatch, caplog):
     assert len(cpu.set_calls) == 1 + 1 + 2 * 10
 
 
+def test_the_log_never_leaves_a_stale_count_standing(monkeypatch, caplog):
+    """A return to the full count after an INFO drop is INFO at once (a trial user read the drop, with its return
+    at DEBUG, as the engine stuck on one thread); a change told at DEBUG is told at INFO a minute after the last
+    INFO line, while it holds."""
+    caplog.set_level(logging.DEBUG, logger="engine.cpu_threads")
+    cpu = FakeCpu()
+    gov = cpu.governor(monkeypatch)
+    cpu.run(gov, 2, others=1.0)  # 2 -> 1: INFO
+    cpu.run(gov, 3, others=0.0)  # the job ended: 1 -> 2 at INFO within the minute
+    cpu.run(gov, 65, others=1.0)  # 2 -> 1 again within the minute: DEBUG; told at INFO once the minute is up
+    cpu.run(gov, 1, others=1.0)
+    info = [r.getMessage().split(":")[0] for r in caplog.records if r.levelno == logging.INFO]
+    assert info == ["CPU threads 2 -> 1", "CPU threads 1 -> 2", "CPU threads now 1"], info
+    debug = [r.getMessage().split(":")[0] for r in caplog.records if r.levelno == logging.DEBUG]
+    assert debug[0] == "CPU threads 2 -> 1"
+
+
 def test_omp_num_threads_or_unreadable_counters_fix_the_count(monkeypatch, caplog):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     cpu = FakeCpu()
