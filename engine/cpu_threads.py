@@ -192,10 +192,14 @@ class CpuThreads:
         # measured without our threads competing: the next probe is a full period away
         self._next_probe = None if threads >= self.cores else now.wall + self._probe_every
         probing, self._probe_from = self._probe_from, None  # a probe running when the engine went idle ends here
+        if probing is not None and threads == self.threads:  # its full count is kept: told as update() tells it
+            self._log(f"stays at {threads}", threads, others, now, quiet=False, always=True)
         return self._apply(threads, others, now, quiet=probing is not None)
 
     def _apply(self, threads: int, others: float, now: CpuTimes, quiet: bool) -> int:
-        """Set the count to ``threads`` if it changes (logged, :meth:`_log`); return the count."""
+        """Set the count to ``threads`` if it changes (logged, :meth:`_log`); else, where the last INFO line gave
+        another count (a change told at DEBUG) and a minute has passed since it, tell the count at INFO. Return the
+        count."""
         if threads != self.threads:
             self._log(f"{self.threads} -> {threads}", threads, others, now, quiet)
             self._set(threads)

@@ -198,6 +198,21 @@ def test_the_log_never_leaves_a_stale_count_standing(monkeypatch, caplog):
     assert debug[0] == "CPU threads 2 -> 1"
 
 
+def test_a_probe_that_ends_in_a_wait_and_keeps_the_full_count_is_told(monkeypatch, caplog):
+    """The engine goes idle during a probe, the load gone: the idle look keeps the full count, told at INFO (as a
+    probe that keeps it while stepping)."""
+    caplog.set_level(logging.DEBUG, logger="engine.cpu_threads")
+    cpu = FakeCpu()
+    gov = cpu.governor(monkeypatch)
+    cpu.run(gov, 31, others=1.0)  # 2 -> 1 at 1 s, a probe at 31 s
+    assert gov.threads == 2 and cpu.set_calls == [1, 2]
+    gov.pause()
+    cpu.advance(1.0, others=0.0, own=0.0)
+    assert gov.idle_look() == 2
+    info = [r.getMessage().split(":")[0] for r in caplog.records if r.levelno == logging.INFO]
+    assert info == ["CPU threads 2 -> 1", "CPU threads stays at 2"], info
+
+
 def test_omp_num_threads_or_unreadable_counters_fix_the_count(monkeypatch, caplog):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     cpu = FakeCpu()

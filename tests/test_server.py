@@ -887,9 +887,11 @@ def test_unknown_fields_are_ignored_with_a_warning_naming_them(server, caplog):
 
 
 def test_chat_fields_vllm_declares_reach_the_template_or_are_refused_without_a_warning(server, caplog):
-    """``reasoning_effort`` and ``documents`` are template variables (chat_template_kwargs win over them), as vLLM
-    gives them; ``parallel_tool_calls`` and ``include_reasoning`` are fields (tests in test_server_tools.py and
-    test_server_reasoning.py), not unknown ones; a request's ``chat_template`` and an unknown effort are 400s."""
+    """``reasoning_effort`` and ``documents`` are template variables, over chat_template_kwargs, and the effort
+    "none" sets ``enable_thinking`` false (unless chat_template_kwargs set it), as current vLLM gives them;
+    ``parallel_tool_calls`` and ``include_reasoning`` are fields (tests in test_server_tools.py and
+    test_server_reasoning.py), not unknown ones; a request's ``chat_template`` (chat or /tokenize) and an unknown
+    effort are 400s."""
     url, fake, _ = server
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
 
@@ -898,17 +900,22 @@ def test_chat_fields_vllm_declares_reach_the_template_or_are_refused_without_a_w
         assert r.status_code == 200, r.text
         return "".join(map(chr, fake.prompts[-1]))
 
-    plain = prompt()
+    plain, closed = prompt(), "<think>\n\n</think>\n\n"  # the fake's template with enable_thinking false
     with caplog.at_level("WARNING", logger="engine.server.protocol"):
         assert prompt(reasoning_effort="low") == "Reasoning: low\n" + plain
         assert prompt(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}) == (
-            "Reasoning: high\n" + plain)
+            "Reasoning: low\n" + plain)
+        assert prompt(reasoning_effort="none") == "Reasoning: none\n" + plain + closed
+        assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == (
+            "Reasoning: none\n" + plain)
         assert prompt(documents=[{"title": "Paris", "text": "..."}]) == "<doc Paris>" + plain
         assert prompt(parallel_tool_calls=False, include_reasoning=False) == plain
     assert "ignored" not in caplog.text
-    for field, value, message in [("reasoning_effort", "max", "must be one of none, minimal, low, medium, high"),
-                                  ("chat_template", "{{ messages }}", "cannot replace the chat template")]:
-        r = httpx.post(f"{url}/v1/chat/completions", json={**body, field: value})
+    for path, field, value, message in [
+            ("/v1/chat/completions", "reasoning_effort", "extreme", "must be one of none, minimal, low, medium"),
+            ("/v1/chat/completions", "chat_template", "{{ messages }}", "cannot replace the chat template"),
+            ("/tokenize", "chat_template", "{{ messages }}", "cannot replace the chat template")]:
+        r = httpx.post(f"{url}{path}", json={**body, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert message in r.json()["error"]["message"]
 

@@ -138,7 +138,7 @@ def test_a_json_schema_format_constrains_the_answer():
     ({"input": "q", "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"input": "q", "include": ["message.output_text.bogus"]}, "include.0", "message.output_text.logprobs"),
     ({"input": "q", "truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
-    ({"input": "q", "reasoning": {"effort": "max"}}, "reasoning", "effort must be one of"),
+    ({"input": "q", "reasoning": {"effort": "extreme"}}, "reasoning", "effort must be one of"),
     ({"input": "q", "metadata": {"a": 1}}, "metadata.a", "valid string"),
     ({"input": "q", "tool_choice": "required"}, "tool_choice", "no tools are served"),
     ({"input": "q", "request_id": ""}, "request_id", "at least 1 character"),
@@ -300,8 +300,7 @@ def test_the_response_echoes_the_request_s_settings_and_takes_its_id():
     with server() as (url, fake, client):
         r = httpx.post(url + "/v1/responses", json={"model": "fake-model", **body}).json()
         plain = httpx.post(url + "/v1/responses", json={"model": "fake-model", "input": "q"}).json()
-        effort = chat(url, [{"role": "user", "content": "q"}], max_tokens=3,
-                      chat_template_kwargs={"reasoning_effort": "high"})
+        effort = chat(url, [{"role": "user", "content": "q"}], max_tokens=3, reasoning_effort="high")
     assert {k: r[k] for k in ("id", "tool_choice", "parallel_tool_calls", "reasoning", "truncation", "service_tier",
                               "metadata", "max_output_tokens", "background", "top_logprobs")} == {
         "id": "resp_mine", "tool_choice": "none", "parallel_tool_calls": False, "reasoning": {"effort": "high"},

@@ -28,8 +28,9 @@ from engine.structured_output import check
 logger = logging.getLogger(__name__)
 
 
-#: OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) values
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+#: OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) values, and vLLM's "max" (DeepSeek V4's
+#: templates); the chat template reads them
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 #: UTF-16 surrogate code points: JSON decodes a well-formed pair to one character, so any left stand alone
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -66,6 +67,16 @@ def _checked_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
     check_tools(tools)
     return tools
 
+
+def _no_request_template(template: str | None) -> str | None:
+    if template is not None:
+        raise ValueError("a request cannot replace the chat template: the model's own is used")
+    return template
+
+
+#: vLLM's ``chat_template`` field: a 400 here (a template is code the server would run: vLLM runs one only with
+#: ``--trust-request-chat-template``), never ignored (that would render another prompt than asked)
+RequestTemplate = Annotated[str | None, AfterValidator(_no_request_template)]
 
 #: OpenAI's ``tools`` (function definitions); a 400 naming them for one that is not a function (``tools.check_tools``)
 Tools = Annotated[list[dict[str, Any]] | None, AfterValidator(_checked_tools)]
@@ -330,12 +341,12 @@ class ChatCompletionRequest(SamplingRequest):
     tools: Tools = None
     tool_choice: str | dict[str, Any] | None = Field(default=None, validate_default=True)
     parallel_tool_calls: bool = True  # OpenAI's: false allows at most one tool call in an answer
-    #: OpenAI's (one of REASONING_EFFORTS): the chat template's ``reasoning_effort`` variable, as vLLM gives it
-    #: (gpt-oss-style templates read it; ``chat_template_kwargs`` may set it too, and win)
+    #: OpenAI's (one of REASONING_EFFORTS): the chat template's ``reasoning_effort`` variable, and its
+    #: ``enable_thinking`` (false for "none"), as current vLLM gives them (serving_chat.render_chat)
     reasoning_effort: str | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer, its content unchanged
     documents: list[dict[str, Any]] | None = None  # vLLM's: the template's ``documents`` (retrieval templates)
-    chat_template: str | None = None  # vLLM's, behind a server flag there: a 400 here
+    chat_template: RequestTemplate = None
 
     def echoed(self) -> str:
         """With ``echo``, the text the answer starts with (vLLM): the last message's, where its role is the
@@ -367,15 +378,6 @@ class ChatCompletionRequest(SamplingRequest):
     def _known_effort(cls, value: str | None) -> str | None:
         if value is not None and value not in REASONING_EFFORTS:
             raise ValueError(f"must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}")
-        return value
-
-    @field_validator("chat_template")
-    @classmethod
-    def _no_request_template(cls, value: str | None) -> str | None:
-        """A 400: a template is code the server would run (vLLM runs one only with --trust-request-chat-template);
-        ignoring it would render another prompt than asked."""
-        if value is not None:
-            raise ValueError("a request cannot replace the chat template: the model's own is used")
         return value
 
     def constraint(self) -> StructuredOutputsParams | None:
@@ -551,8 +553,8 @@ class ResponsesRequest(SamplingRequest):
     "message.output_text.logprobs" and ``top_logprobs`` (each output token's logprob and its ``top_logprobs`` most
     likely; as vLLM, ``top_logprobs`` alone asks for nothing), ``truncation`` "auto" (the oldest input messages
     after the system one are dropped until the input leaves room for one output token: OpenAI's rule),
-    ``reasoning.effort`` (given to the chat template as ``reasoning_effort``, as vLLM), the sampling fields and
-    vLLM's extras as on the chat endpoint (``request_id`` names the response), ``stream``. Echoed in the response
+    ``reasoning.effort`` (as the chat endpoint's ``reasoning_effort``, as vLLM), the sampling fields and vLLM's
+    extras as on the chat endpoint (``request_id`` names the response), ``stream``. Echoed in the response
     and otherwise without effect: ``metadata``, ``parallel_tool_calls``, ``service_tier``, ``tool_choice`` "auto"
     or "none". Accepted without effect: ``store`` (nothing is stored, so a response cannot be fetched or
     continued; the response says false), ``stream_options`` (streamed or not, as OpenAI's), the other ``include``
@@ -697,10 +699,9 @@ class ResponsesRequest(SamplingRequest):
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []  # vLLM
         return system + [ChatMessage(role=m["role"], content=m["content"]) for m in self.input]
 
-    def template_kwargs(self) -> dict[str, Any]:
-        """Extra chat template variables: ``reasoning_effort`` from ``reasoning.effort`` (vLLM's)."""
-        effort = (self.reasoning or {}).get("effort")
-        return {"reasoning_effort": effort} if effort is not None else {}
+    def effort(self) -> str | None:
+        """``reasoning.effort``: the chat template's ``reasoning_effort`` (as the chat endpoint's field)."""
+        return (self.reasoning or {}).get("effort")
 
 
 # ---- models, tokenizer ----
@@ -731,6 +732,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: RequestTemplate = None  # a 400, as on the chat endpoint
     tools: Tools = None  # shown to the template, as the chat endpoint does (vLLM)
     return_token_strs: bool = False  # vLLM: each token's string too (the tokenizer's own pieces)
 

@@ -39,17 +39,20 @@ TEMPLATE_CALL_ARGS = frozenset({"conversation", "tokenize", "return_dict", "retu
 
 def render_chat(tokenizer: Any, req: ChatCompletionRequest | TokenizeRequest,
                 add_special_tokens: bool = False, field: str = "messages") -> list[int]:
-    """Prompt token ids: the tokenizer's chat template, given the request's ``tools`` (whatever the tool_choice),
-    ``documents`` and ``reasoning_effort`` and then its ``chat_template_kwargs`` (which may set those too, and the
-    next two), ending with the assistant turn's header (``add_generation_prompt``) or inside the last message
-    (``continue_final_message``), encoded without extra special tokens unless asked (the template has them). A
-    template error is a 400 on ``field`` (the request's name for the messages)."""
-    # vLLM's order: the request's fields, then chat_template_kwargs over them (its add_generation_prompt and
-    # continue_final_message win); transformers' own arguments in it are dropped (vLLM's: not template variables)
+    """Prompt token ids: the tokenizer's chat template, given the request's ``chat_template_kwargs`` (which may set
+    the next two), then its ``tools`` (whatever the tool_choice), ``documents`` and ``reasoning_effort`` over them,
+    and ``enable_thinking`` false for the effort "none" (true for another) unless ``chat_template_kwargs`` sets it
+    (current vLLM's rules), ending with the assistant turn's header (``add_generation_prompt``) or inside the last
+    message (``continue_final_message``), encoded without extra special tokens unless asked (the template has them).
+    A template error is a 400 on ``field`` (the request's name for the messages)."""
+    # vLLM's order: add_generation_prompt and continue_final_message, then chat_template_kwargs over them (without
+    # transformers' own arguments: not template variables), then the request's fields for template variables
+    given = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_CALL_ARGS}
+    fields = {k: getattr(req, k) for k in ("tools", "documents", "reasoning_effort") if getattr(req, k, None)}
+    if "reasoning_effort" in fields and "enable_thinking" not in given:  # Qwen3's switch: "none" turns it off
+        fields["enable_thinking"] = fields["reasoning_effort"] != "none"
     kwargs = {"add_generation_prompt": req.add_generation_prompt,
-              "continue_final_message": req.continue_final_message,
-              **{k: getattr(req, k) for k in ("tools", "documents", "reasoning_effort") if getattr(req, k, None)},
-              **{k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_CALL_ARGS}}
+              "continue_final_message": req.continue_final_message, **given, **fields}
     if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:  # vLLM's rule: one or the other
         raise APIError(400, "continue_final_message: cannot set both `continue_final_message` and "
                        "`add_generation_prompt` to true", param="continue_final_message", code="invalid_value")

@@ -93,7 +93,7 @@ def _prompt(tokenizer: Any, req: ResponsesRequest, max_model_len: int) -> list[i
     def render(kept: list[ChatMessage]) -> list[int]:
         chat = ChatCompletionRequest.model_construct(  # the chat endpoint's defaults for the rest
             messages=kept, add_generation_prompt=not continues, continue_final_message=continues,
-            chat_template_kwargs=req.template_kwargs() or None)
+            reasoning_effort=req.effort())
         return render_chat(tokenizer, chat, field="input")
 
     prompt = render(messages)
