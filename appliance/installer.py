@@ -191,14 +191,16 @@ def resolve_model(spec: str | None, console: Console) -> tuple[Path, str]:
 
 
 def check_servable(model_dir: Path, name: str) -> None:
-    """Raise ApplianceError unless the engine serves the model's architecture and the folder has safetensors
-    weights, in that order (before anything is quantized; ``appliance quantize`` alone needs no engine and does not
-    ask)."""
+    """Raise ApplianceError unless the engine serves the model's architecture and its quantization (if any) and
+    the folder has safetensors weights, in that order (before anything is quantized; ``appliance quantize`` alone
+    needs no engine and does not ask)."""
     from engine.models.llama import check_architecture
-    from engine.models.loader import CheckpointError
+    from engine.models.loader import CheckpointError, check_quantization, read_config
     try:
-        check_architecture(json.loads((model_dir / "config.json").read_text()))
-    except (CheckpointError, ValueError) as exc:
+        cfg = read_config(model_dir)
+        check_architecture(cfg)
+        check_quantization(cfg)
+    except CheckpointError as exc:
         raise ApplianceError(f"{name}: {exc}", "pick another model (`appliance quantize` still quantizes this one)") \
             from None
     if not any(model_dir.glob("*.safetensors")):

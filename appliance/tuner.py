@@ -15,7 +15,6 @@ least the planned cache; on a CPU it is a slice of free RAM.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,12 +65,20 @@ class ModelInfo:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelInfo":
+        from engine.models.llama import check_architecture
+        from engine.models.loader import CheckpointError, check_quantization, read_config
+
         model_dir = Path(model_dir)
         cfg_file = model_dir / "config.json"
-        if not cfg_file.is_file():
-            raise TuneError(f"{model_dir} has no config.json", "give a Hugging Face model folder")
+        try:  # what the engine would refuse at load is refused here, before a plan for it
+            cfg = read_config(model_dir)
+            check_architecture(cfg)
+            check_quantization(cfg)
+        except CheckpointError as exc:
+            raise TuneError(str(exc), "give a Hugging Face model folder the engine serves") from None
+        if not any(model_dir.glob("*.safetensors")):
+            raise TuneError(f"{model_dir} has no *.safetensors weights", "convert the model to safetensors first")
         try:
-            cfg = json.loads(cfg_file.read_text())
             try:
                 context, context_why = max_context(cfg)
             except RopeError as exc:

@@ -175,6 +175,39 @@ def test_install_checks_the_architecture_before_the_weights(tmp_path):
                    "convert the model to safetensors")
 
 
+AWQ4 = {"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm", "zero_point": True}
+
+
+@pytest.mark.parametrize("config, needles", [
+    ({**LLAMA, "quantization_config": {**AWQ4, "bits": 3}}, ["awq with 3-bit weights is not supported", "bits: 4"]),
+    ({**LLAMA, "quantization_config": {**AWQ4, "bits": 8}}, ["awq with 8-bit weights"]),
+    ({**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 3, "group_size": 64}},
+     ["gptq with 3-bit weights", "bits: 2, 4, 8"]),
+    ({**LLAMA, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     ["quant_method 'bitsandbytes' is not supported"]),
+    ({**LLAMA, "quantization_config": {**AWQ4, "version": "gemv"}}, ["AWQ version 'gemv' is not supported"]),
+    ([1, 2, 3], ["config.json is not a JSON object"]),
+    ("{not json", ["config.json is not readable JSON"]),
+])
+def test_install_and_tune_refuse_a_model_the_engine_cannot_load_in_one_line(tmp_path, config, needles):
+    """What the engine would refuse at load (its quantization, a config.json that is not an object) is refused by
+    install (before anything is quantized or measured) and tune, in one line: no traceback, no plan."""
+    folder = make_model(tmp_path / "model")
+    (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    one_line_error(runner.invoke(app, ["install", str(folder), "--yes", "--no-service"]), *needles)
+    one_line_error(runner.invoke(app, ["tune", str(folder)]), *needles)
+    assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("*-awq-*"))
+
+
+def test_tune_refuses_an_architecture_or_a_folder_without_weights(tmp_path):
+    folder = make_model(tmp_path / "gpt2", {**LLAMA, "architectures": ["GPT2LMHeadModel"]})
+    one_line_error(runner.invoke(app, ["tune", str(folder)]), "GPT2LMHeadModel", "not supported")
+    (folder / "config.json").write_text(json.dumps(LLAMA))
+    assert runner.invoke(app, ["tune", str(folder)]).exit_code == 0
+    (folder / "model.safetensors").unlink()
+    one_line_error(runner.invoke(app, ["tune", str(folder)]), "no *.safetensors")
+
+
 @pytest.mark.parametrize("flag, value, needle", [
     ("--kv-cache-dtype", "fp16", "--kv-cache-dtype must be auto, fp8 or int8"),
     ("--dtype", "bf16", "--dtype must be auto, float32, bfloat16 or float16, got 'bf16'"),

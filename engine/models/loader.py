@@ -20,6 +20,40 @@ class CheckpointError(ValueError):
     """The folder is not a checkpoint we can load; the message says what is missing or unsupported."""
 
 
+def read_config(folder: Path) -> dict:
+    """A model folder's config.json as a dict; raises CheckpointError when it is missing, not JSON, or not an
+    object."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path} is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return cfg
+
+
+def check_quantization(cfg: dict) -> None:
+    """Raise CheckpointError for a ``quantization_config`` this loader cannot read (design.md §5): a method or
+    format other than AWQ gemm, GPTQ v1/v2 and compressed-tensors pack-quantized, or a bit width the format does
+    not hold here (AWQ gemm: 4; the others: ``quant_formats.SUPPORTED_BITS``). Nothing for a dense config."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return
+    try:
+        if not isinstance(qc, dict):
+            raise ValueError("not an object")
+        spec = quant_formats.parse_quant_config(qc)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"quantization_config: {e}") from None
+    allowed = (4,) if spec.method == "awq" else quant_formats.SUPPORTED_BITS
+    if spec.bits not in allowed:
+        raise CheckpointError(f"quantization_config: {spec.method} with {spec.bits}-bit weights is not supported "
+                              f"(bits: {', '.join(map(str, allowed))})")
+
+
 class SafetensorsIndex(Mapping):
     """Read-only ``{tensor name: tensor}`` view over every ``*.safetensors`` file of a folder, loaded lazily."""
 
@@ -44,15 +78,15 @@ class CheckpointReader:
     """Tensors of one checkpoint folder, by Hugging Face parameter name.
 
     ``quant_config``: the config's ``quantization_config`` dict, or None for a dense checkpoint. Tensors are
-    read straight onto ``device`` (so repacking 4-bit weights runs there too).
+    read straight onto ``device`` (so repacking 4-bit weights runs there too). Raises CheckpointError for a
+    config.json that is missing or unreadable (:func:`read_config`), a quantization it cannot read
+    (:func:`check_quantization`: before any tensor is read) or a folder without safetensors.
     """
 
     def __init__(self, model_dir: str | Path, device: str = "cpu"):
         self.folder = Path(model_dir)
-        config_path = self.folder / "config.json"
-        if not config_path.is_file():
-            raise CheckpointError(f"{self.folder} has no config.json: not a Hugging Face model folder")
-        self.config = json.loads(config_path.read_text())
+        self.config = read_config(self.folder)
+        check_quantization(self.config)
         self.quant_config: dict | None = self.config.get("quantization_config")
         self.tensors = SafetensorsIndex(self.folder, device)
 
