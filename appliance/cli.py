@@ -50,11 +50,46 @@ def friendly(fn):
 
 
 def _config(path: Optional[Path]) -> cfgmod.Config:
+    """The config (file, then APPLIANCE_* variables). A ``--config`` file that does not exist is an error, not the
+    defaults: they would name the installed server, which the user did not mean."""
+    if path is not None and not path.is_file():
+        raise ApplianceError(f"no config at {path}", "pass the file `appliance install` wrote (`appliance doctor` "
+                             "names it), or leave --config out")
     return cfgmod.load(path)
 
 
-def _manager(conf: cfgmod.Config):
-    return service.manager(conf.data_dir or cfgmod.data_dir(system=cfgmod.config_path() == cfgmod.SYSTEM_CONFIG))
+def _data_dir(conf: cfgmod.Config, path: Optional[Path]) -> Path:
+    return Path(conf.data_dir) if conf.data_dir else cfgmod.data_dir(
+        system=(path or cfgmod.config_path()) == cfgmod.SYSTEM_CONFIG)
+
+
+def _manager(conf: cfgmod.Config, path: Optional[Path] = None):
+    return service.manager(_data_dir(conf, path))
+
+
+def _service_data_dir(path: Optional[Path]) -> Path:
+    """The installed service's data folder, for the commands that only manage it (stop, logs, uninstall). A config
+    that does not load (a typo in a key, a bad APPLIANCE_* value) is warned about, and its ``data_dir`` alone (or
+    the default) is used: a bad config must not keep a running server from being stopped or removed."""
+    conf = _config(path) if path is not None else None  # an explicit --config that is missing stays an error
+    try:
+        conf = conf or cfgmod.load(None)
+    except ApplianceError as exc:
+        console.print(f"[yellow]warning:[/yellow] {exc.message} (fix: {exc.hint}); going on with its data folder",
+                      highlight=False)
+        conf = cfgmod.Config(data_dir=_raw_data_dir(path or cfgmod.config_path()))
+    return _data_dir(conf, path)
+
+
+def _raw_data_dir(path: Path) -> Optional[str]:
+    """The ``data_dir`` of a config that does not load as a whole (APPLIANCE_DATA_DIR first), or None."""
+    if os.environ.get(cfgmod.ENV_PREFIX + "DATA_DIR"):
+        return os.environ[cfgmod.ENV_PREFIX + "DATA_DIR"]
+    try:
+        value = cfgmod.tomllib.loads(path.read_text()).get("data_dir")
+    except (OSError, UnicodeDecodeError, cfgmod.tomllib.TOMLDecodeError):
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 # ------------------------------------------------------------------------------------------------- install
@@ -322,7 +357,7 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
     (its engine failed, it has not answered for STARTUP_S seconds, or another program answers on its port), 3
     stopped, 4 not installed."""
     conf = _config(config)
-    st = _manager(conf).status()
+    st = _manager(conf, config).status()
     path = config or cfgmod.config_path()
     if not st.running and (not st.installed or not path.is_file()):  # removed, purged, or never installed
         why = f"{st.detail} (the config, models and logs were kept)" if path.is_file() else f"no config at {path}"
@@ -363,7 +398,7 @@ def start(config: Optional[Path] = typer.Option(None, "--config")):
     if not path.is_file():
         raise ApplianceError(f"no config at {path}", "run `appliance install` first")
     conf = _config(config)
-    mgr = _manager(conf)
+    mgr = _manager(conf, config)
     st = mgr.status()
     if st.running:
         console.print(f"already running ({st.mode}): {st.detail}", highlight=False)
@@ -387,8 +422,8 @@ def start(config: Optional[Path] = typer.Option(None, "--config")):
 @app.command()
 @friendly
 def stop(config: Optional[Path] = typer.Option(None, "--config")):
-    """Stop the server."""
-    mgr = _manager(_config(config))
+    """Stop the server (also where the config has an error: its data folder names the server)."""
+    mgr = service.manager(_service_data_dir(config))
     console.print("stopped" if mgr.stop() else "the server was not running")
 
 
@@ -401,7 +436,7 @@ def logs(
 ):
     """The server's log (the background log file, or the unit's journal). Exit status 4, as `status`, when there
     is none and nothing is installed."""
-    mgr = _manager(_config(config))
+    mgr = service.manager(_service_data_dir(config))
     if follow:
         mgr.follow(lines)
         return
@@ -427,8 +462,7 @@ def uninstall(
 ):
     """Stop the server and remove the unit (or pid file); with --purge also the config and data."""
     path = config or cfgmod.config_path()
-    conf = _config(config)
-    data = Path(conf.data_dir) if conf.data_dir else cfgmod.data_dir(system=path == cfgmod.SYSTEM_CONFIG)
+    data = _service_data_dir(config)
     what = f"the service{', ' + str(path) + ' and ' + str(data) if purge else ''}"
     if not yes:
         if not sys.stdin.isatty():

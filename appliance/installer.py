@@ -7,6 +7,7 @@ lives in a folder keyed by source, method, bits and group size, and the perplexi
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import psutil
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -305,14 +307,49 @@ def perplexities(models: dict[str, Path], cache_file: Path, console: Console, lo
 # ------------------------------------------------------------------------------------------------- serving
 
 
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host``:``port`` now: "in use", or the system's reason for the address
+    (not this machine's, not an address at all); None when it could."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+    except OSError as exc:  # socket.gaierror too
+        return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return None
+
+
+def port_free(host: str, port: int) -> bool:
+    return listen_problem(host, port) is None
+
+
+def _held_by_our_server(port: int, data_dir: Path) -> bool:
+    """Whether the server an earlier install started (systemd unit or background process) listens on ``port``."""
+    for mgr in (service.manager(data_dir), service.Background(service.state_dir(data_dir))):
+        status = mgr.status()
+        if not (status.running and status.pid):
+            continue
+        try:
+            sockets = psutil.Process(status.pid).net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in sockets):
+            return True
+    return False
+
+
+def check_address(host: str, port: int, data_dir: Path) -> None:
+    """Raise ApplianceError, before anything is changed (config, running server), when a server could not listen
+    on ``host``:``port``: an address that is not this machine's, or a port another program holds (the server an
+    earlier install started may hold it: it is stopped before the new one starts)."""
+    problem = listen_problem(host, port)
+    if problem is None or (problem == "in use" and _held_by_our_server(port, data_dir)):
+        return
+    if problem == "in use":
+        raise ApplianceError(f"port {port} on {host} is already in use",
+                             f"stop what listens there or pass --port {port + 1}")
+    raise ApplianceError(f"cannot listen on {host}:{port}: {problem}",
+                         "pass --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)")
 
 
 def client_url(host: str, port: int) -> str:
@@ -484,9 +521,7 @@ def start_service(opts: InstallOptions, console: Console, use_systemd: bool, sys
         if old.status().running:
             with step(console, f"Stopping the running server ({old.mode})"):
                 old.stop()
-    if not port_free(opts.host, opts.port):
-        raise ApplianceError(f"port {opts.port} on {opts.host} is already in use",
-                             f"stop what listens there or pass --port {opts.port + 1}")
+    check_address(opts.host, opts.port, data_dir)  # again: another program may have taken the port meanwhile
     if use_systemd:
         mgr = service.Systemd(user=not system)
         with step(console, "Installing and starting the systemd unit"):
@@ -521,6 +556,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     data_dir = cfgmod.data_dir(system=system)
     config_file = cfgmod.config_path(system=system)
     install_log = service.state_dir(data_dir) / "install.log"  # what the quantizer's libraries print
+    check_address(opts.host, opts.port, data_dir)  # before minutes of work, and before the running server stops
 
     tuner.check_choices(kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype)  # before minutes of conversion
 

@@ -132,6 +132,28 @@ def test_install_refuses_a_bad_dtype_before_looking_at_the_model(monkeypatch):
                    "--kv-cache-dtype must be auto, fp8 or int8")
 
 
+def test_install_refuses_an_address_it_cannot_listen_on_before_anything_changes(monkeypatch, tmp_path):
+    """A port another program holds, or a host that is not this machine's: one line before the model is even
+    looked at (the running server and the config stay as they were); a port the server of an earlier install
+    holds is fine (that server is stopped before the new one starts)."""
+    monkeypatch.setattr(installer, "resolve_model", lambda *a, **k: pytest.fail("resolved the model first"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        one_line_error(runner.invoke(app, ["install", "--yes", "--no-service", "--port", str(port)]),
+                       f"port {port} on 127.0.0.1 is already in use", f"--port {port + 1}")
+        one_line_error(runner.invoke(app, ["install", "--yes", "--no-service", "--host", "999.1.1.1"]),
+                       "cannot listen on 999.1.1.1:8000", "--host 127.0.0.1")
+        assert not (tmp_path / "config.toml").exists()
+        ours = service.Status(mode="background", running=True, pid=os.getpid())  # this process holds the port
+        monkeypatch.setattr(service.Background, "status", lambda self: ours)
+        installer.check_address("127.0.0.1", port, tmp_path / "data")
+        monkeypatch.setattr(service.Background, "status", lambda self: service.Status("background", False))
+        with pytest.raises(ApplianceError, match="already in use"):
+            installer.check_address("127.0.0.1", port, tmp_path / "data")
+
+
 def test_doctor_reports_missing_config(tmp_path):
     result = runner.invoke(app, ["doctor"])
     assert result.exit_code == 1

@@ -191,6 +191,32 @@ def test_status_stop_logs_commands(bg, tmp_path):
     assert "not running" in runner.invoke(app, ["stop"]).output
 
 
+def test_a_config_with_an_error_still_stops_logs_and_uninstalls(bg, tmp_path, monkeypatch):
+    """stop, logs and uninstall need only the data folder: a typo in the config or a bad APPLIANCE_* value is warned
+    about, and the server is still stopped (it was not: the error blocked even `uninstall --purge`); its
+    data_dir is read from the file alone where the environment has none. A --config that does not exist is an
+    error, not the installed server's defaults."""
+    runner = CliRunner()
+    (tmp_path / "config.toml").write_text("max_num_seq = 8\n")  # a typo in a key
+    bg.start(FAKE_SERVER)
+    assert wait_for(lambda: "fake server up" in bg.log_lines(5))
+    result = runner.invoke(app, ["logs", "-n", "5"])
+    assert result.exit_code == 0 and "fake server up" in result.output, result.output
+    assert "warning:" in _flat(result) and "unknown key 'max_num_seq'" in _flat(result)
+    missing = runner.invoke(app, ["stop", "--config", str(tmp_path / "nope.toml")])
+    assert missing.exit_code == 1 and f"no config at {tmp_path / 'nope.toml'}" in _flat(missing)
+    assert bg.status().running
+    monkeypatch.setenv("APPLIANCE_MAX_NUM_SEQS", "x")
+    result = runner.invoke(app, ["stop"])
+    assert result.exit_code == 0 and "stopped" in result.output and not bg.status().running, result.output
+    monkeypatch.delenv("APPLIANCE_DATA_DIR")
+    (tmp_path / "config.toml").write_text(f'data_dir = "{tmp_path / "data"}"\nmax_num_seq = 8\n')
+    bg.start(FAKE_SERVER)
+    result = runner.invoke(app, ["uninstall", "--yes"])
+    assert result.exit_code == 0 and "stopped the server and removed the background service" in _flat(result)
+    assert not bg.status().running
+
+
 def test_stop_waits_for_the_servers_children(bg, tmp_path):
     """The server dies at SIGTERM at once, its child (same process group) a second later: stop returns after both."""
     child = tmp_path / "child.py"
