@@ -281,6 +281,7 @@ def serve(
         raise ApplianceError(f"sleep_after_idle_s: must be at least 0 seconds, got {conf.sleep_after_idle_s}",
                              "fix it in the config file, APPLIANCE_SLEEP_AFTER_IDLE_S or --sleep-after-idle "
                              "(leave it out: never)")
+    _check_servable_here(conf)
     from engine.server import reasoning, tool_parsers
     for key, settings in (("tool_call_parser", tool_parsers.SETTINGS), ("reasoning_parser", reasoning.SETTINGS)):
         if getattr(conf, key) not in settings:
@@ -303,6 +304,35 @@ def serve(
                tool_call_parser=conf.tool_call_parser, reasoning_parser=conf.reasoning_parser,
                allowed_origins=conf.allowed_origins, keep_alive_on_engine_death=conf.keep_alive_on_engine_death,
                sleep_after_idle_s=conf.sleep_after_idle_s)
+
+
+def _check_servable_here(conf: cfgmod.Config) -> None:
+    """What would otherwise fail after seconds of loading, or leave a server up with a dead engine: a port out of
+    range or another program's, an address not this machine's, a model the engine does not load (its
+    architecture, quantization, weights), ``max_model_len`` over the model's context, ``device`` cuda without a
+    GPU. Raises ApplianceError (one line, with the fix)."""
+    from appliance.installer import listen_problem
+
+    if not 0 < conf.port < 65536:
+        raise ApplianceError(f"port: must be between 1 and 65535, got {conf.port}",
+                             "fix it in the config file, APPLIANCE_PORT or --port")
+    problem = listen_problem(conf.host, conf.port)
+    if problem == "in use":
+        raise ApplianceError(f"port {conf.port} on {conf.host} is already in use",
+                             f"stop what listens there (`appliance stop`?) or pass --port {conf.port + 1}")
+    if problem is not None:
+        raise ApplianceError(f"cannot listen on {conf.host}:{conf.port}: {problem}",
+                             "pass --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)")
+    info = tuner.ModelInfo.from_dir(conf.model)
+    if conf.max_model_len is not None and conf.max_model_len > info.max_context:
+        raise ApplianceError(f"max_model_len: {conf.max_model_len} is over {info.max_context_why}, "
+                             f"{info.max_context} tokens", f"use at most {info.max_context}")
+    if conf.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ApplianceError("device: cuda, but torch sees no CUDA GPU here",
+                                 "use --device cpu (or auto), or check the driver with `appliance detect`")
 
 
 # -------------------------------------------------------------------------------------------------- lifecycle
@@ -408,9 +438,12 @@ def start(config: Optional[Path] = typer.Option(None, "--config")):
         conf.engine_config()
     if not st.installed:
         raise ApplianceError(f"the service is not installed ({st.detail})", "run `appliance install` to set it up")
-    if not port_free(conf.host, conf.port):  # the server would exit at once, after `started` was printed
-        raise ApplianceError(f"port {conf.port} on {conf.host} is already in use",
+    if 0 < conf.port < 65536 and not port_free(conf.host, conf.port):  # else the server would exit at once,
+        raise ApplianceError(f"port {conf.port} on {conf.host} is already in use",  # after `started` was printed
                              f"stop what listens there, or set another `port` in {path}")
+    if not conf.model:
+        raise ApplianceError("no model is configured", f"run `appliance install` (or set `model` in {path})")
+    _check_servable_here(conf)  # the model's files, max_model_len...: the same reasons the server would exit for
     if isinstance(mgr, service.Systemd):
         mgr.start()
     else:
@@ -494,7 +527,7 @@ def uninstall(
 def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
     """(ok, what, fix) for each check: Python packages, driver, memory headroom, config, model files, unit/process,
     port."""
-    from appliance.installer import client_url, port_free
+    from appliance.installer import client_url, listen_problem
 
     from appliance.environment import kernels_clash
 
@@ -561,8 +594,11 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
                "failed": "see `appliance logs`; then `appliance stop` and `appliance start`"}
         checks.append((state in ("ready", "loading", "starting"), f"/health on port {conf.port}: {what}",
                        fix.get(state, "see `appliance logs`")))
-    elif not port_free(conf.host, conf.port):
-        checks.append((False, f"port {conf.port} is taken by another program", "stop it or set APPLIANCE_PORT"))
+    elif (problem := listen_problem(conf.host, conf.port)) is not None:
+        what = f"port {conf.port} is taken by another program" if problem == "in use" else (
+            f"cannot listen on {conf.host}:{conf.port}: {problem}")
+        checks.append((False, what, "stop it or set `port` (APPLIANCE_PORT)" if problem == "in use" else
+                       "set `port` (1-65535) and `host` (127.0.0.1 or 0.0.0.0) in the config"))
     return checks
 
 

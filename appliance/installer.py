@@ -309,7 +309,9 @@ def perplexities(models: dict[str, Path], cache_file: Path, console: Console, lo
 
 def listen_problem(host: str, port: int) -> str | None:
     """Why a server could not listen on ``host``:``port`` now: "in use", or the system's reason for the address
-    (not this machine's, not an address at all); None when it could."""
+    (not this machine's, not an address at all), or that ``port`` is out of range; None when it could."""
+    if not 0 < port < 65536:
+        return f"port {port} is not between 1 and 65535"
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -137,6 +137,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:  # 0 once meant "auto" by accident
+            raise ValueError(f"max_model_len: must be at least 1, got {self.max_model_len} (leave it out for the "
+                             "model's context, at most 8192)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:

@@ -77,6 +77,29 @@ def test_tune_and_serve_bad_input(tmp_path):
     one_line_error(runner.invoke(app, ["quantize", str(tmp_path / "m"), "--method", "int3", "--out", "x"]), "--method")
 
 
+def test_serve_refuses_in_one_line_what_would_fail_after_loading(tmp_path, monkeypatch):
+    """Before the model loads (run_server is never reached): a port out of range (70000 was served on 4464) or in
+    use, max_model_len over the model's context or below 1 (0 was served as "auto"), device cuda without a GPU."""
+    import torch
+
+    import engine.server.api_server as api_server
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **k: pytest.fail("the server started"))
+    model = str(make_model(tmp_path / "m"))
+    for flags, needles in [(["--port", "70000"], ["port: must be between 1 and 65535, got 70000"]),
+                           (["--port", "-1"], ["got -1"]),
+                           (["--max-model-len", "5000"], ["max_model_len: 5000 is over", "use at most 1024"]),
+                           (["--max-model-len", "0"], ["max_model_len: must be at least 1, got 0"])]:
+        one_line_error(runner.invoke(app, ["serve", model, *flags]), *needles)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    one_line_error(runner.invoke(app, ["serve", model, "--device", "cuda"]), "torch sees no CUDA GPU", "--device cpu")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        one_line_error(runner.invoke(app, ["serve", model, "--port", str(port)]), f"port {port} on 127.0.0.1 is "
+                       "already in use")
+
+
 def test_bad_env_variable_is_one_line(monkeypatch):
     monkeypatch.setenv("APPLIANCE_PORT", "http")
     one_line_error(runner.invoke(app, ["status"]), "APPLIANCE_PORT")

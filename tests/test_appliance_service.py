@@ -269,8 +269,16 @@ def test_start_after_stop_runs_serve_with_the_config(bg, tmp_path, monkeypatch):
     runner = CliRunner()
     result = runner.invoke(app, ["start"])
     assert result.exit_code == 1 and "no config at" in _flat(result) and "appliance install" in _flat(result)
-    (tmp_path / "config.toml").write_text(f'port = {_free_port()}\n')  # not 8000: a user's own server may hold it
-    started = []
+    (tmp_path / "config.toml").write_text(f'port = {_free_port()}\nmodel = "{tmp_path / "nope"}"\n')
+    result = runner.invoke(app, ["start"])  # the server would exit at once, after `started` was printed
+    assert result.exit_code == 1 and f"{tmp_path / 'nope'} has no config.json" in _flat(result), result.output
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, '
+                                       '"max_position_embeddings": 1024}')
+    (model / "model.safetensors").write_bytes(b"\0" * 1024)
+    (tmp_path / "config.toml").write_text(f'port = {_free_port()}\nmodel = "{model}"\n')  # not 8000: a user's
+    started = []  # own server may hold it
     real_start = service.Background.start
     monkeypatch.setattr(service.Background, "start",
                         lambda self, command: started.append(command) or real_start(self, FAKE_SERVER))
