@@ -152,11 +152,19 @@ def quantize(
 
     if method not in ("awq", "gptq"):
         raise ApplianceError(f"--method must be awq or gptq, got {method!r}", "use --method awq")
+    if bits not in (4, 8) or (method == "awq" and bits != 4):
+        raise ApplianceError(f"--bits {bits} is not supported with {method}", "AWQ takes 4; GPTQ 4 or 8")
+    if group_size != -1 and (group_size < 32 or group_size & (group_size - 1)):
+        raise ApplianceError(f"--group-size must be -1 (per channel) or a power of two of at least 32, got "
+                             f"{group_size}", "use --group-size 128")
+    if desc_act and method != "gptq":
+        raise ApplianceError("--desc-act is GPTQ's act-order: AWQ has none", "add --method gptq, or drop --desc-act")
     if calib is not None and not calib.is_file():
         raise ApplianceError(f"calibration file {calib} not found", "give a text file, or omit --calib")
-    if out.exists() and any(out.iterdir()):
-        raise ApplianceError(f"{out} exists and is not empty", "choose another --out or remove it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ApplianceError(f"{out} exists and is not an empty folder", "choose another --out or remove it")
     source, _ = installer.resolve_model(model, console)
+    _check_quantizable(source)
     samples = installer.calibration_file_samples(calib) if calib else None
     installer.quantize_model(source, out, method, bits, installer.fitted_group_size(source, group_size), console,
                              calib=samples, desc_act=desc_act)
@@ -171,6 +179,21 @@ def quantize(
             value = perplexity(str(path))
         table.add_row(label, f"{value:.3f}")
     console.print(table)
+
+
+def _check_quantizable(source: Path) -> None:
+    """ApplianceError for a model folder whose config.json does not read, or that is quantized already."""
+    from appliance.installer import existing_quantization
+    from engine.models.loader import CheckpointError, read_config
+
+    try:
+        read_config(source)
+    except CheckpointError as exc:
+        raise ApplianceError(str(exc), "give a Hugging Face model folder") from None
+    already = existing_quantization(source)
+    if already:
+        raise ApplianceError(f"{source} is quantized already ({already})",
+                             f"serve it as it is: `appliance install {source}`")
 
 
 # ------------------------------------------------------------------------------------------- detect / tune

@@ -580,6 +580,8 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     if already:
         served_dir, method = source, already
         console.print(f"[green]✓[/green] {name} is already quantized ({already}): serving it as it is")
+        if opts.method not in ("auto", already):  # what was asked for cannot be done to it: said, not silent
+            console.print(f"[yellow]note:[/yellow] --method {opts.method} does not apply to a quantized checkpoint")
     elif opts.method == "none":
         served_dir, method = source, None
         console.print("Serving the unquantized model (--method none)")

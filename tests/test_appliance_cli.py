@@ -281,6 +281,25 @@ def test_checkpoint_dir_is_keyed_by_source_method_and_group(tmp_path):
     assert installer.checkpoint_dir(tmp_path, a, "org/a", "awq", 4, 128) == key
 
 
+def test_quantize_refuses_bad_input_in_one_line_before_any_work(tmp_path, monkeypatch):
+    """Tracebacks once (ZeroDivisionError, NotADirectoryError, transformers' OSError, gptqmodel's refusal of a
+    quantized model), or a flag that did nothing (--desc-act with AWQ ran a whole AWQ quantization)."""
+    monkeypatch.setattr(installer, "quantize_model", lambda *a, **k: pytest.fail("quantized"))
+    model = make_model(tmp_path / "m")
+    (tmp_path / "afile").write_text("x")
+    for flags, needles in [(["--group-size", "0"], ["--group-size must be -1 (per channel) or a power of two"]),
+                           (["--group-size", "96"], ["got 96"]), (["--bits", "3"], ["--bits 3 is not supported"]),
+                           (["--bits", "8"], ["AWQ takes 4"]), (["--desc-act"], ["--desc-act is GPTQ's act-order"]),
+                           (["--out", str(tmp_path / "afile")], ["is not an empty folder"])]:
+        argv = ["quantize", str(model), "--out", str(tmp_path / "out"), *flags]
+        one_line_error(runner.invoke(app, argv), *needles)
+    (model / "config.json").write_text("{not json")
+    one_line_error(runner.invoke(app, ["quantize", str(model), "--out", str(tmp_path / "out")]), "not readable JSON")
+    (model / "config.json").write_text(json.dumps({**LLAMA, "quantization_config": {"quant_method": "awq"}}))
+    one_line_error(runner.invoke(app, ["quantize", str(model), "--out", str(tmp_path / "out")]),
+                   "is quantized already (awq)", "appliance install")
+
+
 def test_already_quantized_checkpoint_is_detected(tmp_path):
     plain = make_model(tmp_path / "plain")
     quantized = make_model(tmp_path / "q", {**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 4}})
