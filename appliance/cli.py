@@ -865,9 +865,9 @@ def bench(url: Optional[str] = UrlOpt,
         raise ApplianceError(f"--concurrency {concurrency!r} is not a list of numbers", "e.g. --concurrency 1,4,16")
     if not levels or min(levels) < 1 or prompt_len < 1 or max_tokens < 1:
         raise ApplianceError("concurrency, prompt length and max tokens must be positive", "e.g. --concurrency 1,4")
-    if processes < 0 or num_warmups < 0:
-        raise ApplianceError(f"--processes and --num-warmups must be 0 or more, got {processes} and {num_warmups}",
-                             "e.g. --processes 4 --num-warmups 1")
+    if processes < 0 or num_warmups < 0 or requests < 0:
+        raise ApplianceError(f"--requests, --processes and --num-warmups must be 0 or more, got {requests}, "
+                             f"{processes} and {num_warmups}", "e.g. --requests 0 (2 x concurrency)")
     url, api_key = _server(url, api_key)
     _check_serving(url, "bench")
     model = _served_model(url, api_key)
@@ -885,7 +885,20 @@ def bench(url: Optional[str] = UrlOpt,
                                                      processes=procs)))
     if as_json:
         print(json.dumps([r.to_json() for r in results], indent=2))
-        return
+    else:
+        _bench_table(model, url, results)
+    for r in results:  # a failure is shown, not only counted (vLLM's benchmark lists them too)
+        if r.errors:
+            Console(stderr=True).print(f"[yellow]concurrency {r.concurrency}:[/yellow] {r.errors} of "
+                                       f"{r.errors + r.requests} requests failed; the first: {r.first_error}",
+                                       highlight=False, markup=True)
+    dead = [r for r in results if r.errors and not r.requests]
+    if dead:
+        raise ApplianceError(f"every request at concurrency {dead[0].concurrency} failed: {dead[0].first_error}",
+                             "fix the flags the server refused, or see `appliance logs`")
+
+
+def _bench_table(model: str, url: str, results: list) -> None:
     table = Table(title=f"{model} at {url}")
     for col in ("conc.", "req", "err", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
                 "E2E p50/p99 s"):

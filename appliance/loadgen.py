@@ -74,6 +74,7 @@ class LevelResult:
     tpot: Summary
     itl: Summary
     e2el: Summary
+    first_error: str | None = None  # why the first failed request failed (the server's message where it sent one)
 
     @property
     def req_per_s(self) -> float:
@@ -107,12 +108,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def _error_message(body: bytes) -> str:
+    """An error answer's text: the OpenAI-shaped JSON's ``error.message``, else its first 200 bytes."""
+    try:
+        return str(json.loads(body)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return repr(body[:200])
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
     start = time.perf_counter()
     timing, last, usage = None, start, {}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            raise RuntimeError(f"HTTP {resp.status_code}: {_error_message(await resp.aread())}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -158,35 +167,39 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, promp
     common start to the last one's end."""
     processes = client_processes(concurrency, requests, processes)
     if processes == 1:
-        timings, errors, start, end = await _timings(url, model, concurrency, requests, prompt_len, max_tokens,
-                                                     api_key)
+        timings, errors, first_error, start, end = await _timings(url, model, concurrency, requests, prompt_len,
+                                                                  max_tokens, api_key)
     else:
-        timings, errors, start, end = await _timings_in_processes(url, model, concurrency, requests, prompt_len,
-                                                                  max_tokens, api_key, processes)
+        timings, errors, first_error, start, end = await _timings_in_processes(
+            url, model, concurrency, requests, prompt_len, max_tokens, api_key, processes)
     return LevelResult(concurrency, len(timings), errors, sum(t.input_tokens for t in timings),
                        sum(t.output_tokens for t in timings), end - start, Summary.of([t.ttft for t in timings]),
                        Summary.of([t.tpot for t in timings if t.tpot is not None]),
-                       Summary.of([x for t in timings for x in t.itl]), Summary.of([t.e2e for t in timings]))
+                       Summary.of([x for t in timings for x in t.itl]), Summary.of([t.e2e for t in timings]),
+                       first_error)
 
 
 async def _timings(url: str, model: str, concurrency: int, requests: int, prompt_len: int, max_tokens: int,
-                   api_key: str | None, start_at: float | None = None) -> tuple[list[RequestTiming], int, float, float]:
-    """(timings, failed requests, start, end: ``time.time()`` seconds) of one process's share; it starts at the
-    wall-clock time ``start_at`` when given."""
+                   api_key: str | None, start_at: float | None = None
+                   ) -> tuple[list[RequestTiming], int, str | None, float, float]:
+    """(timings, failed requests, why the first failed, start, end: ``time.time()`` seconds) of one process's share;
+    it starts at the wall-clock time ``start_at`` when given."""
     body = {"model": model, "prompt": "hello " * prompt_len, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timings: list[RequestTiming] = []
-    errors = 0
+    errors, first_error = 0, None
     todo = iter(range(requests))
 
     async def worker(client):
-        nonlocal errors
+        nonlocal errors, first_error
         for _ in todo:
             try:
                 timings.append(await _one(client, url, body))
-            except (httpx.HTTPError, RuntimeError, ValueError, KeyError, TypeError, AttributeError):
+            except (httpx.HTTPError, RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 errors += 1  # unreachable, an HTTP error or error event, or a stream that is not one
+                first_error = first_error or (str(exc) if isinstance(exc, RuntimeError) else
+                                              f"{type(exc).__name__}: {exc}")
 
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
@@ -195,7 +208,7 @@ async def _timings(url: str, model: str, concurrency: int, requests: int, prompt
         start = time.time()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         end = time.time()
-    return timings, errors, start, end
+    return timings, errors, first_error, start, end
 
 
 def _shares(total: int, parts: int) -> list[int]:
@@ -205,7 +218,7 @@ def _shares(total: int, parts: int) -> list[int]:
 
 async def _timings_in_processes(url: str, model: str, concurrency: int, requests: int, prompt_len: int,
                                 max_tokens: int, api_key: str | None,
-                                processes: int) -> tuple[list[RequestTiming], int, float, float]:
+                                processes: int) -> tuple[list[RequestTiming], int, str | None, float, float]:
     """:func:`_timings` over ``processes`` child processes (their arguments on stdin, their timings as JSON on
     stdout), all starting 2 s from now (interpreter start-up is not load). Raises RuntimeError when one fails."""
     start_at = time.time() + 2.0
@@ -218,24 +231,25 @@ async def _timings_in_processes(url: str, model: str, concurrency: int, requests
                     max_tokens=max_tokens, api_key=api_key, start_at=start_at)
         jobs.append((proc, json.dumps(args).encode()))
     done = await asyncio.gather(*(proc.communicate(args) for proc, args in jobs))
-    timings, errors, starts, ends = [], 0, [], []
+    timings, errors, first_errors, starts, ends = [], 0, [], [], []
     for (proc, _), (out, err) in zip(jobs, done):
         if proc.returncode != 0:
             raise RuntimeError(f"a load-generator process failed (exit {proc.returncode}): {err.decode()[-300:]}")
         share = json.loads(out)
         timings += [RequestTiming(**t) for t in share["timings"]]
         errors += share["errors"]
+        first_errors += [share["first_error"]] if share["first_error"] else []
         starts.append(share["start"])
         ends.append(share["end"])
-    return timings, errors, min(starts), max(ends)
+    return timings, errors, (first_errors or [None])[0], min(starts), max(ends)
 
 
 def _child() -> None:
     """``python -m appliance.loadgen``: one process's share of a level (:func:`_timings_in_processes`)."""
     args = json.loads(sys.stdin.read())
-    timings, errors, start, end = asyncio.run(_timings(**args))
-    json.dump({"timings": [dataclasses.asdict(t) for t in timings], "errors": errors, "start": start, "end": end},
-              sys.stdout)
+    timings, errors, first_error, start, end = asyncio.run(_timings(**args))
+    json.dump({"timings": [dataclasses.asdict(t) for t in timings], "errors": errors, "first_error": first_error,
+               "start": start, "end": end}, sys.stdout)
 
 
 def model_cards(url: str, api_key: str | None = None) -> list[dict]:

@@ -80,6 +80,30 @@ def test_level_counts_errors_for_an_unknown_model(processes):
                                        processes=processes))
     engine.shutdown()
     assert (result.requests, result.errors) == (0, 3)
+    assert result.first_error.startswith("HTTP 404: ") and "no-such-model" in result.first_error  # the server's
+
+
+def test_bench_shows_why_requests_failed_and_fails_where_none_succeeded(monkeypatch):
+    """A whole level failing (max_tokens over the context, say) was an all-zero row and exit 0, the server's 400
+    never shown; --requests -1 was taken."""
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+    engine = AsyncLLMEngine(lambda: FakeEngine(max_model_len=64), "fake-model")
+    with ServerThread(build_app(engine)) as url:
+        wait_for(lambda: engine.is_ready, what="engine ready")
+        result = CliRunner().invoke(app, ["bench", "--url", url, "--concurrency", "1", "--max-tokens", "100",
+                                          "--prompt-len", "4"])
+        ok = CliRunner().invoke(app, ["bench", "--url", url, "--concurrency", "1", "--max-tokens", "2",
+                                      "--prompt-len", "4", "--requests", "2"])
+        negative = CliRunner().invoke(app, ["bench", "--url", url, "--requests", "-1"])
+    engine.shutdown()
+    flat = " ".join(result.output.split())
+    assert result.exit_code == 1 and "4 of 4 requests failed; the first: HTTP 400:" in flat, result.output
+    assert "error: every request at concurrency 1 failed: HTTP 400:" in flat and "reduce the length" in flat
+    assert ok.exit_code == 0 and "failed" not in ok.output, ok.output
+    assert negative.exit_code == 1 and "--requests, --processes and --num-warmups must be 0 or more" in " ".join(
+        negative.output.split())
 
 
 def test_clients_and_requests_split_evenly_over_processes():
