@@ -653,10 +653,13 @@ ApiKeyOpt = typer.Option(None, "--api-key", envvar="APPLIANCE_API_KEY", help="de
 
 def _server(url: Optional[str], api_key: Optional[str]) -> tuple[str, Optional[str]]:
     """``--url`` and ``--api-key``. Without ``--url``: the installed server's address (its config file and
-    APPLIANCE_* variables; without either, http://127.0.0.1:8000). Without ``--api-key``: the installed server's
-    key, sent only to the installed server's address."""
+    APPLIANCE_* variables; without either, http://127.0.0.1:8000). A ``--url`` ending in /v1 (the OpenAI base URL
+    the installer prints, what SDKs take) is the server's. Without ``--api-key``: the installed server's key, sent
+    only to the installed server's address."""
     from appliance.installer import client_url
 
+    if url is not None:
+        url = url.rstrip("/").removesuffix("/v1")
     if url is not None and api_key is not None:
         return url.rstrip("/"), api_key
     try:

@@ -136,6 +136,9 @@ def test_dashboard_reads_the_server(server):
             assert len(app.scrapes) == 2
             await pilot.press("p")  # resumed: the window starts again
             assert not app.scrapes
+            await pilot.press("ctrl+c")  # quits, as top and htop do (Textual's own binding only told of ctrl+q)
+            await pilot.pause()
+            assert app.return_code == 0 and not app.is_running
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 

@@ -47,7 +47,8 @@ class TopApp(App):
     """The dashboard of the server at ``url`` (``api_key``: sent as a bearer token, as /v1/* may need it)."""
 
     TITLE = "appliance top"
-    BINDINGS = [("q", "quit", "Quit"), ("p", "toggle_pause", "Pause")]
+    #: ctrl+c quits too, as in top and htop (Textual's default only says to press ctrl+q)
+    BINDINGS = [("q", "quit", "Quit"), ("ctrl+c", "quit", "Quit"), ("p", "toggle_pause", "Pause")]
     CSS = ("#summary, #latency, #blocks { height: auto; margin: 0 1; } #running { height: 1fr; margin: 0 1; } "
            "#status { height: 1; margin: 0 1; color: $warning; }")
 
