@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -291,9 +292,14 @@ def input_history(path: Path, length: int = 1000) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # to a temporary name, then renamed: a crash never leaves half a file
             path.parent.mkdir(parents=True, exist_ok=True)
-            readline.write_history_file(path)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                readline.write_history_file(tmp)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
 
 
 class Block(str):

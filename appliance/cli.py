@@ -31,6 +31,23 @@ console = Console(soft_wrap=not sys.stdout.isatty())
 err_console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            console.print(f"appliance {version('edge-appliance')}", highlight=False)
+        except PackageNotFoundError:  # run from a checkout that pip never installed
+            console.print("appliance (not installed: run `pip install -e .`)", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                            help="print the version and exit")) -> None:
+    """edge-appliance: quantize a model and serve it over an OpenAI-compatible API on this machine."""
+
+
 def friendly(fn):
     """Turn ApplianceError into one line on stderr and a non-zero exit; Ctrl-C into exit 130."""
 
@@ -493,20 +510,19 @@ def logs(
     """The server's log (the background log file, or the unit's journal). Exit status 4, as `status`, when there
     is none and nothing is installed."""
     mgr = service.manager(_service_data_dir(config))
-    if follow:
-        mgr.follow(lines)
-        return
-    shown = mgr.log_lines(lines)
-    for line in shown:
-        print(line)
     path = config or cfgmod.config_path()
-    if not shown and lines:
+    if (lines or follow) and not mgr.log_lines(max(lines, 1)):  # no log at all: a follow would wait forever
         st = mgr.status()
         if not st.running and (not st.installed or not path.is_file()):  # as `status` tells "not installed"
             why = "removed by `appliance uninstall`" if path.is_file() else f"no config at {path}"
             console.print(f"[yellow]not installed[/yellow]: no log, {why}; `appliance install` sets it up",
                           highlight=False)
             raise typer.Exit(4)
+    if follow:
+        mgr.follow(lines)
+        return
+    for line in mgr.log_lines(lines):
+        print(line)
 
 
 @app.command()

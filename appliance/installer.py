@@ -561,6 +561,10 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     check_address(opts.host, opts.port, data_dir)  # before minutes of work, and before the running server stops
 
     tuner.check_choices(kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype)  # before minutes of conversion
+    if not opts.yes and not sys.stdin.isatty():  # asked only after minutes of perplexity passes, once
+        raise ApplianceError("no terminal to ask on", "pass --yes to accept every step")
+    if opts.eval_tokens < 2:
+        raise ApplianceError(f"--eval-tokens must be at least 2, got {opts.eval_tokens}", "leave it out: 32768")
 
     # 1. model
     if opts.model is None:

@@ -3,6 +3,7 @@ commands, a stopped answer, errors, a thinking model's reasoning apart from its 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -322,7 +323,7 @@ def test_verbose_prints_the_answers_counts_on_stderr_and_model_picks_a_listed_mo
     assert nan.exit_code == 1 and "--temperature must be a finite number" in nan.output
 
 
-def test_input_history_is_read_before_and_written_after(tmp_path):
+def test_input_history_is_read_before_and_written_after(tmp_path, monkeypatch):
     readline = pytest.importorskip("readline")
     path = tmp_path / "sub" / "chat_history"
     readline.clear_history()
@@ -338,6 +339,16 @@ def test_input_history_is_read_before_and_written_after(tmp_path):
     blocked.write_text("")
     with input_history(blocked / "chat_history"):  # its folder cannot be made: the chat goes on without it
         readline.add_history("third")
+    readline.clear_history()
+
+    def torn(name):  # a write that stops halfway (a full disk): the history written before stays whole
+        Path(name).write_text("half a li")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(readline, "write_history_file", torn)
+    with input_history(path):
+        readline.add_history("fourth")
+    assert path.read_text().splitlines()[-2:] == ["first turn", "second turn"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["chat_history"]  # no temporary file left
     readline.clear_history()
 
 

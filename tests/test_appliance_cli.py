@@ -177,6 +177,18 @@ def test_install_refuses_an_address_it_cannot_listen_on_before_anything_changes(
             installer.check_address("127.0.0.1", port, tmp_path / "data")
 
 
+def test_version_and_the_questions_asked_without_a_terminal(monkeypatch):
+    """--version, as vllm's and ollama's; install without --yes and without a terminal to ask on says so before
+    anything (it asked first after minutes of perplexity passes)."""
+    from importlib.metadata import version
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output == f"appliance {version('edge-appliance')}\n"
+    monkeypatch.setattr(installer, "resolve_model", lambda *a, **k: pytest.fail("resolved the model first"))
+    one_line_error(runner.invoke(app, ["install", "/some/model"]), "no terminal to ask on", "--yes")
+    one_line_error(runner.invoke(app, ["install", "--yes", "--eval-tokens", "0"]), "--eval-tokens must be at least 2")
+
+
 def test_doctor_reports_missing_config(tmp_path):
     result = runner.invoke(app, ["doctor"])
     assert result.exit_code == 1

@@ -154,6 +154,8 @@ def test_status_stop_logs_commands(bg, tmp_path):
     assert result.exit_code == 4 and f"not installed: no config at {tmp_path / 'config.toml'}" in _flat(result)
     result = runner.invoke(app, ["logs"])  # as status: nothing to show is said, not an empty success
     assert result.exit_code == 4 and f"not installed: no log, no config at {tmp_path / 'config.toml'}" in _flat(result)
+    result = runner.invoke(app, ["logs", "-f"])  # it waited forever, on a log file it made
+    assert result.exit_code == 4 and "not installed: no log" in _flat(result) and not (tmp_path / "data").exists()
     (tmp_path / "config.toml").write_text(f'port = {_free_port()}\n')  # what an install writes, more or less
     result = runner.invoke(app, ["status"])
     assert result.exit_code == 3 and "not running" in result.output
