@@ -542,11 +542,13 @@ def uninstall(
         if not typer.confirm(f"Remove {what}?", default=False):
             raise typer.Exit(1)
     mgr = service.manager(data)
-    was_installed = mgr.status().installed
+    was_installed, existed = mgr.status().installed, service.state_dir(data).is_dir()
     done = mgr.uninstall()  # a unit: whether there was one; the background process: whether it was running
     service.Background(service.state_dir(data)).uninstall()
     if isinstance(mgr, service.Systemd):
         console.print(f"removed the {mgr.mode} unit {mgr.unit_path}" if done else "no unit was installed")
+    elif not existed:
+        console.print(f"no background service was installed (nothing under {data})", highlight=False)
     elif not was_installed:
         console.print("the background service was already removed")
     else:
@@ -561,6 +563,15 @@ def uninstall(
 
 
 # ------------------------------------------------------------------------------------------------- doctor
+
+
+def _model_info(model: Path, checks: list[tuple[bool, str, str]]) -> Optional[tuner.ModelInfo]:
+    """The model's ``tuner.ModelInfo``, or None with a failed check saying why the engine would not load it."""
+    try:
+        return tuner.ModelInfo.from_dir(model)
+    except ApplianceError as exc:
+        checks.append((False, f"model {model}: {exc.message}", exc.hint or "run `appliance install` again"))
+        return None
 
 
 def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
@@ -598,8 +609,7 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
         checks.append((False, "no model configured", "run `appliance install`"))
     elif not (model / "config.json").is_file() or not any(model.glob("*.safetensors")):
         checks.append((False, f"model files missing in {model}", "run `appliance install` again"))
-    else:
-        info = tuner.ModelInfo.from_dir(model)
+    elif (info := _model_info(model, checks)) is not None:
         checks.append((True, f"model {model} ({hardware.gib(info.weight_bytes)})", ""))
         if hw.kind == "cuda":
             need = info.weight_bytes + tuner.GPU_RESERVE
@@ -624,7 +634,8 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
                        "see `appliance logs`; `systemctl restart appliance`"))
     else:
         checks.append((st.running, f"background server: {st.detail}",
-                       "run `appliance start` (`appliance install` if it was uninstalled), or see `appliance logs`"))
+                       "run `appliance start` (`appliance install` if it was uninstalled), or see `appliance logs`"
+                       if conf_path.is_file() else "run `appliance install`"))
     if st.running:
         state, health = _serving_state(client_url(conf.host, conf.port), st)
         what = "starting (not listening yet)" if state == "starting" else health.detail

@@ -193,6 +193,18 @@ def test_doctor_reports_missing_config(tmp_path):
     result = runner.invoke(app, ["doctor"])
     assert result.exit_code == 1
     assert "FAIL" in result.output and "appliance install" in result.output
+    assert "appliance start" not in result.output  # never installed: nothing to start
+
+
+def test_doctor_names_a_model_the_engine_would_not_load_and_a_port_out_of_range(tmp_path):
+    """Each is one failed check among the others (a TuneError, an OverflowError from bind, ended doctor before)."""
+    model = make_model(tmp_path / "m", {**LLAMA, "quantization_config": {**AWQ4, "bits": 3}})
+    conf_path = cfgmod.save(cfgmod.Config(model=str(model), device="cpu", port=70000), tmp_path / "c.toml")
+    checks = doctor_checks(conf_path)
+    [bad_model] = [c for c in checks if c[1].startswith(f"model {model}")]
+    assert bad_model[0] is False and "awq with 3-bit weights is not supported" in bad_model[1]
+    [bad_port] = [c for c in checks if "70000" in c[1]]
+    assert bad_port[0] is False and "port 70000 is not between 1 and 65535" in bad_port[1]
 
 
 def test_resolve_model_folder_and_hf_cache(tmp_path):

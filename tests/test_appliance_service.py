@@ -241,6 +241,8 @@ def test_uninstall_then_status_says_not_installed_until_started_again(bg, tmp_pa
     service is not installed (exit 4, as `systemctl status` for a unit that does not exist), not merely stopped;
     after --purge too."""
     runner = CliRunner()
+    result = runner.invoke(app, ["uninstall", "--yes"])  # nothing ever installed: said so
+    assert result.exit_code == 0 and "no background service was installed" in _flat(result), result.output
     (tmp_path / "config.toml").write_text('port = 8000\n')
     pid = bg.start(FAKE_SERVER)
     assert wait_for(lambda: "fake server up" in bg.log_lines(5))
