@@ -17,6 +17,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from appliance import config as cfgmod
@@ -56,8 +57,8 @@ def friendly(fn):
         try:
             return fn(*args, **kwargs)
         except ApplianceError as exc:
-            fix = f" [dim](fix: {exc.hint})[/dim]" if exc.hint else ""
-            err_console.print(f"[red]error:[/red] {exc.message}{fix}", highlight=False, soft_wrap=True)
+            fix = f" [dim](fix: {escape(exc.hint)})[/dim]" if exc.hint else ""  # a server's text may hold [...]
+            err_console.print(f"[red]error:[/red] {escape(exc.message)}{fix}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
@@ -67,12 +68,14 @@ def friendly(fn):
 
 
 def _config(path: Optional[Path]) -> cfgmod.Config:
-    """The config (file, then APPLIANCE_* variables). A ``--config`` file that does not exist is an error, not the
-    defaults: they would name the installed server, which the user did not mean."""
-    if path is not None and not path.is_file():
-        raise ApplianceError(f"no config at {path}", "pass the file `appliance install` wrote (`appliance doctor` "
-                             "names it), or leave --config out")
     return cfgmod.load(path)
+
+
+def _not_there(path: Optional[Path]) -> bool:
+    """Whether ``--config`` names a file that does not exist: the installed server's defaults would then answer
+    for a server the user did not mean (status and logs say "not installed", stop refuses, uninstall does
+    nothing)."""
+    return path is not None and not path.is_file()
 
 
 def _data_dir(conf: cfgmod.Config, path: Optional[Path]) -> Path:
@@ -88,12 +91,11 @@ def _service_data_dir(path: Optional[Path]) -> Path:
     """The installed service's data folder, for the commands that only manage it (stop, logs, uninstall). A config
     that does not load (a typo in a key, a bad APPLIANCE_* value) is warned about, and its ``data_dir`` alone (or
     the default) is used: a bad config must not keep a running server from being stopped or removed."""
-    conf = _config(path) if path is not None else None  # an explicit --config that is missing stays an error
     try:
-        conf = conf or cfgmod.load(None)
+        conf = cfgmod.load(path)
     except ApplianceError as exc:
-        console.print(f"[yellow]warning:[/yellow] {exc.message} (fix: {exc.hint}); going on with its data folder",
-                      highlight=False)
+        err_console.print(f"[yellow]warning:[/yellow] {escape(exc.message)} (fix: {escape(exc.hint or '')}); going "
+                          "on with its data folder", highlight=False)
         conf = cfgmod.Config(data_dir=_raw_data_dir(path or cfgmod.config_path()))
     return _data_dir(conf, path)
 
@@ -201,7 +203,7 @@ def quantize(
 def _check_quantizable(source: Path) -> None:
     """ApplianceError for a model folder whose config.json does not read, or that is quantized already."""
     from appliance.installer import existing_quantization
-    from engine.models.loader import CheckpointError, read_config
+    from engine.models.checkpoint_config import CheckpointError, read_config
 
     try:
         read_config(source)
@@ -346,28 +348,31 @@ def serve(
                sleep_after_idle_s=conf.sleep_after_idle_s)
 
 
-def _check_servable_here(conf: cfgmod.Config) -> None:
+def _check_servable_here(conf: cfgmod.Config, config_file: Optional[Path] = None) -> None:
     """What would otherwise fail after seconds of loading, or leave a server up with a dead engine: a port out of
     range or another program's, an address not this machine's, a model the engine does not load (its
-    architecture, quantization, weights), ``max_model_len`` over the model's context, ``device`` cuda without a
-    GPU. Raises ApplianceError (one line, with the fix)."""
+    architecture, quantization, weights), ``max_model_len`` over the model's context, and for ``serve`` (no
+    ``config_file``) ``device`` cuda without a GPU (``start`` leaves that to the server, whose environment may
+    differ from the caller's). Raises ApplianceError (one line; the fix names the flag, or the key in
+    ``config_file``)."""
     from appliance.installer import listen_problem
 
-    if not 0 < conf.port < 65536:
-        raise ApplianceError(f"port: must be between 1 and 65535, got {conf.port}",
-                             "fix it in the config file, APPLIANCE_PORT or --port")
+    def fix(key: str, flag_value: str) -> str:
+        return f"set `{key}` in {config_file}" if config_file else f"pass --{key.replace('_', '-')} {flag_value}"
+
     problem = listen_problem(conf.host, conf.port)
     if problem == "in use":
         raise ApplianceError(f"port {conf.port} on {conf.host} is already in use",
-                             f"stop what listens there (`appliance stop`?) or pass --port {conf.port + 1}")
+                             f"stop what listens there, or {fix('port', str(conf.port + 1))}")
     if problem is not None:
         raise ApplianceError(f"cannot listen on {conf.host}:{conf.port}: {problem}",
-                             "pass --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)")
+                             f"{fix('port', '8000')} and {fix('host', '127.0.0.1')}" if "port" in problem else
+                             f"{fix('host', '127.0.0.1')} (this machine only; 0.0.0.0: every interface)")
     info = tuner.ModelInfo.from_dir(conf.model)
     if conf.max_model_len is not None and conf.max_model_len > info.max_context:
         raise ApplianceError(f"max_model_len: {conf.max_model_len} is over {info.max_context_why}, "
-                             f"{info.max_context} tokens", f"use at most {info.max_context}")
-    if conf.device == "cuda":
+                             f"{info.max_context} tokens", fix("max_model_len", str(info.max_context)))
+    if conf.device == "cuda" and config_file is None:
         import torch
 
         if not torch.cuda.is_available():
@@ -426,9 +431,13 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
     and where. Exit status: 0 running or starting (restarting included), 1 the process runs but serves nothing
     (its engine failed, it has not answered for STARTUP_S seconds, or another program answers on its port), 3
     stopped, 4 not installed."""
+    path = config or cfgmod.config_path()
+    if _not_there(config):
+        console.print(f"[yellow]not installed[/yellow]: no config at {path}; `appliance install` sets it up",
+                      highlight=False)
+        raise typer.Exit(4)
     conf = _config(config)
     st = _manager(conf, config).status()
-    path = config or cfgmod.config_path()
     if not st.running and (not st.installed or not path.is_file()):  # removed, purged, or never installed
         why = f"{st.detail} (the config, models and logs were kept)" if path.is_file() else f"no config at {path}"
         console.print(f"[yellow]not installed[/yellow]: {why}; `appliance install` sets it up", highlight=False)
@@ -462,8 +471,6 @@ def status(config: Optional[Path] = typer.Option(None, "--config")):
 @friendly
 def start(config: Optional[Path] = typer.Option(None, "--config")):
     """Start the installed server again after `appliance stop` (the systemd unit, or the background process)."""
-    from appliance.installer import port_free
-
     path = config or cfgmod.config_path()
     if not path.is_file():
         raise ApplianceError(f"no config at {path}", "run `appliance install` first")
@@ -478,12 +485,9 @@ def start(config: Optional[Path] = typer.Option(None, "--config")):
         conf.engine_config()
     if not st.installed:
         raise ApplianceError(f"the service is not installed ({st.detail})", "run `appliance install` to set it up")
-    if 0 < conf.port < 65536 and not port_free(conf.host, conf.port):  # else the server would exit at once,
-        raise ApplianceError(f"port {conf.port} on {conf.host} is already in use",  # after `started` was printed
-                             f"stop what listens there, or set another `port` in {path}")
     if not conf.model:
         raise ApplianceError("no model is configured", f"run `appliance install` (or set `model` in {path})")
-    _check_servable_here(conf)  # the model's files, max_model_len...: the same reasons the server would exit for
+    _check_servable_here(conf, path)  # the reasons the server would exit for at once, after `started` was printed
     if isinstance(mgr, service.Systemd):
         mgr.start()
     else:
@@ -496,6 +500,9 @@ def start(config: Optional[Path] = typer.Option(None, "--config")):
 @friendly
 def stop(config: Optional[Path] = typer.Option(None, "--config")):
     """Stop the server (also where the config has an error: its data folder names the server)."""
+    if _not_there(config):
+        raise ApplianceError(f"no config at {config}", "pass the file `appliance install` wrote (`appliance doctor` "
+                             "names it), or leave --config out")
     mgr = service.manager(_service_data_dir(config))
     console.print("stopped" if mgr.stop() else "the server was not running")
 
@@ -509,8 +516,12 @@ def logs(
 ):
     """The server's log (the background log file, or the unit's journal). Exit status 4, as `status`, when there
     is none and nothing is installed."""
-    mgr = service.manager(_service_data_dir(config))
     path = config or cfgmod.config_path()
+    if _not_there(config):
+        console.print(f"[yellow]not installed[/yellow]: no log, no config at {path}; `appliance install` sets it up",
+                      highlight=False)
+        raise typer.Exit(4)
+    mgr = service.manager(_service_data_dir(config))
     if (lines or follow) and not mgr.log_lines(max(lines, 1)):  # no log at all: a follow would wait forever
         st = mgr.status()
         if not st.running and (not st.installed or not path.is_file()):  # as `status` tells "not installed"
@@ -534,6 +545,9 @@ def uninstall(
 ):
     """Stop the server and remove the unit (or pid file); with --purge also the config and data."""
     path = config or cfgmod.config_path()
+    if _not_there(config):
+        console.print(f"no config at {path}: nothing to uninstall", highlight=False)
+        return
     data = _service_data_dir(config)
     what = f"the service{', ' + str(path) + ' and ' + str(data) if purge else ''}"
     if not yes:
@@ -919,9 +933,8 @@ def bench(url: Optional[str] = UrlOpt,
         _bench_table(model, url, results)
     for r in results:  # a failure is shown, not only counted (vLLM's benchmark lists them too)
         if r.errors:
-            Console(stderr=True).print(f"[yellow]concurrency {r.concurrency}:[/yellow] {r.errors} of "
-                                       f"{r.errors + r.requests} requests failed; the first: {r.first_error}",
-                                       highlight=False, markup=True)
+            err_console.print(f"[yellow]concurrency {r.concurrency}:[/yellow] {r.errors} of {r.errors + r.requests} "
+                              f"requests failed; the first: {escape(r.first_error or '')}", highlight=False)
     dead = [r for r in results if r.errors and not r.requests]
     if dead:
         raise ApplianceError(f"every request at concurrency {dead[0].concurrency} failed: {dead[0].first_error}",

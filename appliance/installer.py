@@ -196,15 +196,18 @@ def check_servable(model_dir: Path, name: str) -> None:
     """Raise ApplianceError unless the engine serves the model's architecture and its quantization (if any) and
     the folder has safetensors weights, in that order (before anything is quantized; ``appliance quantize`` alone
     needs no engine and does not ask)."""
-    from engine.models.llama import check_architecture
-    from engine.models.loader import CheckpointError, check_quantization, read_config
+    from engine.models.checkpoint_config import CheckpointError, check_architecture, check_quantization, read_config
     try:
         cfg = read_config(model_dir)
         check_architecture(cfg)
-        check_quantization(cfg)
     except CheckpointError as exc:
         raise ApplianceError(f"{name}: {exc}", "pick another model (`appliance quantize` still quantizes this one)") \
             from None
+    try:
+        check_quantization(cfg)
+    except CheckpointError as exc:  # quantized already: quantize cannot help
+        raise ApplianceError(f"{name}: {exc}", "serve another checkpoint of the model, or its unquantized weights "
+                             "(install quantizes them to 4-bit AWQ)") from None
     if not any(model_dir.glob("*.safetensors")):
         raise ApplianceError(f"{model_dir} has no *.safetensors weights", "convert the model to safetensors first")
 

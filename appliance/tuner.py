@@ -24,7 +24,7 @@ from appliance.hardware import Hardware, gib
 from engine.config import DTYPES, KV_CACHE_DTYPES, checkpoint_dtype, compute_dtype
 from engine.memory import CUDA_CONTEXT_BYTES, PLAN_MARGIN_BYTES, default_step_tokens, gpu_kv_budget
 from engine.models.context import max_context
-from engine.models.rope import RopeError
+from engine.models.rope import RopeError, rope_scaling
 
 BLOCK_SIZE = 16
 GIB = 2**30
@@ -65,15 +65,17 @@ class ModelInfo:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelInfo":
-        from engine.models.llama import check_architecture
-        from engine.models.loader import CheckpointError, check_quantization, read_config
+        from engine.models.checkpoint_config import CheckpointError, check_architecture, check_quantization, read_config
 
         model_dir = Path(model_dir)
         cfg_file = model_dir / "config.json"
         try:  # what the engine would refuse at load is refused here, before a plan for it
             cfg = read_config(model_dir)
+            rope_scaling(cfg)  # first: its own hint
             check_architecture(cfg)
             check_quantization(cfg)
+        except RopeError as exc:
+            raise TuneError(f"{cfg_file}: {exc}", "serve a model with a supported RoPE") from None
         except CheckpointError as exc:
             raise TuneError(str(exc), "give a Hugging Face model folder the engine serves") from None
         if not any(model_dir.glob("*.safetensors")):

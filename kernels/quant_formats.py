@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.quant_config import SUPPORTED_BITS, QuantSpec, parse_quant_config  # noqa: F401 - this module's API
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ word slot j holds column AWQ_ORDER[j] of its group of 8
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column c sits in slot AWQ_REVERSE_ORDER[c]
-SUPPORTED_BITS = (2, 4, 8)
 
 
 @dataclass
@@ -221,57 +222,6 @@ def reference_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     """y [M, N] = x [M, K] @ dequantize(qw).T (+ bias), computed in x's dtype (the torch reference path)."""
     w = dequantize(qw).to(device=x.device, dtype=x.dtype)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """A checkpoint's ``quantization_config`` normalised: method "awq" | "gptq" | "compressed-tensors"; fmt "gemm",
-    "gptq", "gptq_v2" or "pack-quantized"; group_size -1 = per-channel."""
-
-    method: str
-    fmt: str
-    bits: int
-    group_size: int
-    sym: bool
-    desc_act: bool
-
-
-def parse_quant_config(cfg: dict) -> QuantSpec:
-    """Normalise a ``quantization_config`` (AutoAWQ, AutoGPTQ/gptqmodel or compressed-tensors spelling)."""
-    method = str(cfg.get("quant_method", "")).lower()
-    if method == "compressed-tensors":
-        return _parse_compressed_tensors(cfg)
-    bits = int(cfg.get("bits", cfg.get("w_bit", 4)))
-    group_size = int(cfg.get("group_size", cfg.get("q_group_size", 128)))
-    sym = bool(cfg["sym"]) if "sym" in cfg else not cfg.get("zero_point", False)
-    fmt = cfg.get("checkpoint_format") or cfg.get("format") or cfg.get("version")
-    if method == "awq":
-        fmt = str(fmt or "gemm").lower()
-        if fmt != "gemm":
-            raise ValueError(f"AWQ version {fmt!r} is not supported (only 'gemm')")
-    elif method == "gptq":
-        fmt = str(fmt or "gptq").lower()
-        if fmt not in ("gptq", "gptq_v2"):
-            raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (only 'gptq' and 'gptq_v2')")
-    else:
-        raise ValueError(f"quant_method {method!r} is not supported (awq, gptq, compressed-tensors)")
-    return QuantSpec(method, fmt, bits, group_size, sym, bool(cfg.get("desc_act", False)))
-
-
-def _parse_compressed_tensors(cfg: dict) -> QuantSpec:
-    fmt = cfg.get("format")
-    if fmt != "pack-quantized":
-        raise ValueError(f"compressed-tensors format {fmt!r} is not supported (only 'pack-quantized')")
-    schemes = {repr(sorted(g.get("weights", {}).items())): g["weights"] for g in cfg.get("config_groups", {}).values()}
-    if len(schemes) != 1:
-        raise ValueError(f"compressed-tensors: expected one weight scheme in config_groups, found {len(schemes)}")
-    w = next(iter(schemes.values()))
-    if w.get("type", "int") != "int" or w.get("strategy") not in ("group", "channel"):
-        raise ValueError(f"compressed-tensors: weight type {w.get('type')!r} / strategy {w.get('strategy')!r} "
-                         "is not supported (int, group or channel)")
-    group_size = int(w["group_size"]) if w["strategy"] == "group" else -1
-    return QuantSpec("compressed-tensors", fmt, int(w["num_bits"]), group_size, bool(w.get("symmetric", True)),
-                     w.get("actorder") not in (None, False))
 
 
 def is_quantized(tensors: dict, prefix: str) -> bool:

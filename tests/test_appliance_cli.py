@@ -85,9 +85,10 @@ def test_serve_refuses_in_one_line_what_would_fail_after_loading(tmp_path, monke
     import engine.server.api_server as api_server
     monkeypatch.setattr(api_server, "run_server", lambda *a, **k: pytest.fail("the server started"))
     model = str(make_model(tmp_path / "m"))
-    for flags, needles in [(["--port", "70000"], ["port: must be between 1 and 65535, got 70000"]),
-                           (["--port", "-1"], ["got -1"]),
-                           (["--max-model-len", "5000"], ["max_model_len: 5000 is over", "use at most 1024"]),
+    for flags, needles in [(["--port", "70000"], ["port 70000 is not between 1 and 65535", "--port 8000"]),
+                           (["--port", "-1"], ["port -1 is not between"]),
+                           (["--host", "999.1.1.1"], ["cannot listen on 999.1.1.1", "--host 127.0.0.1"]),
+                           (["--max-model-len", "5000"], ["max_model_len: 5000 is over", "pass --max-model-len 1024"]),
                            (["--max-model-len", "0"], ["max_model_len: must be at least 1, got 0"])]:
         one_line_error(runner.invoke(app, ["serve", model, *flags]), *needles)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -266,6 +267,30 @@ def test_install_and_tune_refuse_a_model_the_engine_cannot_load_in_one_line(tmp_
     one_line_error(runner.invoke(app, ["install", str(folder), "--yes", "--no-service"]), *needles)
     one_line_error(runner.invoke(app, ["tune", str(folder)]), *needles)
     assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("*-awq-*"))
+
+
+def test_an_empty_quantization_config_is_dense_and_a_malformed_one_a_checkpoint_error():
+    from engine.models.checkpoint_config import CheckpointError, check_quantization
+    check_quantization({**LLAMA, "quantization_config": {}})  # as the installer and the planner read it
+    for bad in ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": []},
+                {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                 "config_groups": {"g": {"weights": None}}}):
+        with pytest.raises(CheckpointError, match="quantization_config: "):
+            check_quantization({**LLAMA, "quantization_config": bad})
+
+
+def test_an_error_holding_brackets_is_printed_as_it_is(capsys):
+    """A server's message such as "[/v1]" was read as Rich markup: a MarkupError traceback, or words gone."""
+    from appliance.cli import friendly
+
+    def fails():
+        raise ApplianceError("the server said [/v1] and [INST]", "see [bold]")
+    import typer
+
+    with pytest.raises(typer.Exit) as exit_:
+        friendly(fails)()
+    assert exit_.value.exit_code == 1
+    assert "error: the server said [/v1] and [INST] (fix: see [bold])" in " ".join(capsys.readouterr().err.split())
 
 
 def test_tune_refuses_an_architecture_or_a_folder_without_weights(tmp_path):

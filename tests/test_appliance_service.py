@@ -32,6 +32,16 @@ def bg(tmp_path):
     mgr.stop(timeout=5)
 
 
+def _model(tmp_path) -> Path:
+    """A model folder the planner reads (config.json and a safetensors file; nothing loads it)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text('{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, '
+                                       '"max_position_embeddings": 1024}')
+    (model / "model.safetensors").write_bytes(b"\0" * 1024)
+    return model
+
+
 def _free_port() -> int:
     import socket
 
@@ -205,9 +215,16 @@ def test_a_config_with_an_error_still_stops_logs_and_uninstalls(bg, tmp_path, mo
     result = runner.invoke(app, ["logs", "-n", "5"])
     assert result.exit_code == 0 and "fake server up" in result.output, result.output
     assert "warning:" in _flat(result) and "unknown key 'max_num_seq'" in _flat(result)
-    missing = runner.invoke(app, ["stop", "--config", str(tmp_path / "nope.toml")])
-    assert missing.exit_code == 1 and f"no config at {tmp_path / 'nope.toml'}" in _flat(missing)
-    assert bg.status().running
+    nope = str(tmp_path / "nope.toml")
+    missing = runner.invoke(app, ["stop", "--config", nope])
+    assert missing.exit_code == 1 and f"no config at {nope}" in _flat(missing)
+    for command, code, said in ((["status"], 4, "not installed: no config at"), (["logs"], 4, "not installed: no log"),
+                                (["uninstall", "--yes", "--purge"], 0, "nothing to uninstall")):
+        result = runner.invoke(app, [*command, "--config", nope])  # not the installed server's answer
+        assert result.exit_code == code and said in _flat(result), (command, result.output)
+    assert bg.status().running and (tmp_path / "config.toml").is_file()
+    result = runner.invoke(app, ["logs", "-n", "1", "--config", str(tmp_path / "config.toml")])  # named: the same
+    assert result.exit_code == 0 and "unknown key 'max_num_seq'" in _flat(result), result.output
     monkeypatch.setenv("APPLIANCE_MAX_NUM_SEQS", "x")
     result = runner.invoke(app, ["stop"])
     assert result.exit_code == 0 and "stopped" in result.output and not bg.status().running, result.output
@@ -276,11 +293,7 @@ def test_start_after_stop_runs_serve_with_the_config(bg, tmp_path, monkeypatch):
     (tmp_path / "config.toml").write_text(f'port = {_free_port()}\nmodel = "{tmp_path / "nope"}"\n')
     result = runner.invoke(app, ["start"])  # the server would exit at once, after `started` was printed
     assert result.exit_code == 1 and f"{tmp_path / 'nope'} has no config.json" in _flat(result), result.output
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, '
-                                       '"max_position_embeddings": 1024}')
-    (model / "model.safetensors").write_bytes(b"\0" * 1024)
+    model = _model(tmp_path)
     (tmp_path / "config.toml").write_text(f'port = {_free_port()}\nmodel = "{model}"\n')  # not 8000: a user's
     started = []  # own server may hold it
     real_start = service.Background.start
@@ -307,10 +320,15 @@ def test_start_refuses_a_port_another_program_holds(bg, tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        (tmp_path / "config.toml").write_text(f'host = "127.0.0.1"\nport = {port}\n')
+        (tmp_path / "config.toml").write_text(f'host = "127.0.0.1"\nport = {port}\nmodel = "{_model(tmp_path)}"\n')
         result = CliRunner().invoke(app, ["start"])
+        (tmp_path / "config.toml").write_text(f'host = "999.1.1.1"\nport = {port}\nmodel = "{_model(tmp_path)}"\n')
+        elsewhere = CliRunner().invoke(app, ["start"])  # once reported as a port in use
     assert result.exit_code == 1, result.output
-    assert f"port {port} on 127.0.0.1 is already in use" in _flat(result) and "set another `port`" in _flat(result)
+    assert f"port {port} on 127.0.0.1 is already in use" in _flat(result), result.output
+    assert f"set `port` in {tmp_path / 'config.toml'}" in _flat(result)
+    assert elsewhere.exit_code == 1 and "cannot listen on 999.1.1.1" in _flat(elsewhere), elsewhere.output
+    assert "set `host` in" in _flat(elsewhere) and "--host" not in _flat(elsewhere)
     assert not bg.status().running
 
 

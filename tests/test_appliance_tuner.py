@@ -189,7 +189,7 @@ def test_scaled_rope_lengthens_and_unknown_rope_is_an_error(tmp_path):
     longrope = {**SMOLLM2, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
     with pytest.raises(TuneError, match="rope_type 'longrope' is not supported") as err:
         ModelInfo.from_dir(model_dir(tmp_path, longrope, GIB))
-    assert err.value.hint == "give a Hugging Face model folder the engine serves"
+    assert err.value.hint == "serve a model with a supported RoPE"
 
 
 def test_missing_config_is_an_error(tmp_path):

@@ -12,6 +12,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.models.context import max_context
+from engine.models.checkpoint_config import ARCHITECTURES, check_architecture  # noqa: F401 - callers import it here
 from engine.models.loader import CheckpointError, CheckpointReader
 from engine.models.rope import RopeError, inv_freq, rope_scaling
 
@@ -107,10 +108,10 @@ class LlamaForCausalLM(nn.Module):
         return [layer.attn for layer in self.layers]
 
 
-#: config.json ``architectures`` served by the Llama code: Mistral is Llama-shaped; Qwen2 (Qwen2.5) adds biases to
-#: q/k/v, which ``Linear`` loads wherever a checkpoint has them; Qwen3 adds an RMSNorm over each head of q and k
-MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-          "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM}
+#: config.json ``architectures`` served by the Llama code (``checkpoint_config.ARCHITECTURES``): Mistral is
+#: Llama-shaped; Qwen2 (Qwen2.5) adds biases to q/k/v, which ``Linear`` loads wherever a checkpoint has them; Qwen3
+#: adds an RMSNorm over each head of q and k
+MODELS = {name: LlamaForCausalLM for name in ARCHITECTURES}
 
 
 def sliding_window(cfg: dict) -> int:
@@ -121,23 +122,6 @@ def sliding_window(cfg: dict) -> int:
     if (cfg.get("architectures") or [""])[0] == "MistralForCausalLM" and isinstance(window, int) and window > 0:
         return window
     return 0
-
-
-def check_architecture(cfg: dict) -> str:
-    """The :data:`MODELS` key for a config.json dict (no ``architectures``: Llama). Raises CheckpointError for an
-    architecture not served, sliding-window attention switched on in Qwen2 / Qwen3 (``use_sliding_window``, which
-    their releases ship off; Mistral's window is served: :func:`sliding_window`), or RoPE settings not served
-    (``rope.rope_scaling``)."""
-    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch not in MODELS:
-        raise CheckpointError(f"architecture {arch!r} is not supported yet (supported: {', '.join(MODELS)})")
-    if cfg.get("use_sliding_window"):
-        raise CheckpointError("sliding-window attention (use_sliding_window) is not supported yet")
-    try:
-        rope_scaling(cfg)
-    except RopeError as exc:
-        raise CheckpointError(str(exc)) from None
-    return arch
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,

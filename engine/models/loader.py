@@ -5,53 +5,15 @@ design.md §5) are repacked by ``kernels.quant_formats`` into its one internal l
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from engine.models.checkpoint_config import CheckpointError, check_quantization, read_config  # noqa: F401
 from kernels import quant_formats
 from kernels.quant_formats import QuantizedWeight
-
-
-class CheckpointError(ValueError):
-    """The folder is not a checkpoint we can load; the message says what is missing or unsupported."""
-
-
-def read_config(folder: Path) -> dict:
-    """A model folder's config.json as a dict; raises CheckpointError when it is missing, not JSON, or not an
-    object."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path} is not readable JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return cfg
-
-
-def check_quantization(cfg: dict) -> None:
-    """Raise CheckpointError for a ``quantization_config`` this loader cannot read (design.md §5): a method or
-    format other than AWQ gemm, GPTQ v1/v2 and compressed-tensors pack-quantized, or a bit width the format does
-    not hold here (AWQ gemm: 4; the others: ``quant_formats.SUPPORTED_BITS``). Nothing for a dense config."""
-    qc = cfg.get("quantization_config")
-    if qc is None:
-        return
-    try:
-        if not isinstance(qc, dict):
-            raise ValueError("not an object")
-        spec = quant_formats.parse_quant_config(qc)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"quantization_config: {e}") from None
-    allowed = (4,) if spec.method == "awq" else quant_formats.SUPPORTED_BITS
-    if spec.bits not in allowed:
-        raise CheckpointError(f"quantization_config: {spec.method} with {spec.bits}-bit weights is not supported "
-                              f"(bits: {', '.join(map(str, allowed))})")
 
 
 class SafetensorsIndex(Mapping):
