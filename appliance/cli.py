@@ -648,8 +648,8 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
                        "see `appliance logs`; `systemctl restart appliance`"))
     else:
         checks.append((st.running, f"background server: {st.detail}",
-                       "run `appliance start` (`appliance install` if it was uninstalled), or see `appliance logs`"
-                       if conf_path.is_file() else "run `appliance install`"))
+                       "run `appliance start`, or see `appliance logs`" if conf_path.is_file() and st.installed
+                       else "run `appliance install`"))
     if st.running:
         state, health = _serving_state(client_url(conf.host, conf.port), st)
         what = "starting (not listening yet)" if state == "starting" else health.detail
@@ -692,6 +692,18 @@ UrlOpt = typer.Option(None, "--url", help="the server's base URL (default: the i
 ApiKeyOpt = typer.Option(None, "--api-key", envvar="APPLIANCE_API_KEY", help="default: the installed one's")
 
 
+def _base_url(url: str) -> str:
+    """The server's address from a ``--url`` as users paste it: without a scheme (http:// then, as Ollama's
+    OLLAMA_HOST), with the /v1 of the OpenAI base URL. An endpoint's address is refused with the base to give."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    base, _, rest = url.removesuffix("/v1").partition("/v1/")
+    if rest:
+        raise ApplianceError(f"--url {url} is an endpoint's address", f"give the server's base URL: --url {base}")
+    return base
+
+
 def _server(url: Optional[str], api_key: Optional[str]) -> tuple[str, Optional[str]]:
     """``--url`` and ``--api-key``. Without ``--url``: the installed server's address (its config file and
     APPLIANCE_* variables; without either, http://127.0.0.1:8000). A ``--url`` ending in /v1 (the OpenAI base URL
@@ -700,7 +712,7 @@ def _server(url: Optional[str], api_key: Optional[str]) -> tuple[str, Optional[s
     from appliance.installer import client_url
 
     if url is not None:
-        url = url.rstrip("/").removesuffix("/v1")
+        url = _base_url(url)
     if url is not None and api_key is not None:
         return url.rstrip("/"), api_key
     try:
@@ -738,9 +750,21 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
             hint = "pass --api-key (or APPLIANCE_API_KEY)" if exc.response.status_code == 401 else "check --url"
             raise ApplianceError(f"{url}/v1/kv answered {exc.response.status_code}", hint) from None
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise ApplianceError(f"no server answers at {url} ({exc})",
-                             "start it with `appliance start` (or `appliance install`) or pass --url")
+        raise ApplianceError(f"no server answers at {url} ({exc})", _start_hint())
     dashboard.run()
+
+
+def _start_hint() -> str:
+    """How to get a server up: `appliance start` where one is installed and stopped, else `appliance install`
+    (start refuses where nothing is installed, or it was uninstalled)."""
+    try:
+        conf = _config(None)
+        installed = (cfgmod.config_path().is_file() and conf.model is not None
+                     and _manager(conf).status().installed)
+    except ApplianceError:
+        installed = False
+    return ("start it with `appliance start`, or pass --url" if installed else
+            "install and start it with `appliance install`, or pass --url")
 
 
 def _installed_starting(url: str, health) -> bool:
@@ -779,8 +803,7 @@ def _check_serving(url: str, command: str, wait_s: float = 0.0) -> None:
                              f"run `appliance {command}` again in a few seconds (`appliance status` says running "
                              "then)")
     if health.state == "no answer":
-        raise ApplianceError(f"no server answers at {url} ({health.detail})",
-                             "start it with `appliance start` (or `appliance install`) or pass --url")
+        raise ApplianceError(f"no server answers at {url} ({health.detail})", _start_hint())
     if health.state == "loading":
         raise ApplianceError(f"the server at {url} is still loading the model",
                              f"run `appliance {command}` again in a few seconds (`appliance status` says running "

@@ -279,6 +279,23 @@ def test_an_empty_quantization_config_is_dense_and_a_malformed_one_a_checkpoint_
             check_quantization({**LLAMA, "quantization_config": bad})
 
 
+def test_urls_as_users_paste_them(tmp_path):
+    """No scheme (it was "no server answers ... start it"), the OpenAI base URL, an endpoint's whole address (it
+    was a 404 on .../chat/completions/v1/models); with nothing installed the fix says install, not start."""
+    from appliance.cli import _base_url
+
+    assert _base_url("127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert _base_url("http://h:1/v1/") == _base_url(" http://h:1 ") == "http://h:1"
+    with pytest.raises(ApplianceError, match="is an endpoint's address") as err:
+        _base_url("http://h:1/v1/chat/completions")
+    assert err.value.hint == "give the server's base URL: --url http://h:1"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing answers there
+    one_line_error(runner.invoke(app, ["chat", "--url", f"127.0.0.1:{port}", "hi"]),
+                   f"no server answers at http://127.0.0.1:{port}", "install and start it with `appliance install`")
+
+
 def test_an_error_holding_brackets_is_printed_as_it_is(capsys):
     """A server's message such as "[/v1]" was read as Rich markup: a MarkupError traceback, or words gone."""
     from appliance.cli import friendly

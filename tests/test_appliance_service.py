@@ -272,6 +272,9 @@ def test_uninstall_then_status_says_not_installed_until_started_again(bg, tmp_pa
     result = runner.invoke(app, ["status"])
     assert result.exit_code == 4 and "not installed: removed by `appliance uninstall` (the config, models and " \
         "logs were kept); `appliance install` sets it up" in _flat(result)
+    from appliance.cli import doctor_checks
+    [server] = [c for c in doctor_checks(tmp_path / "config.toml") if c[1].startswith("background server")]
+    assert server[2] == "run `appliance install`"  # start would refuse: it was uninstalled (a trial user's loop)
     assert "not installed" in runner.invoke(app, ["status"]).output  # asking again changes nothing
     bg.start(FAKE_SERVER)
     assert (bg.status().running, bg.status().installed) == (True, True)
