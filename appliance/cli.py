@@ -355,19 +355,12 @@ def _check_servable_here(conf: cfgmod.Config, config_file: Optional[Path] = None
     ``config_file``) ``device`` cuda without a GPU (``start`` leaves that to the server, whose environment may
     differ from the caller's). Raises ApplianceError (one line; the fix names the flag, or the key in
     ``config_file``)."""
-    from appliance.installer import listen_problem
+    from appliance.installer import check_address, flag_fix
 
-    def fix(key: str, flag_value: str) -> str:
-        return f"set `{key}` in {config_file}" if config_file else f"pass --{key.replace('_', '-')} {flag_value}"
+    def fix(key: str, value: str) -> str:
+        return f"set `{key}` in {config_file}" if config_file else flag_fix(key, value)
 
-    problem = listen_problem(conf.host, conf.port)
-    if problem == "in use":
-        raise ApplianceError(f"port {conf.port} on {conf.host} is already in use",
-                             f"stop what listens there, or {fix('port', str(conf.port + 1))}")
-    if problem is not None:
-        raise ApplianceError(f"cannot listen on {conf.host}:{conf.port}: {problem}",
-                             f"{fix('port', '8000')} and {fix('host', '127.0.0.1')}" if "port" in problem else
-                             f"{fix('host', '127.0.0.1')} (this machine only; 0.0.0.0: every interface)")
+    check_address(conf.host, conf.port, fix=fix)
     info = tuner.ModelInfo.from_dir(conf.model)
     if conf.max_model_len is not None and conf.max_model_len > info.max_context:
         raise ApplianceError(f"max_model_len: {conf.max_model_len} is over {info.max_context_why}, "

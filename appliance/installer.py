@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import psutil
 from rich.console import Console
@@ -324,10 +324,6 @@ def listen_problem(host: str, port: int) -> str | None:
     return None
 
 
-def port_free(host: str, port: int) -> bool:
-    return listen_problem(host, port) is None
-
-
 def _held_by_our_server(port: int, data_dir: Path) -> bool:
     """Whether the server an earlier install started (systemd unit or background process) listens on ``port``."""
     for mgr in (service.manager(data_dir), service.Background(service.state_dir(data_dir))):
@@ -343,18 +339,26 @@ def _held_by_our_server(port: int, data_dir: Path) -> bool:
     return False
 
 
-def check_address(host: str, port: int, data_dir: Path) -> None:
+def flag_fix(key: str, value: str) -> str:
+    """A fix that names the command's flag for setting ``key`` (``check_address``'s default wording)."""
+    return f"pass --{key.replace('_', '-')} {value}"
+
+
+def check_address(host: str, port: int, data_dir: Path | None = None,
+                  fix: Callable[[str, str], str] = flag_fix) -> None:
     """Raise ApplianceError, before anything is changed (config, running server), when a server could not listen
-    on ``host``:``port``: an address that is not this machine's, or a port another program holds (the server an
-    earlier install started may hold it: it is stopped before the new one starts)."""
+    on ``host``:``port``: an address that is not this machine's, a port out of range, or a port another program
+    holds (with ``data_dir``, the server an earlier install started may hold it: it is stopped before the new one
+    starts). ``fix(key, value)`` words the fix for a setting: the flag (default) or a config key."""
     problem = listen_problem(host, port)
-    if problem is None or (problem == "in use" and _held_by_our_server(port, data_dir)):
+    if problem is None or (problem == "in use" and data_dir is not None and _held_by_our_server(port, data_dir)):
         return
     if problem == "in use":
         raise ApplianceError(f"port {port} on {host} is already in use",
-                             f"stop what listens there or pass --port {port + 1}")
+                             f"stop what listens there, or {fix('port', str(port + 1))}")
     raise ApplianceError(f"cannot listen on {host}:{port}: {problem}",
-                         "pass --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)")
+                         f"{fix('port', '8000')} and {fix('host', '127.0.0.1')}" if "port" in problem else
+                         f"{fix('host', '127.0.0.1')} (this machine only; 0.0.0.0: every interface)")
 
 
 def client_url(host: str, port: int) -> str:

@@ -81,10 +81,7 @@ class ModelInfo:
         if not any(model_dir.glob("*.safetensors")):
             raise TuneError(f"{model_dir} has no *.safetensors weights", "convert the model to safetensors first")
         try:
-            try:
-                context, context_why = max_context(cfg)
-            except RopeError as exc:
-                raise TuneError(f"{cfg_file}: {exc}", "serve a model with a supported RoPE") from None
+            context, context_why = max_context(cfg)  # its RoPE was read above
             named_dtype = checkpoint_dtype(cfg)
             cfg = cfg.get("text_config") or cfg
             heads = cfg["num_attention_heads"]
