@@ -12,7 +12,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.models.context import max_context
-from engine.models.checkpoint_config import ARCHITECTURES, check_architecture  # noqa: F401 - callers import it here
+from engine.models.checkpoint_config import ARCHITECTURES, check_architecture
 from engine.models.loader import CheckpointError, CheckpointReader
 from engine.models.rope import RopeError, inv_freq, rope_scaling
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.models.checkpoint_config import CheckpointError, check_quantization, read_config  # noqa: F401
+from engine.models.checkpoint_config import CheckpointError, check_quantization, read_config
 from kernels import quant_formats
 from kernels.quant_formats import QuantizedWeight
 
