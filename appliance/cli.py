@@ -62,9 +62,21 @@ def friendly(fn):
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
+            _exit_now_if_worker_threads(130)
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _exit_now_if_worker_threads(code: int) -> None:
+    """Exit with ``code`` at once, past the interpreter's shutdown, when gptqmodel was loaded: its C++ worker
+    threads are still running after a Ctrl-C during quantization, and the normal exit ends in "terminate called
+    without an active exception" and status 134 (SIGABRT) instead of 130. By then the command's own clean-up has run
+    (the quantizer's ``except`` removed its temporary folder); only atexit handlers are skipped."""
+    if "gptqmodel" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _config(path: Optional[Path]) -> cfgmod.Config:

@@ -310,6 +310,29 @@ def test_an_error_holding_brackets_is_printed_as_it_is(capsys):
     assert "error: the server said [/v1] and [INST] (fix: see [bold])" in " ".join(capsys.readouterr().err.split())
 
 
+def test_ctrl_c_after_gptqmodel_was_loaded_exits_130_at_once(capsys, monkeypatch):
+    """gptqmodel's worker threads made the normal exit after Ctrl-C abort (status 134): with it loaded, the exit
+    is immediate; without it, the usual typer.Exit(130)."""
+    import typer
+
+    from appliance.cli import friendly
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code) or sys.exit(code))
+    monkeypatch.delitem(sys.modules, "gptqmodel", raising=False)
+    with pytest.raises(typer.Exit) as exit_:
+        friendly(interrupted)()
+    assert (exit_.value.exit_code, exits) == (130, [])
+    monkeypatch.setitem(sys.modules, "gptqmodel", object())
+    with pytest.raises(SystemExit) as exit_:
+        friendly(interrupted)()
+    assert (exit_.value.code, exits) == (130, [130])
+    assert capsys.readouterr().err.split() == ["interrupted", "interrupted"]
+
+
 def test_tune_refuses_an_architecture_or_a_folder_without_weights(tmp_path):
     folder = make_model(tmp_path / "gpt2", {**LLAMA, "architectures": ["GPT2LMHeadModel"]})
     one_line_error(runner.invoke(app, ["tune", str(folder)]), "GPT2LMHeadModel", "not supported")
