@@ -5,9 +5,11 @@ import dataclasses
 import functools
 import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.errors import StepFailed
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, with_logprob_objects
 from engine.sampling_params import SamplingParams
@@ -76,7 +78,7 @@ class LLM:
         return SamplingParams(**self._defaults)
 
     def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, lora_request: None = None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """One finished ``RequestOutput`` per prompt, in the order given.
@@ -89,7 +91,9 @@ class LLM:
         ``cumulative_logprob``. vLLM's ``lora_request`` (None only: no adapters here) and ``priority`` (None or
         all 0: this scheduler serves in arrival order) are accepted. As vLLM's, a completion that would run past
         ``max_model_len`` stops there (finish_reason "length"); only a prompt that leaves no room for a token is a
-        ContextLengthError. Raises that or ValueError before anything runs.
+        ContextLengthError. Raises that or ValueError before anything runs; ValueError also for a request that
+        could not sample a token (every token masked by its own parameters). Whatever a call raises (Ctrl-C too),
+        its requests are aborted first: the next call runs only its own.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -98,7 +102,7 @@ class LLM:
         if priority is not None and any(priority):
             raise ValueError("priority: this engine schedules in arrival order (priorities all 0 only)")
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
-        params = params if isinstance(params, list) else [params] * len(prompts)
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         for p in params:
@@ -106,38 +110,49 @@ class LLM:
                 if (getattr(p, name) or 0) > self.max_logprobs:
                     raise ValueError(f"{name}: {getattr(p, name)} is over max_logprobs ({self.max_logprobs})")
         ids = [str(next(self._ids)) for _ in prompts]
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
                 self.engine.add_request(request_id, _prompt_of(prompt), p, capped=True)
-        except Exception:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            self.engine.step()
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException as e:  # Ctrl-C too: the next call must not run (and wait for) this call's requests
+            self._drop(ids)
+            if isinstance(e, StepFailed) and e.request_error:  # a request's own parameters: no token to sample
+                raise e.cause from e
             raise
-        finished: dict[str, RequestOutput] = {}
-        bar = _progress(len(ids)) if use_tqdm else None
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        finally:
+            if bar is not None:
+                bar.close()
         tokenizer = self.engine.tokenizer
         decode = functools.lru_cache(maxsize=None)(lambda t: tokenizer.decode([t]))  # a token's text, once a call
         return [with_logprob_objects(finished[i], p.logprobs or 0, p.prompt_logprobs or 0,
                                      decode if p.detokenize else None) for i, p in zip(ids, params)]
 
+    def _drop(self, ids: list[str]) -> None:
+        """Abort the requests ``ids`` (those not finished) and deliver their aborts, so the engine holds nothing
+        of a call that raised."""
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, chat_template: str | None = None,
-             tools: list[dict] | None = None, lora_request: None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             lora_request: None = None, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list of them,
         each rendered by the tokenizer's chat template, or ``chat_template`` (a Jinja template) when given, with
         ``tools`` (OpenAI's tool definitions) for the template to show the model (ending with the assistant's
-        header, or inside the last message with ``continue_final_message``), then :meth:`generate`. Raises
+        header, or inside the last message with ``continue_final_message``), then :meth:`generate`. The first four
+        parameters are vLLM's, in its order; the others are keyword-only (vLLM has more between them, so a
+        positional call written for vLLM is a TypeError here, not a silently different prompt). Raises
         ValueError for both of those set, or for messages the template refuses."""
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message: cannot set both it and add_generation_prompt")

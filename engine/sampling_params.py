@@ -5,6 +5,7 @@ Source: vLLM ``SamplingParams`` (vllm/sampling_params.py); OpenAI API reference 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -76,7 +77,8 @@ class SamplingParams:
     ``seed`` a signed 64-bit integer (vLLM's range); ``logit_bias`` maps non-negative token ids (checked against
     the vocabulary by the engine) to finite biases, which are clamped to [-100, 100] (OpenAI's range, as vLLM);
     ``allowed_token_ids`` None or a non-empty list of non-negative ids (checked against the vocabulary by the
-    engine); ``truncate_prompt_tokens`` None, -1 or at least 1.
+    engine); ``truncate_prompt_tokens`` None, -1 or at least 1; ``structured_outputs`` None or a
+    StructuredOutputsParams (a dict of its fields is turned into one).
     """
 
     n: int = 1
@@ -113,6 +115,12 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):  # the HTTP body's spelling, {"json": ...}
+            fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+            unknown = sorted(set(self.structured_outputs) - fields)
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {unknown}; the fields are {sorted(fields)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
         if self.logit_bias:
             self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
@@ -163,6 +171,9 @@ class SamplingParams:
             ("allowed_token_ids", self.allowed_token_ids is None or (
                 len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids)),
              "must be a non-empty list of non-negative token ids"),
+            ("structured_outputs", self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "must be a StructuredOutputsParams (or a dict of its fields)"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
              or self.truncate_prompt_tokens >= 1, "must be -1 (max_model_len) or at least 1"),
         ]

@@ -177,6 +177,61 @@ def test_vllm_call_arguments_and_outputs(llm):
     assert llm.generate([long], GREEDY)[0].num_cached_tokens >= 32
 
 
+def _holds_nothing(llm) -> bool:
+    engine = llm.llm_engine
+    return (not engine.requests and not engine.has_unfinished_requests()
+            and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks)
+
+
+def test_a_call_that_raises_leaves_no_request_for_the_next(llm, monkeypatch):
+    """A request that cannot sample (EOS the only allowed token, masked by min_tokens) failed the call with the
+    others still in the engine: the next call ran them to their end (34 s for 3 tokens) and threw them away."""
+    eos = min(llm.llm_engine.eos_token_ids)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    stuck = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, allowed_token_ids=[eos])
+    with pytest.raises(ValueError, match="sampling: no token can be sampled"):
+        llm.generate(["1", "2", "3"], [long, stuck, long])
+    assert _holds_nothing(llm)
+    steps = []
+    real_step = llm.llm_engine.step
+    monkeypatch.setattr(llm.llm_engine, "step", lambda: steps.append(1) or real_step())
+    assert len(llm.generate(["hi"], GREEDY)[0].outputs[0].token_ids) == 4
+    assert len(steps) <= 5  # a prefill and three decodes (and the last read-back), not 200 tokens of others
+
+    def interrupted():
+        if len(steps) == 8:
+            raise KeyboardInterrupt
+        return real_step()
+    monkeypatch.setattr(llm.llm_engine, "step", lambda: steps.append(1) or interrupted())
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["1", "2"], long)
+    assert _holds_nothing(llm)
+
+
+def test_vllm_call_forms_a_tuple_of_params_and_chats_positional_arguments(llm):
+    """A tuple of SamplingParams is one per prompt (it was taken as one SamplingParams: AttributeError);
+    ``chat``'s first four parameters are vLLM's (its fourth was ``add_generation_prompt``: vLLM's positional
+    ``lora_request=None`` dropped the assistant header), the rest keyword-only."""
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    got = llm.generate(("Hi", "Hi"), (GREEDY, short))
+    assert [len(o.outputs[0].token_ids) for o in got] == [4, 2]
+    talk = [{"role": "user", "content": "What is the capital of France?"}]
+    assert (llm.chat(talk, GREEDY, False, None)[0].prompt_token_ids == llm.chat(talk, GREEDY)[0].prompt_token_ids)
+    with pytest.raises(TypeError):
+        llm.chat(talk, GREEDY, False, None, "{{ messages[0].content }}")
+
+
+def test_structured_outputs_as_a_dict_of_its_fields():
+    from engine.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    assert params.structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
+    with pytest.raises(ValueError, match=r"structured_outputs: unknown field\(s\) \['choices'\]; the fields are"):
+        SamplingParams(structured_outputs={"choices": ["yes"]})
+    with pytest.raises(ValueError, match="structured_outputs: must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs="yes|no")  # was an AttributeError once generate ran
+
+
 def test_offline_completions_stop_at_the_context_as_vllm(llm):
     """vLLM's offline ``LLM``: prompt + max_tokens over max_model_len (256 here) generates up to the context and
     finishes with "length"; only a prompt that fills it is refused. The engine's own ``add_request`` (the server's
