@@ -1,6 +1,7 @@
 """The offline API: ``LLM(model=DIR).generate(prompts, SamplingParams(...))`` (design.md §2, vLLM's ``LLM``)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -136,11 +137,13 @@ class LLM:
 
     def _drop(self, ids: list[str]) -> None:
         """Abort the requests ``ids`` (those not finished) and deliver their aborts, so the engine holds nothing
-        of a call that raised."""
+        of a call that raised. A step that raises again here is left unreported: the call's own exception is the
+        one to see."""
         for request_id in ids:
             self.engine.abort_request(request_id)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        with contextlib.suppress(Exception):
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
