@@ -751,9 +751,14 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
     try:
         httpx.get(f"{url}/v1/kv", headers=dashboard.headers, timeout=5).raise_for_status()
     except httpx.HTTPStatusError as exc:  # 503: the model is still loading; the dashboard says so until it is up
-        if exc.response.status_code != 503:
-            hint = "pass --api-key (or APPLIANCE_API_KEY)" if exc.response.status_code == 401 else "check --url"
-            raise ApplianceError(f"{url}/v1/kv answered {exc.response.status_code}", hint) from None
+        code = exc.response.status_code
+        if code == 401:
+            raise ApplianceError(f"{url}/v1/kv answered 401: the server refused the API key" if api_key else
+                                 f"{url}/v1/kv answered 401: the server needs an API key",
+                                 "check --api-key (or APPLIANCE_API_KEY)" if api_key else
+                                 "pass --api-key (or APPLIANCE_API_KEY)") from None
+        if code != 503:
+            raise ApplianceError(f"{url}/v1/kv answered {code}", "check --url") from None
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise ApplianceError(f"no server answers at {url} ({exc})", _start_hint())
     dashboard.run()

@@ -171,16 +171,46 @@ def test_dashboard_window_starts_again_after_a_gap_or_a_restart():
     assert [s.time for s in app.scrapes] == [31]
 
 
-def test_dashboard_keeps_its_numbers_when_the_server_goes(server):
+def test_dashboard_keeps_its_numbers_dimmed_and_dated_when_the_server_goes(server):
+    """An outage showed the last numbers (8 running, 36 tok/s) as if live, for a minute, the error below the
+    screen's edge in a small terminal: now they are dimmed, the running requests cleared, and the status line (the
+    first under the header) dates them."""
     async def scenario():
         app = TopApp(server, interval=60)
-        async with app.run_test():
+        async with app.run_test(size=(60, 15)):
             await until(lambda: app.kv is not None)
+            app._show_requests([{"request_id": "r1", "num_blocks": 3}])
             app.url = "http://127.0.0.1:9"  # nothing listens there
             await app.poll()
             assert app.error.startswith("http://127.0.0.1:9 does not answer: ConnectError")
             assert len(app.scrapes) == 1 and app.kv["num_blocks"] == 512
+            status = str(app.query_one("#status").content)
+            assert status == f"numbers from {app.read_at}: {app.error}" and app.read_at.count(":") == 2
+            assert app.query_one("#status").region.y == 1  # right under the header
+            assert all(app.query_one(w).has_class("stale") for w in ("#summary", "#latency", "#blocks"))
+            assert app.query_one("#running").row_count == 0
+            app.url = server
+            await app.poll()
+            assert not any(app.query_one(w).has_class("stale") for w in ("#summary", "#latency", "#blocks"))
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_dashboard_fits_the_terminal_and_a_long_interval():
+    """The block map was 6 x 64 cells at any size (ragged rows below 66 columns); an --interval over the 10 s
+    window never showed a rate, and one reading showed 0.0 tok/s instead of none."""
+    async def scenario():
+        app = TopApp("http://127.0.0.1:9", interval=60)
+        async with app.run_test(size=(40, 15)):
+            assert app._map_shape() == (1, 38)
+            lines = app._blocks({"blocks": "#" * 76}).plain.splitlines()
+            assert lines[1:] == ["█" * 38] and lines[0].startswith("block map, one cell per 2 blocks")
+        app = TopApp("http://127.0.0.1:9", interval=60)  # an app runs once
+        async with app.run_test(size=(160, 50)):
+            assert app._map_shape() == (6, 64)
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert TopApp("http://h:1", interval=30).window == 90 and TopApp("http://h:1").window == 10
+    one = text(TopApp._summary(Scrape(time=1.0), view(None, Scrape(time=1.0)), {}))
+    assert "- generated tok/s, - prompt tok/s, - req/s" in one
 
 
 @pytest.fixture(autouse=True)
@@ -263,7 +293,10 @@ def test_top_needs_the_servers_api_key():
     engine = AsyncLLMEngine(lambda: FakeEngine(), "fake-model")
     try:
         with ServerThread(build_app(engine, api_key="sesame")) as url:
-            one_line_error(runner.invoke(cli, ["top", "--url", url]), "answered 401", "--api-key")
+            one_line_error(runner.invoke(cli, ["top", "--url", url]), "answered 401: the server needs an API key",
+                           "pass --api-key")
+            one_line_error(runner.invoke(cli, ["top", "--url", url, "--api-key", "wrong"]),
+                           "answered 401: the server refused the API key", "check --api-key")
     finally:
         engine.shutdown()
     one_line_error(runner.invoke(cli, ["top", "--url", "http://[::1:9"]), "no server answers")

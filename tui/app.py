@@ -4,8 +4,10 @@ It shows the KV cache (usage and the block map of ``GET /v1/kv``), the queues (r
 (prompt and generation tokens per second, requests per second, prefix-cache hit rate) and latency (TTFT, ITL,
 end-to-end and queue time, p50 and p95) over the last ``window`` seconds, from ``GET /metrics`` (tui/metrics.py),
 and the running requests with the blocks each holds. Keys: ``q`` quits, ``p`` pauses. When the server does not
-answer, the last numbers stay and the status line says why; polling goes on. After a gap longer than the window
-(a pause, an outage) or a restart of the server (a counter went back), the window starts again.
+answer, the last numbers stay, dimmed, the running requests are cleared, and the status line (under the header,
+in view at any size) says why and how old the numbers are; polling goes on. After a gap longer than the window
+(a pause, an outage) or a restart of the server (a counter went back), the window starts again. The block map
+fits the terminal: as wide as it, fewer rows in a short one.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 from collections import deque
 
 import httpx
+from rich import box
 from rich.table import Table
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -20,8 +23,12 @@ from textual.widgets import DataTable, Footer, Header, Static
 
 from tui.metrics import LATENCIES, Scrape, block_map, parse_metrics, view
 
-#: Rows and columns of the block map; each cell covers num_blocks / (rows x columns) blocks, rounded up.
+#: Most rows and columns of the block map (fewer in a small terminal: :meth:`TopApp._map_shape`); each cell
+#: covers num_blocks / (rows x columns) blocks, rounded up.
 MAP_ROWS, MAP_COLUMNS = 6, 64
+#: Lines the dashboard needs besides the block map's rows: header, status, summary (4), latency (4), the table's
+#: header and a few requests, the map's legend, footer
+OTHER_LINES = 1 + 1 + 4 + 4 + 6 + 1 + 1
 _LABELS = {"time_to_first_token": "TTFT", "inter_token_latency": "ITL", "e2e_request_latency": "end to end",
            "request_queue_time": "queue"}
 
@@ -50,13 +57,18 @@ class TopApp(App):
     #: ctrl+c quits too, as in top and htop (Textual's default only says to press ctrl+q)
     BINDINGS = [("q", "quit", "Quit"), ("ctrl+c", "quit", "Quit"), ("p", "toggle_pause", "Pause")]
     CSS = ("#summary, #latency, #blocks { height: auto; margin: 0 1; } #running { height: 1fr; margin: 0 1; } "
-           "#status { height: 1; margin: 0 1; color: $warning; }")
+           "#status { height: 1; margin: 0 1; color: $warning; } .stale { text-opacity: 50%; }")
+    #: seconds the server has to answer each reading
+    TIMEOUT_S = 2.0
 
-    def __init__(self, url: str, api_key: str | None = None, interval: float = 1.0, window: float = 10.0):
+    def __init__(self, url: str, api_key: str | None = None, interval: float = 1.0, window: float | None = None):
+        """``window``: seconds the rates and percentiles cover (default: 10, or three readings where
+        ``interval`` is longer: a window shorter than two readings would never have a rate)."""
         super().__init__()
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.interval, self.window = interval, window
+        self.interval, self.window = interval, window if window is not None else max(10.0, 3 * interval)
+        self.read_at: str | None = None  # the wall-clock time of the last reading shown, HH:MM:SS
         self.scrapes: deque[Scrape] = deque()
         self.kv: dict | None = None
         self.paused = False
@@ -66,16 +78,16 @@ class TopApp(App):
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=True)
+        yield Static(id="status", markup=False)  # the server's words, brackets and all; first: in view at any size
         yield Static(id="summary")
         yield Static(id="latency")
-        yield Static(id="blocks")
-        yield Static(id="status", markup=False)  # the server's words, brackets and all; above the table: in view
         yield DataTable(id="running")
+        yield Static(id="blocks")
         yield Footer()
 
     def on_mount(self) -> None:
         self.sub_title = self.url
-        self.client = httpx.AsyncClient(timeout=2.0, headers=self.headers)
+        self.client = httpx.AsyncClient(timeout=self.TIMEOUT_S, headers=self.headers)
         table = self.query_one("#running", DataTable)
         table.add_column("running request", key="id")
         table.add_column("KV blocks", key="blocks")
@@ -106,8 +118,9 @@ class TopApp(App):
             kv.raise_for_status()
         except httpx.HTTPStatusError as exc:  # 503 while the model loads: the server's message says so
             self.error = f"{self.url} answered {exc.response.status_code}: {_message(exc.response)}"
-        except httpx.HTTPError as exc:
-            self.error = f"{self.url} does not answer: {exc.__class__.__name__}: {exc}"
+        except httpx.HTTPError as exc:  # a timeout's own text is empty
+            self.error = (f"{self.url} does not answer: {exc.__class__.__name__}: "
+                          f"{exc or f'no answer in {self.TIMEOUT_S:g} s'}")
         else:
             try:
                 scrape, self.kv, self.error = parse_metrics(metrics.text, time.monotonic()), kv.json(), None
@@ -116,10 +129,17 @@ class TopApp(App):
         if self.paused:  # p was pressed while the requests were out
             return
         if self.error is not None:
-            self._say(self.error)
+            self._show_stale()
             return
         self._add_reading(scrape)
         self.redraw()
+
+    def _show_stale(self) -> None:
+        """The error, and the last numbers dimmed and dated; the running requests cleared (not known now)."""
+        for widget in self.query("#summary, #latency, #blocks"):
+            widget.add_class("stale")
+        self._show_requests([])
+        self._say((f"numbers from {self.read_at}: " if self.read_at else "") + self.error)  # in front: never cut
 
     def _add_reading(self, scrape: Scrape) -> None:
         """Keep the readings of the last ``window`` seconds, and the newest one older than that; start again after
@@ -136,12 +156,15 @@ class TopApp(App):
         old = self.scrapes[0] if len(self.scrapes) > 1 else None
         v = self.shown = view(old, new)
         kv = self.kv or {}
+        self.read_at = time.strftime("%H:%M:%S")
+        for widget in self.query("#summary, #latency, #blocks"):
+            widget.remove_class("stale")
         self.query_one("#summary", Static).update(self._summary(new, v, kv))
         self.query_one("#latency", Static).update(self._latency(v))
         self.query_one("#blocks", Static).update(self._blocks(kv))
         self._show_requests(kv.get("running", []))
-        self._say(f"updated {time.strftime('%H:%M:%S')}; rates over the last {v.seconds:.1f} s" if old
-                     else "waiting for a second reading")
+        self._say(f"updated {self.read_at}; rates over the last {v.seconds:.1f} s" if old
+                  else "waiting for a second reading")
 
     def _show_requests(self, running: list[dict]) -> None:
         """The running requests' rows, updated in place (clearing the table would reset its scroll position)."""
@@ -169,13 +192,16 @@ class TopApp(App):
         t.add_row("requests", f"{v.running} running, {v.waiting} waiting; {v.finished:,.0f} finished, "
                               f"{v.preemptions:,.0f} preemptions since start")
         hit = "-" if v.prefix_hit_rate is None else f"{v.prefix_hit_rate:.0%}"
-        t.add_row("throughput", f"{v.generation_tok_s:,.1f} generated tok/s, {v.prompt_tok_s:,.1f} prompt tok/s, "
-                                f"{v.requests_per_s:.2f} req/s; prefix cache hits {hit}")
+        if v.seconds > 0:
+            t.add_row("throughput", f"{v.generation_tok_s:,.1f} generated tok/s, {v.prompt_tok_s:,.1f} prompt "
+                                    f"tok/s, {v.requests_per_s:.2f} req/s; prefix cache hits {hit}")
+        else:  # one reading: no rate yet (0.0 would say the server is idle)
+            t.add_row("throughput", f"- generated tok/s, - prompt tok/s, - req/s; prefix cache hits {hit}")
         return t
 
     @staticmethod
     def _latency(v) -> Table:
-        t = Table(title="latency (ms)", title_justify="left", expand=False)
+        t = Table(title="latency (ms)", title_justify="left", expand=False, box=box.SIMPLE_HEAD, show_edge=False)
         t.add_column("")
         for name in LATENCIES:
             t.add_column(_LABELS[name], justify="right")
@@ -183,13 +209,24 @@ class TopApp(App):
         t.add_row("p95", *(_ms(v.percentiles[n][1]) for n in LATENCIES))
         return t
 
-    @staticmethod
-    def _blocks(kv: dict) -> Text:
-        cells = block_map(kv.get("blocks", ""), MAP_ROWS * MAP_COLUMNS)
+    def _map_shape(self) -> tuple[int, int]:
+        """The block map's rows and columns for the terminal's size: at most :data:`MAP_ROWS` x
+        :data:`MAP_COLUMNS`, no wider than the screen (less the margins), and in a short terminal only the rows
+        left after :data:`OTHER_LINES` (at least one)."""
+        width, height = self.size
+        return max(1, min(MAP_ROWS, height - OTHER_LINES)), max(8, min(MAP_COLUMNS, width - 2))
+
+    def on_resize(self) -> None:
+        if self.kv is not None and self.scrapes:
+            self.query_one("#blocks", Static).update(self._blocks(self.kv))
+
+    def _blocks(self, kv: dict) -> Text:
+        rows, columns = self._map_shape()
+        cells = block_map(kv.get("blocks", ""), rows * columns)
         if not cells:
             return Text("block map: none")
-        per = -(-len(kv["blocks"]) // (MAP_ROWS * MAP_COLUMNS))
-        lines = [cells[i:i + MAP_COLUMNS] for i in range(0, len(cells), MAP_COLUMNS)]
+        per = -(-len(kv["blocks"]) // (rows * columns))
+        lines = [cells[i:i + columns] for i in range(0, len(cells), columns)]
         plural = "s" if per > 1 else ""
         legend = f"block map, one cell per {per} block{plural}: █ used, ░▒▓▇ partly used, c cached, · free"
         return Text("\n".join([legend, *lines]))
