@@ -245,6 +245,11 @@ class AsyncLLMEngine:
         return bool(getattr(self._engine, "asleep", False))
 
     @property
+    def waking(self) -> bool:
+        """Whether a request is waking the sleeping engine (it loads its model again)."""
+        return bool(getattr(self._engine, "waking", False))
+
+    @property
     def engine(self) -> Any:
         """The loaded ``LLMEngine`` (read-only use: ``tokenizer``, ``max_model_len``); None until ready."""
         return self._engine
@@ -255,8 +260,9 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     def get_stats(self) -> EngineStats | None:
-        """The snapshot taken after the latest step (None before the engine is loaded)."""
-        return self._stats
+        """The snapshot taken after the latest step (None before the engine is loaded); while a request wakes the
+        sleeping engine, the engine's own (that request waiting: ``EngineProcess.waking``)."""
+        return self._engine.get_stats() if self.waking else self._stats
 
     def add_output_listener(self, fn: OutputListener) -> None:
         """Call ``fn(outputs)`` on the engine thread after every step (metrics); exceptions are logged."""

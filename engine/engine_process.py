@@ -344,7 +344,7 @@ class EngineProcess:
     def __init__(self, config: EngineConfig):
         from transformers import AutoTokenizer
         self.config = config
-        self._asleep = self._stopping = False
+        self._asleep = self._stopping = self._waking = False
         self._wake_failure: tuple[float, str] = (float("-inf"), "")  # (monotonic time, error) of the last failed wake
         self._carried: dict[str, int] = {}  # the counters of the children before this one (sleep)
         self._decoder = _Decoder()
@@ -401,6 +401,12 @@ class EngineProcess:
         """Whether the child is stopped by :meth:`sleep` (the next request starts it again)."""
         return self._asleep
 
+    @property
+    def waking(self) -> bool:
+        """Whether a request is waking the engine: asleep still, the child loading (its snapshot counts that
+        request as waiting)."""
+        return self._waking
+
     def sleep(self) -> None:
         """Stop the child, which frees all its memory (the GPU's: weights, KV cache, CUDA graphs), and keep what
         this side holds (tokenizer, ``EngineInfo``): the next ``add_request`` loads the engine again (as long as a
@@ -426,7 +432,9 @@ class EngineProcess:
         failed_at, error = self._wake_failure
         if time.monotonic() - failed_at < WAKE_RETRY_S:
             raise EngineWakeFailed(f"{error} ({time.monotonic() - failed_at:.1f} s ago; not tried again yet)")
-        start = time.monotonic()
+        start, asleep_stats = time.monotonic(), self._stats
+        # the request that wakes it waits (those queued behind it are not seen here)
+        self._waking, self._stats = True, dataclasses.replace(asleep_stats, num_waiting=1)
         try:
             self._start()
             if self._stopping:  # a kill() that came while the child started, before it could see the child
@@ -437,6 +445,7 @@ class EngineProcess:
             if msg[0] == "failed":
                 raise EngineWakeFailed(f"loading the model again failed: {type(msg[1]).__name__}: {msg[1]}")
         except BaseException as e:
+            self._waking, self._stats = False, asleep_stats
             self._kill_child()
             self.close()
             if not isinstance(e, (EngineWakeFailed, EngineProcessDied, OSError)):
@@ -446,7 +455,7 @@ class EngineProcess:
             self._wake_failure = (time.monotonic(), str(error))
             raise error from (None if error is e else e)
         self._ready(msg)
-        self._asleep = False
+        self._asleep = self._waking = False
         logger.info("engine awake in %.1f s", time.monotonic() - start)
 
     def _recv(self) -> tuple:

@@ -258,7 +258,7 @@ def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model,
         assert all(isinstance(e, EngineWakeFailed) for e in failed) and len(starts) == 1  # one load tried
         assert sorted("not tried again yet" in str(e) for e in failed) == [False, True, True]
         assert all("loading the model again failed: FileNotFoundError" in str(e) for e in failed)
-        assert eng.engine.asleep and eng.is_ready
+        assert eng.engine.asleep and eng.is_ready and not eng.waking and eng.get_stats().num_waiting == 0
         (tmp_path / "gone").rename(model)
         time.sleep(ep.WAKE_RETRY_S)  # 1 s here (monkeypatched above)
         third = run(_final(eng, "The quick brown fox", params, "d"), timeout=300)
@@ -292,6 +292,8 @@ def test_a_shutdown_during_a_wake_that_hangs_stops_it_and_wakes_nothing_more(dem
         wait_for(lambda: eng.engine._process is not asleep_child and eng.engine._process.is_alive(), timeout=60,
                  what="the wake's child started")
         waking = eng.engine._process
+        # the wake is shown: /v1/kv's "waking", and its request as waiting (both were the asleep snapshot's)
+        assert eng.waking and eng.asleep and eng.get_stats().num_waiting == 1
     finally:
         eng.shutdown(timeout=2.0)
     asking.join(60)

@@ -156,6 +156,10 @@ def test_dashboard_says_when_the_engine_sleeps():
             async with app.run_test(size=(160, 50)):
                 await until(lambda: app.kv is not None)
                 assert "asleep: unloaded, the next request loads it again" in text(app.query_one("#summary").content)
+                fake.waking = True  # a request loads it again (EngineProcess.waking)
+                assert httpx.get(f"{url}/v1/kv").json()["waking"] is True
+                await app.poll()
+                assert "waking: a request loads the model again" in text(app.query_one("#summary").content)
         asyncio.run(asyncio.wait_for(scenario(), 30))
     engine.shutdown()
 

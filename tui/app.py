@@ -184,7 +184,8 @@ class TopApp(App):
         t.add_column(style="bold")
         t.add_column()
         dtype = new.cache.get("cache_dtype", "")
-        asleep = "   asleep: unloaded, the next request loads it again" if kv.get("asleep") else ""
+        asleep = ("   waking: a request loads the model again" if kv.get("waking") else
+                  "   asleep: unloaded, the next request loads it again" if kv.get("asleep") else "")
         t.add_row("model", Text(new.model + (f"   KV cache {dtype}" if dtype else "") + asleep))
         blocks = (f"{kv.get('used', 0):,} used, {kv.get('cached', 0):,} cached, {kv.get('free', 0):,} free of "
                   f"{kv.get('num_blocks', 0):,} blocks of {kv.get('block_size', 0)} tokens")

@@ -103,7 +103,7 @@ async def metrics(raw: Request) -> Response:
 async def kv(raw: Request) -> dict:
     """The KV block map (design.md §4): counts, one character per block (``.`` free, ``#`` used, ``c`` cached),
     per running request its id and number of blocks, and ``asleep``: the engine gave its memory back
-    (``sleep_after_idle_s``; the counts are then those of an empty cache)."""
+    (``sleep_after_idle_s``; the counts are then those of an empty cache), ``waking``: a request loads it again."""
     ctx = _ctx(raw)
     ctx.ready_engine()
     s = ctx.engine.get_stats()
@@ -114,7 +114,8 @@ async def kv(raw: Request) -> dict:
         used = max(0, s.num_blocks - free - cached)
     return {"block_size": s.block_size, "num_blocks": s.num_blocks, "free": free, "used": used, "cached": cached,
             "usage": s.kv_cache_usage, "blocks": s.block_states,
-            "running": [{"request_id": rid, "num_blocks": nb} for rid, nb in s.running], "asleep": ctx.engine.asleep}
+            "running": [{"request_id": rid, "num_blocks": nb} for rid, nb in s.running], "asleep": ctx.engine.asleep,
+            "waking": ctx.engine.waking}
 
 
 @router.post("/tokenize")
