@@ -64,14 +64,17 @@ def friendly(fn):
             err_console.print("interrupted")
             _exit_now_if_worker_threads(130)
             raise typer.Exit(130) from None
+        except SystemExit as exc:  # SIGTERM / SIGHUP while quantizing (quant.quantize)
+            _exit_now_if_worker_threads(exc.code if isinstance(exc.code, int) else 1)
+            raise
 
     return wrapper
 
 
 def _exit_now_if_worker_threads(code: int) -> None:
     """Exit with ``code`` at once, past the interpreter's shutdown, when gptqmodel was loaded: its C++ worker
-    threads are still running after a Ctrl-C during quantization, and the normal exit ends in "terminate called
-    without an active exception" and status 134 (SIGABRT) instead of 130. By then the command's own clean-up has run
+    threads are still running after a Ctrl-C (or SIGTERM) during quantization, and the normal exit ends in
+    "terminate called without an active exception" and status 134 (SIGABRT) instead of 130 (143). By then the command's own clean-up has run
     (the quantizer's ``except`` removed its temporary folder); only atexit handlers are skipped."""
     if "gptqmodel" in sys.modules:
         sys.stdout.flush()
@@ -197,17 +200,17 @@ def quantize(
     source, _ = installer.resolve_model(model, console)
     _check_quantizable(source)
     samples = installer.calibration_file_samples(calib) if calib else None
+    data = cfgmod.data_dir()
+    log = service.state_dir(data) / "quantize.log"  # gptqmodel's own output (thousands of lines)
     installer.quantize_model(source, out, method, bits, installer.fitted_group_size(source, group_size), console,
-                             calib=samples, desc_act=desc_act)
-    console.print(f"Wrote {out}")
+                             calib=samples, desc_act=desc_act, log=log)
+    console.print(f"Wrote {out} [dim](the quantizer's own output: {log})[/dim]", highlight=False)
     table = Table(title="Perplexity on held-out text (lower is better)")
     table.add_column("model")
     table.add_column("perplexity", justify="right")
-    from quant.evaluate import perplexity
-
-    for label, path in (("unquantized", source), (f"{method.upper()} {bits}-bit", out)):
-        with installer.step(console, f"Perplexity of the {label} model"):
-            value = perplexity(str(path))
+    models = {"unquantized": source, f"{method.upper()} {bits}-bit": out}  # cached as install's: once per model
+    for label, value in installer.perplexities(models, data / "models" / installer.PPL_CACHE, console,
+                                               log=log).items():
         table.add_row(label, f"{value:.3f}")
     console.print(table)
 

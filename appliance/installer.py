@@ -277,7 +277,9 @@ def quantize_model(source: Path, out: Path, method: str, bits: int, group_size: 
             return quantize(str(source), str(out), method=method, bits=bits, group_size=group_size,
                             desc_act=desc_act, calib=calib, progress=_progress_callback(update))
         except ValueError as exc:
-            raise ApplianceError(f"cannot quantize: {exc}", "check --method, --bits and --group-size") from None
+            hint = ("give a longer --calib file (a few pages of text), or omit --calib"
+                    if str(exc).startswith("calibration") else "check --method, --bits and --group-size")
+            raise ApplianceError(f"cannot quantize: {exc}", hint) from None
 
 
 def perplexities(models: dict[str, Path], cache_file: Path, console: Console, log: Path | None = None,

@@ -4,7 +4,8 @@ The result is a standard checkpoint the engine (and vLLM, transformers, gptqmode
 ``config.json`` with ``quantization_config`` (AWQ ``version: gemm`` or GPTQ ``checkpoint_format: gptq``) and the
 tokenizer files, chat template included; fp16 (scales, embeddings, norms), as AutoAWQ writes them.
 Calibration matmuls run in fp32 on CPU (see ``_cpu_patches``).  It is written into a temporary folder beside
-``out_dir`` and renamed into place, so an interrupted run never leaves a half-written checkpoint.
+``out_dir`` and renamed into place, so an interrupted run (Ctrl-C, SIGTERM, SIGHUP) never leaves a half-written
+checkpoint.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,6 +26,11 @@ METHODS = ("awq", "gptq")
 # Files copied from the source folder when gptqmodel's save did not write them (tokenizer, chat template, ...).
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
               "chat_template.json", "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+# Files always copied from the source folder: gptqmodel 7.6 rewrites generation_config.json ("auto-fixed", adding
+# do_sample: true, so transformers would sample where the source model was greedy)
+SOURCE_FILES = ("generation_config.json",)
+#: gptqmodel drops calibration samples of this many tokens or fewer
+MIN_CALIBRATION_TOKENS = 10
 
 Progress = Callable[[str], None]
 
@@ -38,7 +46,9 @@ def quantize(model_dir, out_dir, method: str = "awq", bits: int = 4, group_size:
     about a minute of CPU per layer).  ``group_size`` is lowered to the largest power of two that divides every
     linear's in_features (see :func:`fit_group_size`; 64 for SmolLM2-135M).  An existing ``out_dir`` is replaced
     only once the new checkpoint is complete.
-    Raises ValueError for an unknown method or unsupported bits.
+    Raises ValueError for an unknown method or unsupported bits, or calibration samples that are all too short
+    (:func:`check_calibration`). SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` meanwhile (main thread
+    only), so that the temporary folder is removed as for Ctrl-C.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -52,14 +62,51 @@ def quantize(model_dir, out_dir, method: str = "awq", bits: int = 4, group_size:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         start = time.perf_counter()
-        _run_gptqmodel(model_dir, tmp, method, bits, group_size, desc_act, calib, clip, say)
-        _complete_folder(model_dir, tmp)
-        _replace(tmp, out_dir)
+        with _termination_raises():
+            _run_gptqmodel(model_dir, tmp, method, bits, group_size, desc_act, calib, clip, say)
+            _complete_folder(model_dir, tmp)
+        _replace(tmp, out_dir)  # two renames: not to be cut between them
         say(f"{method.upper()} {bits}-bit g{group_size} checkpoint written in {time.perf_counter() - start:.0f} s")
         return out_dir
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def _termination_raises():
+    """SIGTERM and SIGHUP (``systemctl stop``, ``kill``, a closed terminal) raise ``SystemExit(128 + signal)`` in
+    the main thread for the duration, as Ctrl-C raises KeyboardInterrupt: Python's default ends the process without
+    running ``except`` or ``finally`` blocks. Off the main thread (signals cannot be handled there) it does
+    nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def check_calibration(calib: list, tokenizer) -> None:
+    """Raise ValueError when no calibration sample (a string, or a dict with ``input_ids``) is longer than
+    :data:`MIN_CALIBRATION_TOKENS` tokens: gptqmodel drops those and then divides by zero (a ZeroDivisionError
+    traceback from a short ``--calib`` file)."""
+    def tokens(sample) -> int:
+        ids = sample["input_ids"] if isinstance(sample, dict) else tokenizer(sample)["input_ids"]
+        return int(ids.shape[-1]) if hasattr(ids, "shape") else len(ids)
+
+    lengths = [tokens(sample) for sample in calib]
+    if not any(n > MIN_CALIBRATION_TOKENS for n in lengths):
+        samples = f"{len(lengths)} sample" + ("s" if len(lengths) != 1 else "")
+        raise ValueError(f"calibration: no sample is longer than {MIN_CALIBRATION_TOKENS} tokens ({sum(lengths)} "
+                         f"tokens in {samples}; gptqmodel drops such samples)")
 
 
 def linear_in_features(model_dir) -> set[int]:
@@ -129,6 +176,7 @@ def _run_gptqmodel(model_dir: Path, out: Path, method, bits, group_size, desc_ac
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if calib is None:
         calib = calibration_samples(tokenizer)
+    check_calibration(calib, tokenizer)
     if method == "awq":
         # asymmetric (AutoAWQ's zero_point: true), the AWQ default
         config = QuantizeConfig(bits=bits, group_size=group_size, sym=False, quant_method="awq", format="gemm",
@@ -209,9 +257,10 @@ def _report_layers(model, say: Progress) -> None:
 
 
 def _complete_folder(model_dir: Path, out: Path) -> None:
-    """Copy tokenizer / chat-template / generation files gptqmodel did not write, and check the config."""
+    """Copy tokenizer / chat-template / generation files gptqmodel did not write (and :data:`SOURCE_FILES` over what
+    it wrote), and check the config."""
     for name in SIDE_FILES:
-        if (model_dir / name).is_file() and not (out / name).exists():
+        if (model_dir / name).is_file() and (name in SOURCE_FILES or not (out / name).exists()):
             shutil.copy2(model_dir / name, out / name)
     config = json.loads((out / "config.json").read_text())
     if "quantization_config" not in config:

@@ -1,10 +1,12 @@
 """The command line on bad input (one line, exit 1, no traceback), detect/tune output, and the installer's
 model resolution and checkpoint keys."""
+import contextlib
 import io
 import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 from appliance_testenv import isolate
@@ -387,6 +389,31 @@ def test_quantize_refuses_bad_input_in_one_line_before_any_work(tmp_path, monkey
     (model / "config.json").write_text(json.dumps({**LLAMA, "quantization_config": {"quant_method": "awq"}}))
     one_line_error(runner.invoke(app, ["quantize", str(model), "--out", str(tmp_path / "out")]),
                    "is quantized already (awq)", "appliance install")
+
+
+def test_quantize_reuses_the_unquantized_perplexity_and_logs_the_quantizers_output(tmp_path, monkeypatch):
+    """The unquantized model's perplexity (2-3 minutes here) was measured again on every run, and gptqmodel's
+    5,000 lines of output on the screen buried the table."""
+    import quant.evaluate
+
+    model = make_model(tmp_path / "m")
+    log = cfgmod.data_dir() / "run" / "quantize.log"
+    monkeypatch.setattr(installer, "fitted_group_size", lambda source, group_size: 64)
+    monkeypatch.setattr(installer, "output_to", lambda path, console: contextlib.nullcontext())  # CliRunner's fds
+
+    def quantize_model(source, out, *args, log=None, **kwargs):
+        assert log == cfgmod.data_dir() / "run" / "quantize.log"
+        return make_model(out)
+    monkeypatch.setattr(installer, "quantize_model", quantize_model)
+    measured = []
+    monkeypatch.setattr(quant.evaluate, "perplexity",
+                        lambda path, max_tokens: measured.append(Path(path).name) or 10.0 + len(measured))
+    for out in ("q1", "q2"):
+        result = runner.invoke(app, ["quantize", str(model), "--out", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+    assert measured == ["m", "q1", "q2"]
+    assert f"the quantizer's own output: {log}" in " ".join(result.output.split())
+    assert "11.000" in result.output and "13.000" in result.output  # the first run's unquantized figure
 
 
 def test_already_quantized_checkpoint_is_detected(tmp_path):

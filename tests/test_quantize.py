@@ -25,6 +25,9 @@ def test_checkpoint_is_a_complete_awq_gemm_folder(awq_demo_model, demo_model):
         assert (awq_demo_model / name).is_file(), name
     assert list(awq_demo_model.glob("*.safetensors"))
     assert [p.name for p in awq_demo_model.parent.iterdir()] == ["awq"]  # no temporary folder left behind
+    # the source's, not gptqmodel's rewrite (it added do_sample: true: transformers would sample by default)
+    assert (awq_demo_model / "generation_config.json").read_bytes() == (
+        demo_model / "generation_config.json").read_bytes()
     messages = awq_demo_model.messages
     assert any("layer 30/30" in m for m in messages) and any("using 64" in m for m in messages)
     from transformers import AutoTokenizer
@@ -111,3 +114,35 @@ def test_importing_gptqmodel_leaves_the_hugging_face_cache_variables_alone(tmp_p
                                                                 "TRANSFORMERS_CACHE": None,
                                                                 "HF_MODULES_CACHE": str(tmp_path / "modules")}
     assert (tmp_path / "cache" / "huggingface" / "hub").is_dir()  # tokenicer's folders in the usual cache
+
+
+def test_a_calibration_of_short_samples_is_refused_before_gptqmodel_divides_by_zero():
+    from quant.quantize import check_calibration
+
+    def tokenizer(text):
+        return {"input_ids": text.split()}
+
+    check_calibration(["a " * 11, "Amen."], tokenizer)  # one sample over 10 tokens is enough
+    with pytest.raises(ValueError, match=r"calibration: no sample is longer than 10 tokens \(11 tokens in 2 "):
+        check_calibration(["a " * 10, {"input_ids": torch.ones(1, 1)}], tokenizer)
+
+
+def test_sigterm_while_quantizing_removes_the_temporary_folder(tmp_path, monkeypatch):
+    """SIGTERM (systemctl stop, kill) ended the process without the clean-up Ctrl-C gets: a hidden partial folder
+    stayed beside --out."""
+    import os
+    import signal
+
+    from quant import quantize as q
+
+    monkeypatch.setattr(q, "fit_group_size", lambda model_dir, group_size, say: group_size)
+
+    def killed(model_dir, out, *args):
+        (out / "model.safetensors").write_bytes(b"partial")
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(q, "_run_gptqmodel", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_:
+        q.quantize(tmp_path / "model", tmp_path / "out")
+    assert exit_.value.code == 128 + signal.SIGTERM and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before
