@@ -74,8 +74,9 @@ def friendly(fn):
 def _exit_now_if_worker_threads(code: int) -> None:
     """Exit with ``code`` at once, past the interpreter's shutdown, when gptqmodel was loaded: its C++ worker
     threads are still running after a Ctrl-C (or SIGTERM) during quantization, and the normal exit ends in
-    "terminate called without an active exception" and status 134 (SIGABRT) instead of 130 (143). By then the command's own clean-up has run
-    (the quantizer's ``except`` removed its temporary folder); only atexit handlers are skipped."""
+    "terminate called without an active exception" and status 134 (SIGABRT) instead of 130 (143). By then the
+    command's own clean-up has run (the quantizer's ``except`` removed its temporary folder); only atexit handlers
+    are skipped."""
     if "gptqmodel" in sys.modules:
         sys.stdout.flush()
         sys.stderr.flush()
