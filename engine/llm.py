@@ -93,8 +93,10 @@ class LLM:
         all 0: this scheduler serves in arrival order) are accepted. As vLLM's, a completion that would run past
         ``max_model_len`` stops there (finish_reason "length"); only a prompt that leaves no room for a token is a
         ContextLengthError. Raises that or ValueError before anything runs; ValueError also for a request that
-        could not sample a token (every token masked by its own parameters). Whatever a call raises (Ctrl-C too),
-        its requests are aborted first: the next call runs only its own.
+        could not sample a token (every token masked by its own parameters); StepFailed (a RuntimeError) when a
+        forward pass failed. Whatever a call raises (Ctrl-C too), its requests are aborted first (their blocks
+        unregistered from the prefix cache: a cut step may have left their K/V unwritten), so the next call runs
+        only its own; requests added to ``llm_engine`` directly are left as they are.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -103,7 +105,7 @@ class LLM:
         if priority is not None and any(priority):
             raise ValueError("priority: this engine schedules in arrival order (priorities all 0 only)")
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         for p in params:
@@ -124,8 +126,8 @@ class LLM:
                             bar.update(1)
         except BaseException as e:  # Ctrl-C too: the next call must not run (and wait for) this call's requests
             self._drop(ids)
-            if isinstance(e, StepFailed) and e.request_error:  # a request's own parameters: no token to sample
-                raise e.cause from e
+            if isinstance(e, StepFailed) and e.request_error and set(e.request_ids) & set(ids):
+                raise e.cause from e  # one of this call's requests could not sample: its own parameters
             raise
         finally:
             if bar is not None:
@@ -136,13 +138,16 @@ class LLM:
                                      decode if p.detokenize else None) for i, p in zip(ids, params)]
 
     def _drop(self, ids: list[str]) -> None:
-        """Abort the requests ``ids`` (those not finished) and deliver their aborts, so the engine holds nothing
-        of a call that raised. A step that raises again here is left unreported: the call's own exception is the
-        one to see."""
+        """Abort the requests ``ids`` (those not finished), forgetting their prefix-cache entries, and, when no
+        other request is in the engine, deliver the aborts and read back a launched step (two steps at most), so
+        that it holds nothing of a call that raised. A step that raises again here is left unreported: the
+        call's own exception is the one to see."""
         for request_id in ids:
-            self.engine.abort_request(request_id)
+            self.engine.abort_request(request_id, forget=True)
         with contextlib.suppress(Exception):
-            while self.engine.has_unfinished_requests():
+            for _ in range(2):
+                if self.engine.requests or not self.engine.has_unfinished_requests():
+                    break
                 self.engine.step()
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -219,10 +219,11 @@ class LLMEngine:
             return None
         return self.grammar_compiler().matcher(params.structured_outputs, grammar)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, forget: bool = False) -> None:
         """Stop a request now and free its blocks; its last output (finish_reason "abort") comes with the next
-        ``step``. Unknown or finished ids are ignored."""
-        req = self._remove(request_id)
+        ``step``. Unknown or finished ids are ignored. ``forget``: unregister its blocks from the prefix cache
+        first, for a request whose step was cut off (Ctrl-C) after scheduling: their K/V may be unwritten."""
+        req = self._remove(request_id, forget)
         if req is None:
             return
         req.metrics.finished_time = time.monotonic()

@@ -183,29 +183,66 @@ def _holds_nothing(llm) -> bool:
             and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks)
 
 
+def _count_steps(llm, monkeypatch, interrupt_in_launch_at: int | None = None) -> list:
+    """Count the engine's steps; with ``interrupt_in_launch_at``, that launch raises KeyboardInterrupt (after the
+    step scheduled its batch: where a Ctrl-C mostly lands on the CPU)."""
+    steps, launches = [], []
+    engine, real_step, real_launch = llm.llm_engine, llm.llm_engine.step, llm.llm_engine.runner.launch
+
+    def launch(*args):
+        launches.append(1)
+        if len(launches) == interrupt_in_launch_at:
+            raise KeyboardInterrupt
+        return real_launch(*args)
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or real_step())
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    return steps
+
+
 def test_a_call_that_raises_leaves_no_request_for_the_next(llm, monkeypatch):
     """A request that cannot sample (EOS the only allowed token, masked by min_tokens) failed the call with the
     others still in the engine: the next call ran them to their end (34 s for 3 tokens) and threw them away."""
     eos = min(llm.llm_engine.eos_token_ids)
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     stuck = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, allowed_token_ids=[eos])
+    steps = _count_steps(llm, monkeypatch)
     with pytest.raises(ValueError, match="sampling: no token can be sampled"):
         llm.generate(["1", "2", "3"], [long, stuck, long])
-    assert _holds_nothing(llm)
-    steps = []
-    real_step = llm.llm_engine.step
-    monkeypatch.setattr(llm.llm_engine, "step", lambda: steps.append(1) or real_step())
+    assert _holds_nothing(llm) and len(steps) <= 4  # not the others' 200 tokens
+    steps.clear()
     assert len(llm.generate(["hi"], GREEDY)[0].outputs[0].token_ids) == 4
-    assert len(steps) <= 5  # a prefill and three decodes (and the last read-back), not 200 tokens of others
+    assert len(steps) <= 5  # a prefill and three decodes (and the last read-back)
 
-    def interrupted():
-        if len(steps) == 8:
-            raise KeyboardInterrupt
-        return real_step()
-    monkeypatch.setattr(llm.llm_engine, "step", lambda: steps.append(1) or interrupted())
+
+def test_ctrl_c_inside_a_step_leaves_no_unwritten_kv_in_the_prefix_cache(llm, monkeypatch):
+    """A Ctrl-C after a step scheduled its batch left the prompt's blocks registered in the prefix cache with their
+    K/V never written: the same prompt next hit them (num_cached_tokens 32) and answered other tokens."""
+    prompt = "Ctrl-C test: the quick brown fox jumps over the lazy dog, then runs far away into the woods. " * 2
+    cached = llm.llm_engine.block_manager.num_cached_blocks
+    _count_steps(llm, monkeypatch, interrupt_in_launch_at=1)
     with pytest.raises(KeyboardInterrupt):
-        llm.generate(["1", "2"], long)
-    assert _holds_nothing(llm)
+        llm.generate([prompt], GREEDY)
+    assert _holds_nothing(llm) and llm.llm_engine.block_manager.num_cached_blocks == cached
+    monkeypatch.undo()
+    again = llm.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 0 and len(again.prompt_token_ids) > 32  # over two 16-token blocks
+
+
+def test_a_failing_call_leaves_requests_added_to_the_engine_directly(llm, monkeypatch):
+    """The clean-up of a failed call ran every request to its end, a request the user added to ``llm_engine``
+    too (150 steps, its output thrown away)."""
+    eos = min(llm.llm_engine.eos_token_ids)
+    llm.llm_engine.add_request("theirs", "Hello", SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))
+    steps = _count_steps(llm, monkeypatch)
+    try:
+        with pytest.raises(ValueError, match="sampling: no token can be sampled"):
+            llm.generate(["1"], SamplingParams(max_tokens=8, min_tokens=3, allowed_token_ids=[eos]))
+        assert list(llm.llm_engine.requests) == ["theirs"] and len(steps) <= 3
+    finally:
+        llm.llm_engine.abort_request("theirs")
+        monkeypatch.undo()
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
 
 
 def test_vllm_call_forms_a_tuple_of_params_and_chats_positional_arguments(llm):
