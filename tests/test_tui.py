@@ -127,7 +127,7 @@ def test_dashboard_reads_the_server(server):
             assert "2 finished" in summary and "asleep" not in summary
             ttft50 = app.shown.percentiles["time_to_first_token"][0]
             assert ttft50 is not None and _ms(ttft50) in text(app.query_one("#latency").content).split("p50")[1]
-            assert text(app.query_one("#blocks").content).startswith("block map, one cell per 2 blocks")
+            assert text(app.query_one("#blocks").content).startswith("KV blocks (2 per cell): █ used")
             app._say("[/models/x] a message with brackets")  # the server's words, not markup
             assert str(app.query_one("#status").content) == "[/models/x] a message with brackets"
             await pilot.press("p")
@@ -199,22 +199,53 @@ def test_dashboard_keeps_its_numbers_dimmed_and_dated_when_the_server_goes(serve
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
-def test_dashboard_fits_the_terminal_and_a_long_interval():
-    """The block map was 6 x 64 cells at any size (ragged rows below 66 columns); an --interval over the 10 s
-    window never showed a rate, and one reading showed 0.0 tok/s instead of none."""
+def test_dashboard_fits_the_terminal_and_a_long_interval(server):
+    """The block map was 6 x 64 cells at any size (ragged rows below 66 columns, or where a scrollbar shows); an
+    --interval over the 10 s window never showed a rate, and one reading showed 0.0 tok/s instead of none."""
     async def scenario():
-        app = TopApp("http://127.0.0.1:9", interval=60)
-        async with app.run_test(size=(40, 15)):
-            assert app._map_shape() == (1, 38)
-            lines = app._blocks({"blocks": "#" * 76}).plain.splitlines()
-            assert lines[1:] == ["█" * 38] and lines[0].startswith("block map, one cell per 2 blocks")
-        app = TopApp("http://127.0.0.1:9", interval=60)  # an app runs once
+        app = TopApp(server, interval=60)
+        async with app.run_test(size=(40, 15)) as pilot:
+            await until(lambda: app.kv is not None)
+            assert app._map_shape() == (1, 36)
+            lines = app._blocks({"blocks": "#" * 72}).plain.splitlines()
+            assert lines[1:] == ["█" * 36] and lines[0].startswith("KV blocks (2 per cell): █ used")
+            for size in [(50, 30), (120, 40)]:  # a resize redraws the map for the new size at once
+                await pilot.resize_terminal(*size)
+                await pilot.pause()
+                blocks = app.query_one("#blocks")
+                drawn = text(blocks.content).splitlines()[1:]
+                assert drawn and max(map(len, drawn)) == min(64, size[0] - 4) <= blocks.content_region.width
+        app = TopApp(server, interval=60)  # an app runs once
         async with app.run_test(size=(160, 50)):
+            await until(lambda: app.kv is not None)
             assert app._map_shape() == (6, 64)
     asyncio.run(asyncio.wait_for(scenario(), 30))
     assert TopApp("http://h:1", interval=30).window == 90 and TopApp("http://h:1").window == 10
     one = text(TopApp._summary(Scrape(time=1.0), view(None, Scrape(time=1.0)), {}))
     assert "- generated tok/s, - prompt tok/s, - req/s" in one
+
+
+def test_quitting_while_a_reading_is_out_is_quiet(server):
+    """The first reading, out when the app closed, drew into widgets already gone: a WorkerFailed traceback."""
+    async def scenario():
+        for _ in range(3):
+            async with TopApp(server, interval=60).run_test():
+                pass
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_timeout_is_named_in_the_status_line(server):
+    async def scenario():
+        app = TopApp(server, interval=60)
+        async with app.run_test():
+            await until(lambda: app.kv is not None)
+
+            async def times_out(url):
+                raise httpx.ReadTimeout("")
+            app.client.get = times_out
+            await app.poll()
+            assert app.error == f"{server} does not answer: ReadTimeout: no answer in 2 s"
+    asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 @pytest.fixture(autouse=True)

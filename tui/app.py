@@ -18,7 +18,9 @@ import httpx
 from rich import box
 from rich.table import Table
 from rich.text import Text
+from textual import events
 from textual.app import App, ComposeResult
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Static
 
 from tui.metrics import LATENCIES, Scrape, block_map, parse_metrics, view
@@ -26,9 +28,12 @@ from tui.metrics import LATENCIES, Scrape, block_map, parse_metrics, view
 #: Most rows and columns of the block map (fewer in a small terminal: :meth:`TopApp._map_shape`); each cell
 #: covers num_blocks / (rows x columns) blocks, rounded up.
 MAP_ROWS, MAP_COLUMNS = 6, 64
-#: Lines the dashboard needs besides the block map's rows: header, status, summary (4), latency (4), the table's
-#: header and a few requests, the map's legend, footer
-OTHER_LINES = 1 + 1 + 4 + 4 + 6 + 1 + 1
+#: Lines the dashboard needs besides the block map's rows: header, status, summary (6 where 80 columns wrap it),
+#: latency (title, header, rule, p50, p95), the table's header and five requests, the map's legend, footer
+OTHER_LINES = 1 + 1 + 6 + 5 + 6 + 1 + 1
+#: Columns of the screen the block map leaves: its margins (1 + 1) and a vertical scrollbar (2), shown when the
+#: screen overflows
+MAP_SPARE_COLUMNS = 4
 _LABELS = {"time_to_first_token": "TTFT", "inter_token_latency": "ITL", "e2e_request_latency": "end to end",
            "request_queue_time": "queue"}
 
@@ -120,7 +125,7 @@ class TopApp(App):
             self.error = f"{self.url} answered {exc.response.status_code}: {_message(exc.response)}"
         except httpx.HTTPError as exc:  # a timeout's own text is empty
             self.error = (f"{self.url} does not answer: {exc.__class__.__name__}: "
-                          f"{exc or f'no answer in {self.TIMEOUT_S:g} s'}")
+                          f"{str(exc) or f'no answer in {self.TIMEOUT_S:g} s'}")
         else:
             try:
                 scrape, self.kv, self.error = parse_metrics(metrics.text, time.monotonic()), kv.json(), None
@@ -128,11 +133,14 @@ class TopApp(App):
                 self.error = f"{self.url} answered, but not with the server's metrics: {exc}"
         if self.paused:  # p was pressed while the requests were out
             return
-        if self.error is not None:
-            self._show_stale()
+        try:
+            if self.error is not None:
+                self._show_stale()
+                return
+            self._add_reading(scrape)
+            self.redraw()
+        except NoMatches:  # the app closed (q) while the requests were out: its widgets are gone
             return
-        self._add_reading(scrape)
-        self.redraw()
 
     def _show_stale(self) -> None:
         """The error, and the last numbers dimmed and dated; the running requests cleared (not known now)."""
@@ -210,24 +218,24 @@ class TopApp(App):
         t.add_row("p95", *(_ms(v.percentiles[n][1]) for n in LATENCIES))
         return t
 
-    def _map_shape(self) -> tuple[int, int]:
-        """The block map's rows and columns for the terminal's size: at most :data:`MAP_ROWS` x
-        :data:`MAP_COLUMNS`, no wider than the screen (less the margins), and in a short terminal only the rows
-        left after :data:`OTHER_LINES` (at least one)."""
-        width, height = self.size
-        return max(1, min(MAP_ROWS, height - OTHER_LINES)), max(8, min(MAP_COLUMNS, width - 2))
+    def _map_shape(self, size: tuple[int, int] | None = None) -> tuple[int, int]:
+        """The block map's rows and columns for the terminal's ``size`` (columns, lines; default: the app's): at
+        most :data:`MAP_ROWS` x :data:`MAP_COLUMNS`, no wider than the screen less :data:`MAP_SPARE_COLUMNS`, and in
+        a short terminal only the rows left after :data:`OTHER_LINES` (at least one)."""
+        width, height = size or self.size
+        return max(1, min(MAP_ROWS, height - OTHER_LINES)), max(8, min(MAP_COLUMNS, width - MAP_SPARE_COLUMNS))
 
-    def on_resize(self) -> None:
+    def on_resize(self, event: events.Resize) -> None:
+        """Redraw the block map for the new size (this handler runs before the app's own size is updated)."""
         if self.kv is not None and self.scrapes:
-            self.query_one("#blocks", Static).update(self._blocks(self.kv))
+            self.query_one("#blocks", Static).update(self._blocks(self.kv, event.size))
 
-    def _blocks(self, kv: dict) -> Text:
-        rows, columns = self._map_shape()
+    def _blocks(self, kv: dict, size: tuple[int, int] | None = None) -> Text:
+        rows, columns = self._map_shape(size)
         cells = block_map(kv.get("blocks", ""), rows * columns)
         if not cells:
             return Text("block map: none")
         per = -(-len(kv["blocks"]) // (rows * columns))
         lines = [cells[i:i + columns] for i in range(0, len(cells), columns)]
-        plural = "s" if per > 1 else ""
-        legend = f"block map, one cell per {per} block{plural}: █ used, ░▒▓▇ partly used, c cached, · free"
+        legend = f"KV blocks ({per} per cell): █ used ░▒▓▇ partly c cached · free"  # short: fits 60 columns
         return Text("\n".join([legend, *lines]))
