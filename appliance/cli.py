@@ -173,7 +173,7 @@ def install(
 @app.command()
 @friendly
 def quantize(
-    model: str = typer.Argument(..., help="model folder or HF cache name"),
+    model: Optional[str] = typer.Argument(None, help="model folder or HF cache name; default: the bundled demo"),
     method: str = typer.Option("awq", "--method", help="awq or gptq"),
     out: Path = typer.Option(..., "--out", help="folder for the quantized checkpoint"),
     calib: Optional[Path] = typer.Option(None, "--calib",
@@ -198,18 +198,21 @@ def quantize(
         raise ApplianceError(f"calibration file {calib} not found", "give a text file, or omit --calib")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ApplianceError(f"{out} exists and is not an empty folder", "choose another --out or remove it")
-    source, _ = installer.resolve_model(model, console)
+    source, name = installer.resolve_model(model, console)
     _check_quantizable(source)
     samples = installer.calibration_file_samples(calib) if calib else None
     data = cfgmod.data_dir()
     log = service.state_dir(data) / "quantize.log"  # gptqmodel's own output (thousands of lines)
-    installer.quantize_model(source, out, method, bits, installer.fitted_group_size(source, group_size), console,
-                             calib=samples, desc_act=desc_act, log=log)
+    fitted = installer.fitted_group_size(source, group_size)
+    if fitted != group_size:
+        console.print(f"Group size {group_size} does not divide {name}'s layer widths: using {fitted}")
+    installer.quantize_model(source, out, method, bits, fitted, console, calib=samples, desc_act=desc_act, log=log)
     console.print(f"Wrote {out} [dim](the quantizer's own output: {log})[/dim]", highlight=False)
-    table = Table(title="Perplexity on held-out text (lower is better)")
+    table = Table(title="Perplexity on held-out text, 32768 tokens of Luke (lower is better)")
     table.add_column("model")
     table.add_column("perplexity", justify="right")
-    models = {"unquantized": source, f"{method.upper()} {bits}-bit": out}  # cached as install's: once per model
+    label = f"{method.upper()} {bits}-bit " + ("per channel" if fitted == -1 else f"g{fitted}")
+    models = {"unquantized": source, label: out}  # cached as install's: once per model
     for label, value in installer.perplexities(models, data / "models" / installer.PPL_CACHE, console,
                                                log=log).items():
         table.add_row(label, f"{value:.3f}")
@@ -329,6 +332,12 @@ def serve(
     for key, value in overrides.items():
         if value is not None:
             setattr(conf, key, value)
+    if model_dir is not None:  # another model than the installed one: not under the installed one's name
+        conf.served_model_name = None
+        if not (model_dir / "config.json").is_file():
+            what = "has no config.json" if model_dir.is_dir() else "not found"
+            raise ApplianceError(f"model folder {model_dir} {what}",
+                                 "give a Hugging Face model folder (config.json, *.safetensors, tokenizer files)")
     if conf.model and not (Path(conf.model) / "config.json").is_file():
         raise ApplianceError(f"model folder {conf.model} has no config.json", "run `appliance install` again")
     engine_config = conf.engine_config()
@@ -764,19 +773,24 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
         if code != 503:
             raise ApplianceError(f"{url}/v1/kv answered {code}", "check --url") from None
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise ApplianceError(f"no server answers at {url} ({exc})", _start_hint())
+        raise ApplianceError(f"no server answers at {url} ({exc})", _start_hint(url))
     dashboard.run()
 
 
-def _start_hint() -> str:
+def _start_hint(url: str | None = None) -> str:
     """How to get a server up: `appliance start` where one is installed and stopped, else `appliance install`
-    (start refuses where nothing is installed, or it was uninstalled)."""
+    (start refuses where nothing is installed, or it was uninstalled). Where ``url``, the address nothing answers
+    at, is not the installed server's, starting that one would not help: the fix is the address."""
+    from appliance.installer import client_url
+
     try:
         conf = _config(None)
         installed = (cfgmod.config_path().is_file() and conf.model is not None
                      and _manager(conf).status().installed)
     except ApplianceError:
         installed = False
+    if installed and url is not None and url != client_url(conf.host, conf.port):
+        return f"check --url (the installed server's address is {client_url(conf.host, conf.port)})"
     return ("start it with `appliance start`, or pass --url" if installed else
             "install and start it with `appliance install`, or pass --url")
 
@@ -817,7 +831,7 @@ def _check_serving(url: str, command: str, wait_s: float = 0.0) -> None:
                              f"run `appliance {command}` again in a few seconds (`appliance status` says running "
                              "then)")
     if health.state == "no answer":
-        raise ApplianceError(f"no server answers at {url} ({health.detail})", _start_hint())
+        raise ApplianceError(f"no server answers at {url} ({health.detail})", _start_hint(url))
     if health.state == "loading":
         raise ApplianceError(f"the server at {url} is still loading the model",
                              f"run `appliance {command}` again in a few seconds (`appliance status` says running "

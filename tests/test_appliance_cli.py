@@ -298,6 +298,25 @@ def test_urls_as_users_paste_them(tmp_path):
                    f"no server answers at http://127.0.0.1:{port}", "install and start it with `appliance install`")
 
 
+def test_no_server_at_another_address_than_the_installed_ones_says_to_check_the_url(tmp_path, monkeypatch):
+    """`chat --url localhost:9999` with a server installed on 8000 said to run `appliance start` (which starts the
+    one on 8000)."""
+    from types import SimpleNamespace
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing answers there
+    monkeypatch.setattr("appliance.cli._manager", lambda conf: SimpleNamespace(
+        status=lambda: SimpleNamespace(installed=True, running=False)))
+    cfgmod.save(cfgmod.Config(model=str(make_model(tmp_path / "m")), port=port + 1))
+    one_line_error(runner.invoke(app, ["chat", "--url", f"127.0.0.1:{port}", "hi"]),
+                   f"no server answers at http://127.0.0.1:{port}",
+                   f"check --url (the installed server's address is http://127.0.0.1:{port + 1})")
+    cfgmod.save(cfgmod.Config(model=str(make_model(tmp_path / "m")), port=port))
+    one_line_error(runner.invoke(app, ["chat", "--url", f"127.0.0.1:{port}", "hi"]),
+                   "start it with `appliance start`, or pass --url")
+
+
 def test_an_error_holding_brackets_is_printed_as_it_is(capsys):
     """A server's message such as "[/v1]" was read as Rich markup: a MarkupError traceback, or words gone."""
     from appliance.cli import friendly
@@ -414,6 +433,8 @@ def test_quantize_reuses_the_unquantized_perplexity_and_logs_the_quantizers_outp
     assert measured == ["m", "q1", "q2"]
     assert f"the quantizer's own output: {log}" in " ".join(result.output.split())
     assert "11.000" in result.output and "13.000" in result.output  # the first run's unquantized figure
+    assert "Group size 128 does not divide m's layer widths: using 64" in result.output  # as install says it
+    assert "AWQ 4-bit g64" in result.output
 
 
 def test_already_quantized_checkpoint_is_detected(tmp_path):
@@ -441,6 +462,22 @@ def test_serve_passes_swap_space_to_the_engine(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert [(c.model, c.swap_space) for c in started] == [(model, 3.0)]
     one_line_error(runner.invoke(app, ["serve", model, "--swap-space", "-1"]), "swap_space: must be at least 0 GiB")
+
+
+def test_serve_model_dir_is_served_under_its_own_name(tmp_path, monkeypatch):
+    """`serve OTHER_DIR` beside an install served that folder under the installed model's name (two models, one
+    name); a folder that does not exist was "has no config.json (fix: run `appliance install` again)"."""
+    from engine.server import api_server
+
+    started = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(config))
+    installed, other = make_model(tmp_path / "installed"), make_model(tmp_path / "other")
+    cfgmod.save(cfgmod.Config(model=str(installed), served_model_name="org/Installed"))
+    assert runner.invoke(app, ["serve"]).exit_code == 0
+    assert runner.invoke(app, ["serve", str(other)]).exit_code == 0
+    assert [(c.model, c.served_model_name) for c in started] == [(str(installed), "org/Installed"), (str(other), None)]
+    one_line_error(runner.invoke(app, ["serve", str(tmp_path / "nope")]), f"model folder {tmp_path / 'nope'} not found",
+                   "give a Hugging Face model folder")
 
 
 def test_serve_passes_the_dtype_to_the_engine(tmp_path, monkeypatch):
