@@ -207,7 +207,8 @@ def quantize(
     if fitted != group_size:
         console.print(f"Group size {group_size} does not divide {name}'s layer widths: using {fitted}")
     installer.quantize_model(source, out, method, bits, fitted, console, calib=samples, desc_act=desc_act, log=log)
-    console.print(f"Wrote {out} [dim](the quantizer's own output: {log})[/dim]", highlight=False)
+    console.print(f"Wrote {escape(str(out))} [dim](the quantizer's own output: {escape(str(log))})[/dim]",
+                  highlight=False)
     table = Table(title="Perplexity on held-out text, 32768 tokens of Luke (lower is better)")
     table.add_column("model")
     table.add_column("perplexity", justify="right")
