@@ -205,7 +205,7 @@ def quantize(
     log = service.state_dir(data) / "quantize.log"  # gptqmodel's own output (thousands of lines)
     fitted = installer.fitted_group_size(source, group_size)
     if fitted != group_size:
-        console.print(f"Group size {group_size} does not divide {name}'s layer widths: using {fitted}")
+        console.print(f"Group size {group_size} does not divide {escape(name)}'s layer widths: using {fitted}")
     installer.quantize_model(source, out, method, bits, fitted, console, calib=samples, desc_act=desc_act, log=log)
     console.print(f"Wrote {escape(str(out))} [dim](the quantizer's own output: {escape(str(log))})[/dim]",
                   highlight=False)
@@ -324,7 +324,9 @@ def serve(
     if config is not None and not config.is_file():
         raise ApplianceError(f"config file {config} not found", "run `appliance install` or give --config PATH")
     conf = _config(config)
-    overrides = {"model": str(model_dir) if model_dir else None, "host": host, "port": port, "api_key": api_key,
+    configured = Path(conf.model).expanduser().resolve() if conf.model else None
+    overrides = {"model": str(model_dir.resolve()) if model_dir else None, "host": host, "port": port,
+                 "api_key": api_key,
                  "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
                  "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
                  "swap_space": swap_space, "max_waiting": max_waiting, "tool_call_parser": tool_call_parser,
@@ -333,10 +335,12 @@ def serve(
     for key, value in overrides.items():
         if value is not None:
             setattr(conf, key, value)
-    if model_dir is not None:  # another model than the installed one: not under the installed one's name
-        conf.served_model_name = None
+    if model_dir is not None:
+        if model_dir.resolve() != configured and not os.environ.get(cfgmod.ENV_PREFIX + "SERVED_MODEL_NAME"):
+            conf.served_model_name = None  # another model than the configured one: not under its name
         if not (model_dir / "config.json").is_file():
-            what = "has no config.json" if model_dir.is_dir() else "not found"
+            what = ("has no config.json" if model_dir.is_dir() else "is not a folder" if model_dir.exists()
+                    else "not found")
             raise ApplianceError(f"model folder {model_dir} {what}",
                                  "give a Hugging Face model folder (config.json, *.safetensors, tokenizer files)")
     if conf.model and not (Path(conf.model) / "config.json").is_file():
@@ -778,6 +782,23 @@ def top(url: Optional[str] = UrlOpt, api_key: Optional[str] = ApiKeyOpt,
     dashboard.run()
 
 
+#: host names of this machine's loopback and wildcard addresses: one server listening on either answers at each
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"}
+
+
+def _same_server(url: str, host: str, port: int) -> bool:
+    """Whether ``url`` (a base URL, :func:`_base_url`) reaches a server listening on ``host``:``port``: the same
+    port, and the same host or both on this machine (localhost, 127.0.0.1, ::1, or the wildcard addresses)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        url_host, url_port = (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return False
+    return url_port == port and (url_host == host.lower() or {url_host, host.lower()} <= _LOCAL_HOSTS)
+
+
 def _start_hint(url: str | None = None) -> str:
     """How to get a server up: `appliance start` where one is installed and stopped, else `appliance install`
     (start refuses where nothing is installed, or it was uninstalled). Where ``url``, the address nothing answers
@@ -790,7 +811,7 @@ def _start_hint(url: str | None = None) -> str:
                      and _manager(conf).status().installed)
     except ApplianceError:
         installed = False
-    if installed and url is not None and url != client_url(conf.host, conf.port):
+    if installed and url is not None and not _same_server(url, conf.host, conf.port):
         return f"check --url (the installed server's address is {client_url(conf.host, conf.port)})"
     return ("start it with `appliance start`, or pass --url" if installed else
             "install and start it with `appliance install`, or pass --url")

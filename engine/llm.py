@@ -94,9 +94,10 @@ class LLM:
         ``max_model_len`` stops there (finish_reason "length"); only a prompt that leaves no room for a token is a
         ContextLengthError. Raises that or ValueError before anything runs; ValueError also for a request that
         could not sample a token (every token masked by its own parameters); StepFailed (a RuntimeError) when a
-        forward pass failed. Whatever a call raises (Ctrl-C too), its requests are aborted first (their blocks
-        unregistered from the prefix cache: a cut step may have left their K/V unwritten), so the next call runs
-        only its own; requests added to ``llm_engine`` directly are left as they are.
+        forward pass failed, or when a request added to ``llm_engine`` directly could not sample. Whatever a call
+        raises (Ctrl-C too), its requests are aborted first (their blocks unregistered from the prefix cache: a cut
+        step may have left their K/V unwritten), so the next call runs only its own; requests added to
+        ``llm_engine`` directly are left as they are.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

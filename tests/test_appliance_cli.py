@@ -313,8 +313,9 @@ def test_no_server_at_another_address_than_the_installed_ones_says_to_check_the_
                    f"no server answers at http://127.0.0.1:{port}",
                    f"check --url (the installed server's address is http://127.0.0.1:{port + 1})")
     cfgmod.save(cfgmod.Config(model=str(make_model(tmp_path / "m")), port=port))
-    one_line_error(runner.invoke(app, ["chat", "--url", f"127.0.0.1:{port}", "hi"]),
-                   "start it with `appliance start`, or pass --url")
+    for url in (f"127.0.0.1:{port}", f"http://localhost:{port}/v1/"):  # the installed server's, however spelt
+        one_line_error(runner.invoke(app, ["chat", "--url", url, "hi"]),
+                       "start it with `appliance start`, or pass --url")
 
 
 def test_an_error_holding_brackets_is_printed_as_it_is(capsys):
@@ -476,8 +477,13 @@ def test_serve_model_dir_is_served_under_its_own_name(tmp_path, monkeypatch):
     assert runner.invoke(app, ["serve"]).exit_code == 0
     assert runner.invoke(app, ["serve", str(other)]).exit_code == 0
     assert [(c.model, c.served_model_name) for c in started] == [(str(installed), "org/Installed"), (str(other), None)]
+    assert runner.invoke(app, ["serve", str(installed)]).exit_code == 0  # the installed folder keeps its name
+    monkeypatch.setenv("APPLIANCE_SERVED_MODEL_NAME", "mine")  # a name asked for is kept
+    assert runner.invoke(app, ["serve", str(other)]).exit_code == 0
+    assert [c.served_model_name for c in started[2:]] == ["org/Installed", "mine"]
     one_line_error(runner.invoke(app, ["serve", str(tmp_path / "nope")]), f"model folder {tmp_path / 'nope'} not found",
                    "give a Hugging Face model folder")
+    one_line_error(runner.invoke(app, ["serve", str(other / "model.safetensors")]), "is not a folder")
 
 
 def test_serve_passes_the_dtype_to_the_engine(tmp_path, monkeypatch):

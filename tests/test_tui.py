@@ -127,7 +127,7 @@ def test_dashboard_reads_the_server(server):
             assert "2 finished" in summary and "asleep" not in summary
             ttft50 = app.shown.percentiles["time_to_first_token"][0]
             assert ttft50 is not None and _ms(ttft50) in text(app.query_one("#latency").content).split("p50")[1]
-            assert text(app.query_one("#blocks").content).startswith("KV blocks (2 per cell): █ used")
+            assert text(app.query_one("#blocks").content).startswith("KV blocks, 2/cell: █ used")
             app._say("[/models/x] a message with brackets")  # the server's words, not markup
             assert str(app.query_one("#status").content) == "[/models/x] a message with brackets"
             await pilot.press("p")
@@ -208,7 +208,7 @@ def test_dashboard_fits_the_terminal_and_a_long_interval(server):
             await until(lambda: app.kv is not None)
             assert app._map_shape() == (1, 36)
             lines = app._blocks({"blocks": "#" * 72}).plain.splitlines()
-            assert lines[1:] == ["█" * 36] and lines[0].startswith("KV blocks (2 per cell): █ used")
+            assert lines[1:] == ["█" * 36] and lines[0].startswith("KV blocks, 2/cell: █ used")
             for size in [(50, 30), (120, 40)]:  # a resize redraws the map for the new size at once
                 await pilot.resize_terminal(*size)
                 await pilot.pause()
@@ -226,11 +226,24 @@ def test_dashboard_fits_the_terminal_and_a_long_interval(server):
 
 
 def test_quitting_while_a_reading_is_out_is_quiet(server):
-    """The first reading, out when the app closed, drew into widgets already gone: a WorkerFailed traceback."""
+    """A reading that came back after the app closed drew into widgets already gone: a WorkerFailed traceback."""
+    answers = {path: httpx.get(f"{server}{path}") for path in ("/metrics", "/v1/kv")}
+
+    class Late:  # the server's answers, given after the app closed
+        async def get(self, url):
+            return answers[url.removeprefix(server)]
+
     async def scenario():
-        for _ in range(3):
-            async with TopApp(server, interval=60).run_test():
-                pass
+        app = TopApp(server, interval=60)
+        async with app.run_test():
+            await until(lambda: app.kv is not None)
+        app.client = Late()
+        await app.poll()  # returns quietly
+        app.client = Late()
+        app.url = "http://127.0.0.1:9"
+        answers["http://127.0.0.1:9/metrics"] = answers["http://127.0.0.1:9/v1/kv"] = httpx.Response(
+            503, request=httpx.Request("GET", "http://127.0.0.1:9/metrics"))
+        await app.poll()  # the error path too
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 

@@ -237,5 +237,5 @@ class TopApp(App):
             return Text("block map: none")
         per = -(-len(kv["blocks"]) // (rows * columns))
         lines = [cells[i:i + columns] for i in range(0, len(cells), columns)]
-        legend = f"KV blocks ({per} per cell): █ used ░▒▓▇ partly c cached · free"  # short: fits 60 columns
+        legend = f"KV blocks, {per}/cell: █ used ░▒▓▇ part c cached · free"  # short: fits 56 columns
         return Text("\n".join([legend, *lines]))
