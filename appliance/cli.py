@@ -203,21 +203,14 @@ def quantize(
     samples = installer.calibration_file_samples(calib) if calib else None
     data = cfgmod.data_dir()
     log = service.state_dir(data) / "quantize.log"  # gptqmodel's own output (thousands of lines)
-    fitted = installer.fitted_group_size(source, group_size)
-    if fitted != group_size:
-        console.print(f"Group size {group_size} does not divide {escape(name)}'s layer widths: using {fitted}")
+    fitted = installer.fitted_group_size(source, group_size, name, console)
     installer.quantize_model(source, out, method, bits, fitted, console, calib=samples, desc_act=desc_act, log=log)
     console.print(f"Wrote {escape(str(out))} [dim](the quantizer's own output: {escape(str(log))})[/dim]",
                   highlight=False)
-    table = Table(title="Perplexity on held-out text, 32768 tokens of Luke (lower is better)")
-    table.add_column("model")
-    table.add_column("perplexity", justify="right")
     label = f"{method.upper()} {bits}-bit " + ("per channel" if fitted == -1 else f"g{fitted}")
     models = {"unquantized": source, label: out}  # cached as install's: once per model
-    for label, value in installer.perplexities(models, data / "models" / installer.PPL_CACHE, console,
-                                               log=log).items():
-        table.add_row(label, f"{value:.3f}")
-    console.print(table)
+    ppl = installer.perplexities(models, data / "models" / installer.PPL_CACHE, console, log=log)
+    console.print(installer.perplexity_table(ppl, installer.HELDOUT_TOKENS))
 
 
 def _check_quantizable(source: Path) -> None:

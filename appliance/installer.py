@@ -57,6 +57,10 @@ class InstallOptions:
     eval_tokens: int = 32768  # held-out tokens for the perplexities (design.md §6)
 
 
+#: held-out tokens of the perplexities (design.md §6), the default of ``install --eval-tokens``
+HELDOUT_TOKENS = InstallOptions.eval_tokens
+
+
 # ------------------------------------------------------------------------------------------------ progress
 
 
@@ -241,14 +245,18 @@ def checkpoint_dir(data_dir: Path, source: Path, name: str, method: str, bits: i
     return before if before != folder and before.is_dir() and not folder.exists() else folder
 
 
-def fitted_group_size(source: Path, group_size: int) -> int:
-    """The group size the quantizer will really use (SmolLM2's 576-wide layers take 64 for a requested 128)."""
+def fitted_group_size(source: Path, group_size: int, name: str, console: Console) -> int:
+    """The group size the quantizer will really use (SmolLM2's 576-wide layers take 64 for a requested 128), said
+    on ``console`` when it is not ``group_size``."""
     from quant.quantize import fit_group_size
 
     try:
-        return fit_group_size(source, group_size)
+        fitted = fit_group_size(source, group_size)
     except ValueError as exc:
         raise ApplianceError(str(exc), "pick another --group-size (a power of two of at least 32), or -1") from None
+    if fitted != group_size:
+        console.print(f"Group size {group_size} does not divide {name}'s layer widths: using {fitted}", markup=False)
+    return fitted
 
 
 def calibration_file_samples(path: Path, chars: int = 2000) -> list[str]:
@@ -282,8 +290,18 @@ def quantize_model(source: Path, out: Path, method: str, bits: int, group_size: 
             raise ApplianceError(f"cannot quantize: {exc}", hint) from None
 
 
+def perplexity_table(ppl: dict[str, float], tokens: int) -> Table:
+    """The perplexities of :func:`perplexities` (``tokens`` held-out tokens), one row per model."""
+    table = Table(title=f"Perplexity on held-out text, {tokens} tokens of Luke (lower is better)")
+    table.add_column("model")
+    table.add_column("perplexity", justify="right")
+    for label, value in ppl.items():
+        table.add_row(label, f"{value:.3f}")
+    return table
+
+
 def perplexities(models: dict[str, Path], cache_file: Path, console: Console, log: Path | None = None,
-                 tokens: int = 32768) -> dict[str, float]:
+                 tokens: int = HELDOUT_TOKENS) -> dict[str, float]:
     """Held-out perplexity (design.md §6: the first ``tokens`` tokens of Luke) of each model, computed once per
     model folder, token count and evaluator version (a hash of the quant.evaluate and quant.calibration sources)
     and cached in JSON."""
@@ -600,9 +618,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
         console.print("Serving the unquantized model (--method none)")
     else:
         method = "awq" if opts.method == "auto" else opts.method
-        group_size = fitted_group_size(source, opts.group_size)
-        if group_size != opts.group_size:
-            console.print(f"Group size {opts.group_size} does not divide {name}'s layer widths: using {group_size}")
+        group_size = fitted_group_size(source, opts.group_size, name, console)
         served_dir = checkpoint_dir(data_dir, source, name, method, opts.bits, group_size)
         if (served_dir / "config.json").is_file():
             console.print(f"[green]✓[/green] Reusing the quantized checkpoint {served_dir}")
@@ -618,12 +634,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     if method:
         models[f"{method.upper()} {opts.bits}-bit g{group_size}" if not already else method] = served_dir
     ppl = perplexities(models, data_dir / "models" / PPL_CACHE, console, log=install_log, tokens=opts.eval_tokens)
-    ppl_table = Table(title=f"Perplexity on held-out text, {opts.eval_tokens} tokens of Luke (lower is better)")
-    ppl_table.add_column("model")
-    ppl_table.add_column("perplexity", justify="right")
-    for label, value in ppl.items():
-        ppl_table.add_row(label, f"{value:.3f}")
-    console.print(ppl_table)
+    console.print(perplexity_table(ppl, opts.eval_tokens))
 
     # 4. detect (above), 5. tune
     console.print(f"Accelerator: {detect_line(hw)}")

@@ -102,11 +102,12 @@ def check_calibration(calib: list, tokenizer) -> None:
         ids = sample["input_ids"] if isinstance(sample, dict) else tokenizer(sample)["input_ids"]
         return int(ids.shape[-1]) if hasattr(ids, "shape") else len(ids)
 
+    if any(tokens(sample) > MIN_CALIBRATION_TOKENS for sample in calib):  # the first long one ends it
+        return
     lengths = [tokens(sample) for sample in calib]
-    if not any(n > MIN_CALIBRATION_TOKENS for n in lengths):
-        samples = f"{len(lengths)} sample" + ("s" if len(lengths) != 1 else "")
-        raise ValueError(f"calibration: no sample is longer than {MIN_CALIBRATION_TOKENS} tokens ({sum(lengths)} "
-                         f"tokens in {samples}; gptqmodel drops such samples)")
+    samples = f"{len(lengths)} sample" + ("s" if len(lengths) != 1 else "")
+    raise ValueError(f"calibration: no sample is longer than {MIN_CALIBRATION_TOKENS} tokens ({sum(lengths)} "
+                     f"tokens in {samples}; gptqmodel drops such samples)")
 
 
 def linear_in_features(model_dir) -> set[int]:

@@ -418,7 +418,7 @@ def test_quantize_reuses_the_unquantized_perplexity_and_logs_the_quantizers_outp
 
     model = make_model(tmp_path / "m")
     log = cfgmod.data_dir() / "run" / "quantize.log"
-    monkeypatch.setattr(installer, "fitted_group_size", lambda source, group_size: 64)
+    monkeypatch.setattr("quant.quantize.fit_group_size", lambda source, group_size: 64)
     monkeypatch.setattr(installer, "output_to", lambda path, console: contextlib.nullcontext())  # CliRunner's fds
 
     def quantize_model(source, out, *args, log=None, **kwargs):
