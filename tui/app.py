@@ -142,10 +142,14 @@ class TopApp(App):
         except NoMatches:  # the app closed (q) while the requests were out: its widgets are gone
             return
 
+    def _dim(self, stale: bool) -> None:
+        """Mark the numbers (summary, latency, block map) stale or current."""
+        for widget in self.query("#summary, #latency, #blocks"):
+            widget.set_class(stale, "stale")
+
     def _show_stale(self) -> None:
         """The error, and the last numbers dimmed and dated; the running requests cleared (not known now)."""
-        for widget in self.query("#summary, #latency, #blocks"):
-            widget.add_class("stale")
+        self._dim(True)
         self._show_requests([])
         self._say((f"numbers from {self.read_at}: " if self.read_at else "") + self.error)  # in front: never cut
 
@@ -165,8 +169,7 @@ class TopApp(App):
         v = self.shown = view(old, new)
         kv = self.kv or {}
         self.read_at = time.strftime("%H:%M:%S")
-        for widget in self.query("#summary, #latency, #blocks"):
-            widget.remove_class("stale")
+        self._dim(False)
         self.query_one("#summary", Static).update(self._summary(new, v, kv))
         self.query_one("#latency", Static).update(self._latency(v))
         self.query_one("#blocks", Static).update(self._blocks(kv))
