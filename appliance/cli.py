@@ -724,7 +724,7 @@ def _server(url: Optional[str], api_key: Optional[str]) -> tuple[str, Optional[s
     """``--url`` and ``--api-key``. Without ``--url``: the installed server's address (its config file and
     APPLIANCE_* variables; without either, http://127.0.0.1:8000). A ``--url`` ending in /v1 (the OpenAI base URL
     the installer prints, what SDKs take) is the server's. Without ``--api-key``: the installed server's key, sent
-    only to the installed server's address."""
+    only to the installed server's address, however spelt (:func:`_same_server`)."""
     from appliance.installer import client_url
 
     if url is not None:
@@ -737,9 +737,8 @@ def _server(url: Optional[str], api_key: Optional[str]) -> tuple[str, Optional[s
         if url is None:
             raise
         return url.rstrip("/"), api_key  # another server's address: the installed config does not matter
-    installed = client_url(conf.host, conf.port)
-    url = (url or installed).rstrip("/")
-    return url, api_key if api_key is not None or url != installed else conf.api_key
+    url = (url or client_url(conf.host, conf.port)).rstrip("/")
+    return url, api_key if api_key is not None or not _same_server(url, conf.host, conf.port) else conf.api_key
 
 
 @app.command()
@@ -811,16 +810,14 @@ def _start_hint(url: str | None = None) -> str:
 
 
 def _installed_starting(url: str, health) -> bool:
-    """Whether ``url`` is the installed server's and it is starting or restarting (:func:`_serving_state`, from
-    its /health answer ``health``)."""
-    from appliance.installer import client_url
-
+    """Whether ``url`` is the installed server's (:func:`_same_server`) and it is starting or restarting
+    (:func:`_serving_state`, from its /health answer ``health``)."""
     try:
         conf = _config(None)
     except ApplianceError:
         return False
     st = _manager(conf).status()
-    return (url == client_url(conf.host, conf.port) and st.running
+    return (_same_server(url, conf.host, conf.port) and st.running
             and _serving_state(url, st, health)[0] in ("starting", "restarting"))
 
 

@@ -318,6 +318,32 @@ def test_no_server_at_another_address_than_the_installed_ones_says_to_check_the_
                        "start it with `appliance start`, or pass --url")
 
 
+def test_the_installed_server_however_spelt_gets_its_key_and_its_starting_state(tmp_path, monkeypatch):
+    """`--url localhost:8000` for a server installed on 127.0.0.1:8000 got neither the installed API key (a 401)
+    nor the "starting" wait (the URL strings differ); another port, or another host, gets neither still."""
+    from types import SimpleNamespace
+
+    from appliance.cli import _installed_starting, _server
+
+    cfgmod.save(cfgmod.Config(model=str(make_model(tmp_path / "m")), port=8000, api_key="k1"))
+    monkeypatch.setattr("appliance.cli._manager", lambda conf: SimpleNamespace(
+        status=lambda: SimpleNamespace(installed=True, running=True)))
+    monkeypatch.setattr("appliance.cli._serving_state", lambda url, st, health: ("starting", ""))
+    for url in ("localhost:8000", "http://[::1]:8000/v1", "127.0.0.1:8000"):
+        assert _server(url, None) == (_base_url_of(url), "k1")
+        assert _installed_starting(_base_url_of(url), None)
+    for url in ("localhost:8001", "http://example.com:8000"):
+        assert _server(url, None) == (_base_url_of(url), None)
+        assert not _installed_starting(_base_url_of(url), None)
+    assert _server("localhost:8000", "mine") == ("http://localhost:8000", "mine")
+
+
+def _base_url_of(url: str) -> str:
+    from appliance.cli import _base_url
+
+    return _base_url(url).rstrip("/")
+
+
 def test_an_error_holding_brackets_is_printed_as_it_is(capsys):
     """A server's message such as "[/v1]" was read as Rich markup: a MarkupError traceback, or words gone."""
     from appliance.cli import friendly
