@@ -29,6 +29,15 @@ def test_each_completion_is_timed_at_its_own_steps():
     assert samples(metrics, "vllm:inter_token_latency_seconds") == {"_count": 4.0, "_sum": 1 + 1 + 1 + 2.0}
     assert samples(metrics, "vllm:e2e_request_latency_seconds") == {"_count": 2.0, "_sum": 3.0 + 5.0}
     assert samples(metrics, "vllm:request_queue_time_seconds") == {"_count": 2.0, "_sum": 0.5 + 0.5}
+    # scheduled at 0.5; completion 0's tokens at 1, 2, 3; completion 1's at 2, 3, 5
+    assert samples(metrics, "vllm:request_prefill_time_seconds") == {"_count": 2.0, "_sum": 0.5 + 1.5}
+    assert samples(metrics, "vllm:request_decode_time_seconds") == {"_count": 2.0, "_sum": 2.0 + 3.0}
+    assert samples(metrics, "vllm:request_inference_time_seconds") == {"_count": 2.0, "_sum": 2.5 + 4.5}
+    assert samples(metrics, "vllm:request_time_per_output_token_seconds") == {"_count": 2.0, "_sum": 1.0 + 1.5}
+    assert samples(metrics, "vllm:request_prompt_tokens") == {"_count": 2.0, "_sum": 2.0}
+    assert samples(metrics, "vllm:request_generation_tokens") == {"_count": 2.0, "_sum": 6.0}
+    assert samples(metrics, "vllm:request_params_n") == {"_count": 1.0, "_sum": 2.0}  # one request of n=2
+    assert samples(metrics, "vllm:request_max_num_generation_tokens") == {"_count": 1.0, "_sum": 3.0}
     success = {s.labels["finished_reason"]: s.value for m in metrics.registry.collect()
                if m.name == "vllm:request_success" for s in m.samples if s.name.endswith("_total")}
     assert success == {"stop": 1.0, "length": 1.0, "abort": 0.0}
@@ -39,8 +48,26 @@ def test_an_abort_counts_in_request_success_only_and_a_failed_request_is_forgott
     metrics = EngineMetrics("m", lambda: None)
     metrics.observe([output(1.0, [1, 1], [None, None])])
     metrics.observe([output(2.0, [2, 1], ["abort", "abort"])])
-    assert samples(metrics, "vllm:e2e_request_latency_seconds")["_count"] == 0.0
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:request_decode_time_seconds",
+                 "vllm:request_generation_tokens", "vllm:request_params_n"):
+        assert samples(metrics, name)["_count"] == 0.0, name
     assert samples(metrics, "vllm:time_to_first_token_seconds")["_count"] == 2.0  # as vLLM V1: at the token
     metrics.observe([output(1.0, [1], [None], "failing"), output(1.0, [1], [None], "other")])
     metrics.forget(["failing"])
     assert set(metrics._progress) == {("other", 0)}
+
+
+def test_one_token_and_token_count_buckets_as_vllm():
+    """A completion of one token has no decode time and a time per output token of 0 (vLLM V1); the token-count
+    histograms' buckets are vLLM's 1-2-5 series up to max_model_len."""
+    from engine.metrics import token_buckets
+
+    metrics = EngineMetrics("m", lambda: None, max_model_len=100)
+    metrics.observe([output(2.0, [1], ["length"])])
+    assert samples(metrics, "vllm:request_decode_time_seconds") == {"_count": 1.0, "_sum": 0.0}
+    assert samples(metrics, "vllm:request_time_per_output_token_seconds") == {"_count": 1.0, "_sum": 0.0}
+    assert samples(metrics, "vllm:request_prefill_time_seconds") == {"_count": 1.0, "_sum": 1.5}
+    assert token_buckets(100) == [1, 2, 5, 10, 20, 50, 100] and token_buckets(4095)[-1] == 2000
+    bounds = [s.labels["le"] for m in metrics.registry.collect() if m.name == "vllm:request_prompt_tokens"
+              for s in m.samples if s.name.endswith("_bucket")]
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]

@@ -1147,6 +1147,14 @@ def test_metrics_names_and_values(server):
     assert 'vllm:time_to_first_token_seconds_count{model_name="fake-model"} 1.0' in lines
     assert 'vllm:inter_token_latency_seconds_count{model_name="fake-model"} 6.0' in lines
     assert 'vllm:num_requests_running{model_name="fake-model"} 0.0' in lines
+    # the per-request series vLLM's Grafana dashboard also reads
+    assert 'vllm:request_prompt_tokens_sum{model_name="fake-model"} 5.0' in lines
+    assert 'vllm:request_generation_tokens_sum{model_name="fake-model"} 7.0' in lines
+    assert 'vllm:request_max_num_generation_tokens_sum{model_name="fake-model"} 7.0' in lines
+    assert 'vllm:request_params_n_sum{model_name="fake-model"} 1.0' in lines
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert f'vllm:{name}_count{{model_name="fake-model"}} 1.0' in lines, name
     assert "_created" not in text
 
 
@@ -1177,8 +1185,11 @@ def test_metrics_count_each_of_n_completions(server):
     lines = set(httpx.get(f"{url}/metrics").text.splitlines())
     assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"} 3.0' in lines
     for name, count in (("time_to_first_token_seconds", 3), ("e2e_request_latency_seconds", 3),
-                        ("request_queue_time_seconds", 3), ("inter_token_latency_seconds", 3 * 6)):
+                        ("request_queue_time_seconds", 3), ("inter_token_latency_seconds", 3 * 6),
+                        ("request_generation_tokens", 3), ("request_decode_time_seconds", 3),
+                        ("request_params_n", 1), ("request_max_num_generation_tokens", 1)):
         assert f'vllm:{name}_count{{model_name="fake-model"}} {count:.1f}' in lines, name
+    assert 'vllm:request_params_n_sum{model_name="fake-model"} 3.0' in lines
 
 
 def test_non_streaming_disconnect_aborts(server):

@@ -181,7 +181,9 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
     config = async_engine.config
     cache_config = {} if config is None else {"gpu_memory_utilization": config.gpu_memory_utilization,
                                               "cache_dtype": config.kv_cache_dtype}
-    metrics = EngineMetrics(name, async_engine.get_stats, cache_config)
+    # the token-count histograms' buckets end at max_model_len (unset: the engine takes at most 8192)
+    metrics = EngineMetrics(name, async_engine.get_stats, cache_config,
+                            max_model_len=(config.max_model_len if config else None) or 8192)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
