@@ -1115,8 +1115,7 @@ def scaled_rope_rows(ctx: dict, make_row) -> list:
                                            rope_scaling={**YARN_ROPE, "original_max_position_embeddings": 256}))):
         small = str(write_random_awq_model(f"/tmp/rand_{what.split()[0].lower()}", **shape, **extra))
         rows += _equality_rows(small, what, make_row)
-    model_dir = str(write_random_awq_model("/tmp/rand_8b_31", **{**LLAMA3_8B, "max_position_embeddings": 131072},
-                                           rope_theta=500000.0, rope_scaling=LLAMA31_ROPE))
+    model_dir = _model_8b_31(ctx)
     torch.cuda.reset_peak_memory_stats()
     llm = _decode_engine(model_dir)
     tok_s = _decode_tok_s(llm, 32, 256)
@@ -1255,11 +1254,36 @@ def _serve_levels(model_dir: str, settings: dict, device: str, flag: str, levels
             server.wait()
 
 
+def _model_8b_31(ctx: dict) -> str:
+    """The Llama-3.1-8B-shaped random AWQ checkpoint (128k vocabulary, llama3 RoPE to 131,072 tokens), written
+    once per suite run (``ctx["model_8b_31"]``)."""
+    if "model_8b_31" not in ctx:
+        ctx["model_8b_31"] = str(write_random_awq_model(
+            "/tmp/rand_8b_31", **{**LLAMA3_8B, "max_position_embeddings": 131072}, rope_theta=500000.0,
+            rope_scaling=LLAMA31_ROPE))
+    return ctx["model_8b_31"]
+
+
+def consumer_fit_rows(ctx: dict, make_row) -> list:
+    """The tuner's plans on 8, 12 and 24 GiB of a consumer card's memory (bench/consumer_fit.py)."""
+    from bench.consumer_fit import consumer_fit_rows as rows
+
+    def model(write):
+        def folder() -> str:
+            path = write(ctx)
+            _free()  # the writer's random numbers were drawn on the GPU: give the memory back before the hog
+            return path
+        return folder
+
+    _free()
+    return rows(ctx, make_row, {"llama2_7b": model(_model_7b), "llama31_8b": model(_model_8b_31)})
+
+
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
 #: the order given (an unknown name is an error).
 SUITE_ROWS = [cuda_path_rows, qwen_rows, sliding_window_rows, scaled_rope_rows, smollm2_rows, decode_rows,
               decode_ablation_rows, prefill_host_rows, mixed_step_rows, measured_plan_rows, throughput_rows,
-              http_rows]
+              http_rows, consumer_fit_rows]
 if os.environ.get("ENGINE_ROWS"):
     _BY_NAME = {fn.__name__: fn for fn in SUITE_ROWS}
     _unknown = [n for n in os.environ["ENGINE_ROWS"].split(",") if n not in _BY_NAME]

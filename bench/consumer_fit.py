@@ -1,0 +1,262 @@
+"""Does the tuner's plan run on a consumer GPU's memory? One big GPU plays an 8, 12 or 24 GiB card.
+
+A "hog" process holds all of the GPU's memory but what a card of that size, with a desktop on it, leaves free; then
+a fresh process does what ``appliance install`` and the service do: ``appliance.tuner.plan`` on what
+``appliance.hardware.detect`` reports (NVML, before CUDA is touched), then the engine with that plan's
+``gpu_memory_utilization``, ``max_num_seqs``, ``max_model_len``, ``kv_cache_dtype`` and ``dtype``, the start-up
+kernel tuning on (the service's default). It then runs what fills every buffer the plan counts:
+
+- long: prompts of up to 8,192 tokens (and one of ``max_model_len`` if that is at most 32,768), one more than the
+  KV cache holds at once, 16 tokens each: chunked prefill at the step's token budget, preemption;
+- wide: ``max_num_seqs`` prompts of 128 tokens at once, 128 tokens each, sampled (top-k, top-p, penalties, 5
+  logprobs): the largest decode batch and the sampler's [rows, vocab] buffers;
+- prompt logprobs: two 4,096-token prompts with ``prompt_logprobs=5`` (the other peak the plan counts).
+
+The parent samples the device's used memory (NVML) every 20 ms while the child runs: the child's footprint is the
+peak less what was used before it started. The plan holds when the child finishes every request and its footprint
+stays within its share (``gpu_memory_utilization`` x total memory). On the big GPU the share is rounded down to 1%
+of its total (0.8 GiB on an H100), so a scenario names the share a card of that size gets and the hog leaves
+0.55 GiB beside it: less than the 0.5 GiB the tuner keeps spare plus a real card's rounding, so the test is stricter
+than the card.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from appliance.tuner import GPU_FREE_MARGIN
+
+GIB = 2**30
+MIB = 2**20
+#: (what the simulated card is, model, the engine's share of the card in GiB): a card with a desktop on it has about
+#: 0.5-0.8 GiB in use, so the tuner gives an 8 GiB card about 83% (6.6 GiB), a 12 GiB one 90% (10.8) and a 24 GiB
+#: one 90% (21.6)
+SCENARIOS = (("8 GiB card (RTX 4060 Ti 8 GB, 3060 Ti)", "llama2_7b", 6.6, None),
+             ("8 GiB card", "llama31_8b", 6.6, None),
+             ("12 GiB card (RTX 3060 12 GB)", "llama31_8b", 10.8, None),
+             ("24 GiB card (RTX 3090 / 4090)", "llama31_8b", 21.6, None),
+             # what the tuner refuses today, with settings given instead of planned: does it fit anyway?
+             ("8 GiB card, settings given", "llama31_8b", 6.6,
+              dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048, num_kv_blocks=160)))
+MODEL_NAMES = {"llama2_7b": "Llama-2-7B AWQ", "llama31_8b": "Llama-3.1-8B AWQ"}
+TUNER_SPARE = GPU_FREE_MARGIN  # what the tuner keeps free when other processes hold memory
+HOG_SLACK = 48 * MIB  # free memory over the tuner's spare and the share: less than 1% of the big GPU
+CHILD_TIMEOUT_S = 300
+LONG_PROMPT_CAP, FULL_LENGTH_CAP, WIDE_PROMPT, WIDE_TOKENS, PL_PROMPT = 8192, 32768, 128, 128, 4096
+
+
+def hog_target_free(share_bytes: float, total: int) -> tuple[float, int]:
+    """The utilization the tuner will pick and the free bytes the hog leaves for it: the share rounded down to 1%
+    of ``total`` (the tuner's step), plus its spare and :data:`HOG_SLACK`."""
+    util = math.floor(share_bytes / total * 100) / 100
+    return util, int(util * total) + TUNER_SPARE + HOG_SLACK
+
+
+# --- the hog: holds GPU memory until its stdin closes -------------------------------------------------------------
+
+def hog() -> None:
+    """Read "alloc N" lines: allocate N bytes and answer "ok"; exit when stdin closes."""
+    import torch
+
+    held = []
+    for line in sys.stdin:
+        n = int(line.split()[1])
+        if n > 0:
+            held.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
+        torch.cuda.synchronize()
+        print("ok", flush=True)
+
+
+class Hog:
+    """The hog process, holding all but ``free`` bytes of the device (within 2 MiB: the allocator's rounding)."""
+
+    def __init__(self, nvml, handle, free: int):
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.consumer_fit", "hog"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+        now = nvml.nvmlDeviceGetMemoryInfo(handle).free
+        self._alloc(now - free - GIB)  # its CUDA context takes some of the first GiB; the top-up takes the rest
+        self._alloc(nvml.nvmlDeviceGetMemoryInfo(handle).free - free)
+
+    def _alloc(self, n: int) -> None:
+        self.proc.stdin.write(f"alloc {max(0, n)}\n")
+        self.proc.stdin.flush()
+        if self.proc.stdout.readline().strip() != "ok":
+            raise RuntimeError(f"the memory hog failed to allocate {n / GIB:.2f} GiB")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+# --- the child: plan, engine, load ---------------------------------------------------------------------------------
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(n)]
+
+
+def child(model_dir: str, out: str, given: str = "null", device: str = "cuda") -> None:
+    """Plan as ``appliance tune`` does, start the engine with the plan, run the three loads; write a JSON report.
+    ``given`` (JSON): engine settings to start with instead of a plan, "utilization" among them."""
+    from appliance import hardware, tuner
+
+    hw = hardware.detect()
+    report: dict = {"total": hw.gpu.total_memory if hw.gpu else 0, "free": hw.gpu.free_memory if hw.gpu else 0,
+                    "phases": {}}
+    settings = json.loads(given)
+    if settings is None:
+        try:
+            plan = tuner.plan(tuner.ModelInfo.from_dir(model_dir), hw)
+        except tuner.TuneError as exc:
+            report["refused"] = str(exc)
+            Path(out).write_text(json.dumps(report))
+            return
+        report["plan"] = plan.to_dict()
+        settings = dict(gpu_memory_utilization=plan.gpu_memory_utilization, max_num_seqs=plan.max_num_seqs,
+                        max_model_len=plan.max_model_len, kv_cache_dtype=plan.kv_cache_dtype, dtype=plan.dtype,
+                        cpu_kv_cache_gib=plan.cpu_kv_cache_gib)
+    else:
+        report["plan"] = {"max_num_seqs": settings["max_num_seqs"], "max_model_len": settings["max_model_len"],
+                          "num_kv_blocks": settings.get("num_kv_blocks"), "given": True}
+    Path(out).write_text(json.dumps(report))
+    from engine import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model_dir, device=device, tune_kernels=device == "cuda", kernel_plans_dir="/tmp/consumer_fit_plans",
+              **settings)
+    engine = llm.engine
+    blocks, block_size = engine.runner.num_blocks, engine.config.block_size
+    plan = SimpleNamespace(max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs)
+    report.update(start_s=time.perf_counter() - start, num_blocks=blocks)
+    vocab = engine.vocab_size
+    kv_tokens = blocks * block_size
+    long_len = min(plan.max_model_len - 16, LONG_PROMPT_CAP)
+    long = _prompts(min(plan.max_num_seqs, kv_tokens // long_len + 1), long_len, vocab, 1)
+    if long_len < plan.max_model_len - 16 <= FULL_LENGTH_CAP:
+        long += _prompts(1, plan.max_model_len - 16, vocab, 2)
+    wide = _prompts(plan.max_num_seqs, min(WIDE_PROMPT, plan.max_model_len - WIDE_TOKENS), vocab, 3)
+    pl = _prompts(2, min(PL_PROMPT, plan.max_model_len - 4), vocab, 4)
+    loads = (("long", long, [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(long)),
+             ("wide", wide, [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1,
+                                            frequency_penalty=0.2, logprobs=5, seed=i, max_tokens=WIDE_TOKENS,
+                                            ignore_eos=True) for i in range(len(wide))]),
+             ("prompt logprobs", pl, [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5)] * len(pl)))
+    import torch
+
+    cuda = device == "cuda"
+    if cuda:  # at rest: weights, KV cache, persistent buffers (torch's), and what the process holds in all
+        report.update(rest_allocated=torch.cuda.memory_allocated(), rest_reserved=torch.cuda.memory_reserved(),
+                      kv_bytes=blocks * engine.runner._bytes_per_block(), rest_free=torch.cuda.mem_get_info()[0])
+    for name, prompts, params in loads:
+        before = engine.scheduler.num_preemptions
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        report["phases"][name] = dict(
+            requests=len(prompts), prompt_tokens=len(prompts[0]["prompt_token_ids"]),
+            finished=sum(o.outputs[0].finish_reason == "length" for o in outs),
+            tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+            preemptions=engine.scheduler.num_preemptions - before, seconds=time.perf_counter() - start,
+            peak_over_rest=(torch.cuda.max_memory_allocated() - report["rest_allocated"]) if cuda else 0)
+        Path(out).write_text(json.dumps(report))
+    if cuda:
+        report["torch_peak_reserved"] = torch.cuda.max_memory_reserved()
+    report["free_blocks_after"] = engine.scheduler.block_manager.num_free_blocks
+    Path(out).write_text(json.dumps(report))
+
+
+# --- the parent: one suite row per scenario -----------------------------------------------------------------------
+
+def _run_child(nvml, handle, model_dir: str, out: str, given: dict | None) -> tuple[int, int, int, str]:
+    """Run the child; return (exit status, peak used bytes, lowest free bytes, stderr's tail) while it ran."""
+    peak, low, done = [0], [1 << 62], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            peak[0], low[0] = max(peak[0], mem.used), min(low[0], mem.free)
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "bench.consumer_fit", "child", model_dir, out, json.dumps(given)],
+                              cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        status, err = proc.returncode, proc.stderr[-3000:]
+    except subprocess.TimeoutExpired as exc:
+        status, err = -9, f"no end in {CHILD_TIMEOUT_S} s: {(exc.stderr or b'')[-2000:]!r}"
+    finally:
+        done.set()
+        sampler.join()
+    return status, peak[0], low[0], err
+
+
+def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) -> list:
+    """One row per scenario: ours = the child's peak footprint (GiB), baseline = its share (GiB); ratio >= 1 when
+    it fits. ``models`` maps SCENARIOS' model keys to a function returning the checkpoint folder."""
+    import pynvml as nvml
+
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    total = nvml.nvmlDeviceGetMemoryInfo(handle).total
+    rows, log = [], ctx["log"].setdefault("consumer_fit", [])
+    for card, model, share_gib, given in scenarios:
+        model_dir = models[model]()
+        util, free = hog_target_free(share_gib * GIB, total)
+        if given is not None:  # the share as given, to the byte; the hog leaves the same spare beside it
+            util, free = share_gib * GIB / total, int(share_gib * GIB) + TUNER_SPARE + HOG_SLACK
+            given = {**given, "gpu_memory_utilization": util}
+        hog_ = Hog(nvml, handle, free)
+        try:
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            out = f"/tmp/consumer_fit_{len(rows)}.json"
+            status, peak, low, err = _run_child(nvml, handle, model_dir, out, given)
+        finally:
+            hog_.close()
+        report = json.loads(Path(out).read_text()) if Path(out).exists() else {}
+        report.update(card=card, model=model, status=status, free_before=mem.free, footprint=peak - mem.used,
+                      lowest_free=low, stderr=err if status else "")
+        log.append(report)
+        plan, phases = report.get("plan", {}), report.get("phases", {})
+        done = all(p["finished"] == p["requests"] for p in phases.values()) and len(phases) == 3
+        if "refused" in report:
+            rows.append(make_row(f"tuned plan fits: {card} (GiB, not µs)", MODEL_NAMES[model], float("nan"),
+                                 "util x total", util * total / GIB, None, f"the tuner refused: {report['refused']}"))
+            continue
+        if status or not done:
+            from bench.gpu_suite import FAILURES
+            FAILURES.append(f"consumer fit {card} {model}: exit {status}, phases {sorted(phases)}")
+        mib = {k: f"{p['peak_over_rest'] / MIB:.0f}" for k, p in phases.items()}
+        note = (f"util {util:.3f}{' (settings given)' if given else ''}, max_model_len {plan.get('max_model_len')}, "
+                f"max_num_seqs {plan.get('max_num_seqs')}, "
+                f"{report.get('num_blocks')} KV blocks (plan {plan.get('num_kv_blocks')}); free before "
+                f"{mem.free / GIB:.2f} GiB, lowest {low / GIB:.2f}; "
+                + "; ".join(f"{k}: {p['finished']}/{p['requests']} x {p['prompt_tokens']} tok, "
+                            f"{p['preemptions']} preempted, {p['seconds']:.1f} s" for k, p in phases.items())
+                + f"; torch at rest {report.get('rest_allocated', 0) / GIB:.2f} GiB allocated (KV "
+                  f"{report.get('kv_bytes', 0) / GIB:.2f}), "
+                  f"{report.get('rest_reserved', 0) / GIB:.2f} reserved; peaks over rest (MiB) {mib}"
+                + ("" if not status else f"; EXIT {status}: {err.strip().splitlines()[-1] if err.strip() else ''}"))
+        rows.append(make_row(f"{'settings given' if given else 'tuned plan'} fit: {card}, footprint vs share "
+                             "(GiB, not µs)",
+                             MODEL_NAMES[model],
+                             (peak - mem.used) / GIB, "util x total", util * total / GIB, 1.0, note))
+    nvml.nvmlShutdown()
+    return rows
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "hog":
+        hog()
+    elif sys.argv[1] == "child":
+        child(*sys.argv[2:])
