@@ -38,13 +38,13 @@ MIB = 2**20
 #: (what the simulated card is, model, the engine's share of the card in GiB): a card with a desktop on it has about
 #: 0.5-0.8 GiB in use, so the tuner gives an 8 GiB card about 83% (6.6 GiB), a 12 GiB one 90% (10.8) and a 24 GiB
 #: one 90% (21.6)
-SCENARIOS = (("8 GiB card (RTX 4060 Ti 8 GB, 3060 Ti)", "llama2_7b", 6.6, None),
-             ("8 GiB card", "llama31_8b", 6.6, None),
-             ("12 GiB card (RTX 3060 12 GB)", "llama31_8b", 10.8, None),
-             ("24 GiB card (RTX 3090 / 4090)", "llama31_8b", 21.6, None),
-             # what the tuner refuses today, with settings given instead of planned: does it fit anyway?
+SCENARIOS = (  # what the tuner refused (2026-12-07), with settings given instead of planned: does it fit anyway?
              ("8 GiB card, settings given", "llama31_8b", 6.6,
-              dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048, num_kv_blocks=160)))
+              dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048, num_kv_blocks=160)),
+             ("24 GiB card (RTX 3090 / 4090)", "llama31_8b", 21.6, None),
+             ("12 GiB card (RTX 3060 12 GB)", "llama31_8b", 10.8, None),
+             ("8 GiB card (RTX 4060 Ti 8 GB, 3060 Ti)", "llama2_7b", 6.6, None),
+             ("8 GiB card", "llama31_8b", 6.6, None))
 MODEL_NAMES = {"llama2_7b": "Llama-2-7B AWQ", "llama31_8b": "Llama-3.1-8B AWQ"}
 TUNER_SPARE = GPU_FREE_MARGIN  # what the tuner keeps free when other processes hold memory
 HOG_SLACK = 48 * MIB  # free memory over the tuner's spare and the share: less than 1% of the big GPU
@@ -175,6 +175,85 @@ def child(model_dir: str, out: str, given: str = "null", device: str = "cuda") -
     Path(out).write_text(json.dumps(report))
 
 
+BREAKDOWN_STEPS = (256, 512, 1024, 2048)
+
+
+def breakdown(model_dir: str, out: str, used_before: str) -> None:
+    """What the memory plan's reserves hold, measured: an engine of 256 sequences and a step of 2,048 tokens with
+    a small KV cache (256 blocks); at rest, the bytes outside torch's allocator (CUDA context, cuBLAS, compiled
+    kernels: the device's used memory less ``used_before`` less torch's reserved) and the CUDA graphs' pool; then
+    the peak over rest of one prefill step of each of :data:`BREAKDOWN_STEPS` tokens (activations, and above 256
+    rows the whole weight dequantized for cuBLAS) and of a 256-row sampled step."""
+    import torch
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=4096, num_kv_blocks=256,
+              tune_kernels=False, kernel_plans_dir="/tmp/consumer_fit_no_plans")
+    engine = llm.engine
+    free, total = torch.cuda.mem_get_info()
+    report = dict(used_before=int(used_before), used_at_rest=total - free, reserved=torch.cuda.memory_reserved(),
+                  allocated=torch.cuda.memory_allocated(),
+                  graph_pool=getattr(engine.runner.graphs, "pool_bytes", None), steps={})
+    report["non_torch"] = report["used_at_rest"] - report["used_before"] - report["reserved"]
+    vocab = engine.vocab_size
+    for tokens in BREAKDOWN_STEPS:
+        prompt = _prompts(1, tokens, vocab, tokens)
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # compiles
+        torch.cuda.synchronize()
+        rest = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        llm.generate(_prompts(1, tokens, vocab, tokens + 1), SamplingParams(temperature=0, max_tokens=1,
+                                                                            ignore_eos=True))
+        report["steps"][tokens] = torch.cuda.max_memory_allocated() - rest
+    wide = _prompts(256, 4, vocab, 7)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1, logprobs=5, seed=i,
+                             max_tokens=4, ignore_eos=True) for i in range(256)]
+    llm.generate(wide, params)
+    rest = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    llm.generate(wide, params)
+    report["sampler_256"] = torch.cuda.max_memory_allocated() - rest
+    report["reserved_peak"] = torch.cuda.max_memory_reserved()
+    Path(out).write_text(json.dumps(report))
+
+
+def breakdown_rows(ctx: dict, make_row, models: dict) -> list:
+    """One row per model: the non-torch bytes against ``NON_TORCH_BYTES``; the note has every figure."""
+    import pynvml as nvml
+
+    from engine.memory import ACTIVATION_BUFFERS, ACTIVATION_SPARE, NON_TORCH_BYTES
+
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    rows = []
+    for model in models:
+        model_dir = models[model]()
+        out = f"/tmp/consumer_fit_breakdown_{model}.json"
+        used = nvml.nvmlDeviceGetMemoryInfo(handle).used
+        proc = subprocess.run([sys.executable, "-m", "bench.consumer_fit", "breakdown", model_dir, out, str(used)],
+                              cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S)
+        if proc.returncode:
+            from bench.gpu_suite import FAILURES
+            FAILURES.append(f"memory breakdown {model}: exit {proc.returncode}: {proc.stderr[-300:]}")
+            continue
+        r = json.loads(Path(out).read_text())
+        ctx["log"].setdefault("consumer_fit_breakdown", {})[model] = r
+        reserve = ACTIVATION_SPARE * ACTIVATION_BUFFERS * 4096 * 2  # bytes a step token reserves (hidden 4096)
+        steps = ", ".join(f"{t} tokens {b / MIB:.0f} MiB (reserved {reserve * int(t) / MIB:.0f})"
+                          for t, b in r["steps"].items())
+        rows.append(make_row(f"memory plan's reserves measured: {MODEL_NAMES[model]} (MiB, not µs)",
+                             "256 sequences, step 2048, 256 KV blocks", r["non_torch"] / MIB,
+                             "NON_TORCH_BYTES", NON_TORCH_BYTES / MIB, None,
+                             f"non-torch {r['non_torch'] / MIB:.0f} MiB, graph pool "
+                             f"{(r['graph_pool'] or 0) / MIB:.0f}; "
+                             f"torch at rest {r['allocated'] / GIB:.2f} GiB allocated, {r['reserved'] / GIB:.2f} "
+                             f"reserved; prefill step peaks over rest: {steps}; 256-row sampled step "
+                             f"{r['sampler_256'] / MIB:.0f} MiB"))
+    nvml.nvmlShutdown()
+    return rows
+
+
 # --- the parent: one suite row per scenario -----------------------------------------------------------------------
 
 def _run_child(nvml, handle, model_dir: str, out: str, given: dict | None) -> tuple[int, int, int, str]:
@@ -258,5 +337,7 @@ def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) ->
 if __name__ == "__main__":
     if sys.argv[1] == "hog":
         hog()
+    elif sys.argv[1] == "breakdown":
+        breakdown(*sys.argv[2:])
     elif sys.argv[1] == "child":
         child(*sys.argv[2:])

@@ -1275,8 +1275,11 @@ def consumer_fit_rows(ctx: dict, make_row) -> list:
             return path
         return folder
 
+    from bench.consumer_fit import breakdown_rows
+
     _free()
-    return rows(ctx, make_row, {"llama2_7b": model(_model_7b), "llama31_8b": model(_model_8b_31)})
+    models = {"llama2_7b": model(_model_7b), "llama31_8b": model(_model_8b_31)}
+    return breakdown_rows(ctx, make_row, models) + rows(ctx, make_row, models)
 
 
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
