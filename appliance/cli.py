@@ -133,6 +133,8 @@ MethodOpt = typer.Option("auto", "--method", help="awq, gptq, auto (= awq unless
 GpuUtilOpt = typer.Option(None, "--gpu-memory-utilization", help="fraction of GPU memory to use (default: tuned)")
 SeqsOpt = typer.Option(None, "--max-num-seqs", help="most sequences in one batch (default: tuned)")
 LenOpt = typer.Option(None, "--max-model-len", help="prompt + completion tokens per request (default: tuned)")
+StepOpt = typer.Option(None, "--max-num-batched-tokens",
+                       help="tokens one step computes; long prompts prefill in chunks of it (default: tuned)")
 KvOpt = typer.Option(None, "--kv-cache-dtype", help="auto, fp8 (Ada/Hopper GPUs) or int8 (no fp8 hardware needed) (default: auto)")
 DtypeOpt = typer.Option(None, "--dtype", help="compute dtype: auto, float32, bfloat16 or float16 (default: tuned; "
                                               "on a GPU auto: the checkpoint's float16 or bfloat16, as vLLM; "
@@ -154,6 +156,7 @@ def install(
     max_model_len: Optional[int] = LenOpt,
     kv_cache_dtype: Optional[str] = KvOpt,
     dtype: Optional[str] = DtypeOpt,
+    max_num_batched_tokens: Optional[int] = StepOpt,
     health_timeout: float = typer.Option(600.0, "--health-timeout", hidden=True),
     eval_tokens: int = typer.Option(32768, "--eval-tokens", hidden=True, help="held-out tokens for perplexity"),
 ):
@@ -167,7 +170,8 @@ def install(
     run_install(InstallOptions(model=model, method=method, yes=yes, no_service=no_service, host=host, port=port,
                                api_key=api_key, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
-                               dtype=dtype, health_timeout=health_timeout, eval_tokens=eval_tokens), console)
+                               dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                               health_timeout=health_timeout, eval_tokens=eval_tokens), console)
 
 
 @app.command()
@@ -254,6 +258,7 @@ def tune(
     max_model_len: Optional[int] = LenOpt,
     kv_cache_dtype: Optional[str] = KvOpt,
     dtype: Optional[str] = DtypeOpt,
+    max_num_batched_tokens: Optional[int] = StepOpt,
 ):
     """The serving plan for MODEL_DIR on this machine, with the reason for each value."""
     from appliance.installer import plan_table
@@ -261,7 +266,7 @@ def tune(
     info = tuner.ModelInfo.from_dir(model_dir)
     plan = tuner.plan(info, hardware.detect(), gpu_memory_utilization=gpu_memory_utilization,
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
-                      dtype=dtype)
+                      dtype=dtype, max_num_batched_tokens=max_num_batched_tokens)
     if as_json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -283,6 +288,8 @@ def serve(
     gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization"),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens",
+                                                         help="tokens one step computes (default: the config's)"),
     kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16 (default: the "
                                                               "config's `dtype`, else auto)"),
@@ -321,7 +328,8 @@ def serve(
     overrides = {"model": str(model_dir.resolve()) if model_dir else None, "host": host, "port": port,
                  "api_key": api_key,
                  "device": device, "gpu_memory_utilization": gpu_memory_utilization, "max_num_seqs": max_num_seqs,
-                 "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
+                 "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens,
+                 "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
                  "swap_space": swap_space, "max_waiting": max_waiting, "tool_call_parser": tool_call_parser,
                  "reasoning_parser": reasoning_parser, "allowed_origins": allowed_origins,
                  "keep_alive_on_engine_death": keep_alive_on_engine_death, "sleep_after_idle_s": sleep_after_idle}

@@ -60,6 +60,7 @@ class Config:
     cpu_kv_cache_gib: float = 1.0
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None  # tokens one step computes (chunked prefill); none: 2048, vLLM's
     kv_cache_dtype: str = "auto"
     dtype: str = "auto"  # compute dtype: auto (on a GPU the checkpoint's 16-bit dtype, else bfloat16; float32 on a
     # CPU), float32, bfloat16, float16
@@ -91,6 +92,7 @@ class Config:
                 cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=self.max_model_len,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 kv_cache_dtype=self.kv_cache_dtype,
                 dtype=self.dtype,
                 swap_space=self.swap_space,

@@ -51,6 +51,7 @@ class InstallOptions:
     max_model_len: int | None = None
     kv_cache_dtype: str | None = None
     dtype: str | None = None
+    max_num_batched_tokens: int | None = None
     bits: int = 4
     group_size: int = 128
     health_timeout: float = 600.0
@@ -506,6 +507,8 @@ def plan_table(model: tuner.ModelInfo, plan: tuner.Plan) -> Table:
         ("cpu_kv_cache_gib", f"{plan.cpu_kv_cache_gib:g}", plan.reasons["cpu_kv_cache_gib"]),
         ("max_model_len", str(plan.max_model_len), plan.reasons["max_model_len"]),
         ("max_num_seqs", str(plan.max_num_seqs), plan.reasons["max_num_seqs"]),
+        ("max_num_batched_tokens", str(plan.max_num_batched_tokens or "default"),
+         plan.reasons["max_num_batched_tokens"]),
         ("kv_cache_dtype", plan.kv_cache_dtype, plan.reasons["kv_cache_dtype"]),
         ("KV blocks", f"{plan.num_kv_blocks} x {plan.block_size} tokens", plan.reasons["num_kv_blocks"]),
         ("expected concurrency", str(plan.expected_concurrency), plan.reasons["expected_concurrency"]),
@@ -603,7 +606,8 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     hw = hardware.detect()  # the flags are checked now, not after minutes of quantizing
     tuner.check_flags(tuner.ModelInfo.from_dir(source), hw, gpu_memory_utilization=opts.gpu_memory_utilization,
                       max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
-                      kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype)
+                      kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype,
+                      max_num_batched_tokens=opts.max_num_batched_tokens)
     console.print(f"Model: [bold]{name}[/bold] ({source})")
 
     # 2. quantize (or take the checkpoint as it is)
@@ -640,7 +644,8 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     console.print(f"Accelerator: {detect_line(hw)}")
     info = tuner.ModelInfo.from_dir(served_dir)
     plan = tuner.plan(info, hw, gpu_memory_utilization=opts.gpu_memory_utilization, max_num_seqs=opts.max_num_seqs,
-                      max_model_len=opts.max_model_len, kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype)
+                      max_model_len=opts.max_model_len, kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype,
+                      max_num_batched_tokens=opts.max_num_batched_tokens)
     console.print(plan_table(info, plan))
 
     # 6. config
@@ -652,6 +657,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
                          gpu_memory_utilization=plan.gpu_memory_utilization,
                          cpu_kv_cache_gib=plan.cpu_kv_cache_gib or cfgmod.Config.cpu_kv_cache_gib,
                          max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
+                         max_num_batched_tokens=plan.max_num_batched_tokens,
                          kv_cache_dtype=plan.kv_cache_dtype, dtype=plan.dtype, data_dir=str(data_dir))
     cfgmod.save(conf, config_file)
     console.print(f"[green]✓[/green] Wrote {config_file}")

@@ -32,6 +32,14 @@ GPU_DEFAULT_UTILIZATION = 0.90
 GPU_FREE_MARGIN = GIB // 2  # left free when other processes already hold GPU memory
 GPU_MAX_NUM_SEQS = 256  # vLLM's default
 TOKENS_PER_SEQUENCE_SLOT = 256  # max_num_seqs is capped so every sequence could hold this many KV tokens
+#: the step's token budget (``max_num_batched_tokens``) a GPU plan tries, largest first: vLLM's default of 2048,
+#: then 256, the most rows a W4A16 product runs on its tensor-core kernel (``kernels.w4a16.DEQUANT_ABOVE_M``:
+#: above it each product dequantizes its whole weight for cuBLAS), whose activations take an eighth: on an 8 GiB
+#: card that is the difference between a 7-8B model's KV cache and none. Long prompts prefill in more steps.
+STEP_TOKENS = (2048, 256)
+#: the plan takes the smaller step when the larger leaves the KV cache fewer tokens than this (or the model's
+#: context, if shorter): Ollama's default context
+MIN_CONTEXT_TOKENS = 4096
 TYPICAL_REQUEST_TOKENS = 1024  # prompt + completion of a typical chat request, for the expected concurrency
 CPU_SEQS_PER_CORE = 4
 CPU_MAX_NUM_SEQS = 16
@@ -101,12 +109,13 @@ class ModelInfo:
         except (KeyError, TypeError, ValueError) as exc:
             raise TuneError(f"{cfg_file} is not a usable model config ({exc})", "check the model folder") from None
 
-    def gpu_kv_bytes(self, total: int, free: int, utilization: float, max_num_seqs: int, dtype: str = "auto") -> int:
+    def gpu_kv_bytes(self, total: int, free: int, utilization: float, max_num_seqs: int, dtype: str = "auto",
+                     step_tokens: int | None = None) -> int:
         """KV-cache bytes the engine gets at least on a GPU of ``total`` bytes with ``free`` bytes free (NVML's, before
         the engine's CUDA context), at ``utilization`` and ``max_num_seqs``: ``engine.memory.gpu_kv_budget`` with
-        the engine's default step of chunked prefill and activations in ``dtype`` ("auto": 16-bit), the weights the
-        files and ``gpu_extra_bytes``, less ``PLAN_MARGIN_BYTES``."""
-        step = default_step_tokens(max_num_seqs, 0)
+        a step of ``step_tokens`` (None: the engine's default with chunked prefill) and activations in ``dtype``
+        ("auto": 16-bit), the weights the files and ``gpu_extra_bytes``, less ``PLAN_MARGIN_BYTES``."""
+        step = step_tokens or default_step_tokens(max_num_seqs, 0)
         element = ELEMENT_BYTES[compute_dtype(dtype, "cuda", self.dtype)]
         return int(gpu_kv_budget(total, free - CUDA_CONTEXT_BYTES, self.weight_bytes + self.gpu_extra_bytes,
                                  utilization, step, self.hidden_size, element, max_num_seqs, self.vocab_size)
@@ -176,6 +185,7 @@ class Plan:
     kv_bytes_per_token: int
     kv_cache_bytes: int
     expected_concurrency: int
+    max_num_batched_tokens: int | None = None  # tokens one step computes; None: the engine's default (2048)
     reasons: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -197,7 +207,8 @@ def check_choices(*, kv_cache_dtype: str | None = None, dtype: str | None = None
 
 def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None = None,
                 max_num_seqs: int | None = None, max_model_len: int | None = None,
-                kv_cache_dtype: str | None = None, dtype: str | None = None) -> None:
+                kv_cache_dtype: str | None = None, dtype: str | None = None,
+                max_num_batched_tokens: int | None = None) -> None:
     """Raise TuneError for a flag no plan can take, whatever the memory: the installer asks before it quantizes
     (the model's config is the same before and after). :func:`plan` asks again."""
     check_choices(kv_cache_dtype=kv_cache_dtype, dtype=dtype)
@@ -212,6 +223,10 @@ def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float
                         "use a fraction such as 0.9")
     if max_num_seqs is not None and max_num_seqs < 1:
         raise TuneError(f"--max-num-seqs must be at least 1, got {max_num_seqs}", "use a positive number")
+    if max_num_batched_tokens is not None and max_num_batched_tokens < (max_num_seqs or 1):
+        raise TuneError(f"--max-num-batched-tokens {max_num_batched_tokens} is below "
+                        f"{'--max-num-seqs ' if max_num_seqs else ''}{max_num_seqs or 1}: every running sequence "
+                        "decodes a token each step", f"use at least {max_num_seqs or 1}")
     if max_model_len is not None and max_model_len < 1:
         raise TuneError(f"--max-model-len must be positive, got {max_model_len}", "use a positive number")
     if max_model_len is not None and max_model_len > model.max_context:
@@ -221,11 +236,13 @@ def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float
 
 def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None = None,
          max_num_seqs: int | None = None, max_model_len: int | None = None,
-         kv_cache_dtype: str | None = None, dtype: str | None = None) -> Plan:
+         kv_cache_dtype: str | None = None, dtype: str | None = None,
+         max_num_batched_tokens: int | None = None) -> Plan:
     """Choose the serving settings for ``model`` on ``hw``; keyword arguments that are not None are kept as given.
     Raises TuneError for a flag :func:`check_flags` refuses, or settings the memory cannot take."""
     check_flags(model, hw, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+                max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                max_num_batched_tokens=max_num_batched_tokens)
     reasons: dict[str, str] = {}
     if dtype is None:
         dtype, reasons["dtype"] = choose_dtype(hw, model.dtype)
@@ -256,22 +273,26 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
             util = GPU_DEFAULT_UTILIZATION
             reasons["gpu_memory_utilization"] = (f"the GPU is free: {util:.0%} of {gib(gpu.total_memory)}, "
                                                  "the rest spare")
-        seqs = max_num_seqs or GPU_MAX_NUM_SEQS
-        kv_bytes = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype)
+        len_cap, len_cap_why = model.max_context, model.max_context_why
+        seqs, step, kv_bytes = _gpu_sizing(model, gpu, util, dtype, bpt, min(MIN_CONTEXT_TOKENS, len_cap),
+                                           max_num_seqs, max_num_batched_tokens, reasons)
         if kv_bytes < block_bytes:
-            raise TuneError(f"the model ({gib(model.weight_bytes)}) does not fit in {util:.0%} of the "
-                            f"{gib(gpu.total_memory)} GPU with room for a KV cache and {seqs} sequences' buffers",
-                            "free GPU memory, raise --gpu-memory-utilization, lower --max-num-seqs, or use a "
-                            "smaller model")
+            share, held = util * gpu.total_memory, gpu.total_memory - gpu.free_memory
+            fixes = ([f"close programs holding GPU memory ({gib(held)})"] if held > GPU_FREE_MARGIN else []) + (
+                ["raise --gpu-memory-utilization"] if util < GPU_DEFAULT_UTILIZATION else []) + ["use a smaller model"]
+            raise TuneError(f"the model ({gib(model.weight_bytes)}) leaves no room for a KV cache in {util:.0%} of "
+                            f"the {gib(gpu.total_memory)} GPU ({gib(share)}; the CUDA context, one step's "
+                            f"activations and the sampler's buffers take {gib(share - model.weight_bytes - kv_bytes)})",
+                            ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1])
         reasons["num_kv_blocks"] += (f"; {gib(kv_bytes)} = {util:.0%} of {gib(gpu.total_memory)} minus "
                                      f"{gib(model.weight_bytes)} of weights, the CUDA context, a step's activations "
                                      f"and the sampler's buffers for {seqs} sequences (the engine's memory plan)")
         cpu_gib = 0.0
         reasons["cpu_kv_cache_gib"] = "not used on a GPU"
-        len_cap, len_cap_why = model.max_context, model.max_context_why
-        seq_default = GPU_MAX_NUM_SEQS
-        seq_why = f"vLLM's default of {GPU_MAX_NUM_SEQS}"
     else:
+        seqs, step = None, max_num_batched_tokens
+        reasons["max_num_batched_tokens"] = ("set by --max-num-batched-tokens" if step else
+                                             "the engine's default (2048 tokens a step)")
         util = GPU_DEFAULT_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
         reasons["gpu_memory_utilization"] = "not used on the CPU"
         steps = math.floor(hw.available_memory * CPU_KV_FRACTION / (CPU_KV_STEP_GIB * GIB))
@@ -304,16 +325,13 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
 
     if max_num_seqs is not None:
         reasons["max_num_seqs"] = "set by --max-num-seqs"
+    elif seqs is not None:  # the GPU's, chosen with its memory (_gpu_sizing)
+        max_num_seqs = seqs
     else:
         slots = max(1, kv_tokens // TOKENS_PER_SEQUENCE_SLOT)
         max_num_seqs = min(seq_default, slots)
         reasons["max_num_seqs"] = seq_why if max_num_seqs == seq_default else (
             f"the KV cache holds {TOKENS_PER_SEQUENCE_SLOT} tokens for only {slots} sequences")
-        if hw.kind == "cuda" and hw.gpu is not None and max_num_seqs != seqs:  # fewer sampler rows: what the
-            # engine will get (a little more KV; max_model_len and max_num_seqs stay as chosen)
-            num_blocks = (model.gpu_kv_bytes(hw.gpu.total_memory, hw.gpu.free_memory, util, max_num_seqs, dtype)
-                          // block_bytes)
-            kv_tokens = num_blocks * BLOCK_SIZE
 
     per_request = min(max_model_len, TYPICAL_REQUEST_TOKENS)
     expected = max(1, min(max_num_seqs, kv_tokens // per_request))
@@ -323,4 +341,48 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
     return Plan(device=hw.kind, gpu_memory_utilization=util, cpu_kv_cache_gib=cpu_gib, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype, dtype=dtype, block_size=BLOCK_SIZE,
                 num_kv_blocks=num_blocks, kv_bytes_per_token=bpt, kv_cache_bytes=num_blocks * block_bytes,
-                expected_concurrency=expected, reasons=reasons)
+                expected_concurrency=expected, max_num_batched_tokens=step, reasons=reasons)
+
+
+def _gpu_sizing(model: ModelInfo, gpu, util: float, dtype: str, bpt: int, min_context: int,
+                max_num_seqs: int | None, step_tokens: int | None, reasons: dict) -> tuple[int, int, int]:
+    """(max_num_seqs, max_num_batched_tokens, KV-cache bytes) on ``gpu`` at ``util``; values given are kept. The
+    sequences: vLLM's 256 where the KV cache holds :data:`TOKENS_PER_SEQUENCE_SLOT` tokens for each, else the
+    most for which it does (each takes sampler buffers from the cache), at least 1. The step: the first of
+    :data:`STEP_TOKENS` whose KV cache holds ``min_context`` tokens, else the last (the most KV)."""
+    for step in (step_tokens,) if step_tokens else STEP_TOKENS:
+        def kv(seqs: int, step=step) -> int:
+            return model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, max(step, seqs))
+        seqs = max_num_seqs or _most_sequences(lambda n: kv(n) // bpt, GPU_MAX_NUM_SEQS)
+        kv_bytes = kv(seqs)
+        if kv_bytes // bpt >= min_context:
+            break
+    if max_num_seqs is not None:
+        reasons["max_num_seqs"] = "set by --max-num-seqs"
+    else:
+        reasons["max_num_seqs"] = (f"vLLM's default of {GPU_MAX_NUM_SEQS}" if seqs == GPU_MAX_NUM_SEQS else
+                                   f"the KV cache holds {TOKENS_PER_SEQUENCE_SLOT} tokens for only {seqs} sequences "
+                                   "(each takes sampler buffers from it)")
+    if step_tokens:
+        reasons["max_num_batched_tokens"] = "set by --max-num-batched-tokens"
+    elif step == STEP_TOKENS[0]:
+        reasons["max_num_batched_tokens"] = f"vLLM's default step of {step} tokens (chunked prefill)"
+    else:
+        reasons["max_num_batched_tokens"] = (
+            f"steps of {STEP_TOKENS[0]} tokens would leave the KV cache fewer than {min_context} tokens: "
+            f"{step}-token steps reserve {STEP_TOKENS[0] // step}x less for activations (long prompts prefill in "
+            "more steps)")
+    return seqs, max(step, seqs), kv_bytes
+
+
+def _most_sequences(kv_tokens, most: int) -> int:
+    """The largest n <= ``most`` whose ``kv_tokens(n)`` (non-increasing in n) holds
+    :data:`TOKENS_PER_SEQUENCE_SLOT` tokens for each of n sequences; 1 if none does."""
+    low, high = 1, most
+    while low < high:  # invariant: n = low fits, or low is 1; every n > high does not
+        mid = (low + high + 1) // 2
+        if kv_tokens(mid) >= mid * TOKENS_PER_SEQUENCE_SLOT:
+            low = mid
+        else:
+            high = mid - 1
+    return low

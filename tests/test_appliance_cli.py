@@ -525,6 +525,25 @@ def test_serve_passes_the_dtype_to_the_engine(tmp_path, monkeypatch):
                    "dtype: must be auto, float32, bfloat16 or float16, got 'half'")
 
 
+def test_serve_passes_the_step_budget_to_the_engine(tmp_path, monkeypatch):
+    """max_num_batched_tokens (the tuner's plan writes it: 256 on a small card): the config's, the flag's, the
+    engine's default when neither; one below max_num_seqs is the engine's one-line error."""
+    from engine.server import api_server
+
+    started = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, **kw: started.append(config))
+    model = str(make_model(tmp_path / "m"))
+    cfgmod.save(cfgmod.Config(model=model, max_num_batched_tokens=256, max_num_seqs=7))
+    assert runner.invoke(app, ["serve"]).exit_code == 0
+    assert runner.invoke(app, ["serve", "--max-num-batched-tokens", "512"]).exit_code == 0
+    cfgmod.save(cfgmod.Config(model=model))
+    assert runner.invoke(app, ["serve"]).exit_code == 0
+    assert [(c.max_num_batched_tokens, c.token_budget(4096)) for c in started] == [(256, 256), (512, 512),
+                                                                                    (None, 2048)]
+    one_line_error(runner.invoke(app, ["serve", "--max-num-batched-tokens", "8", "--max-num-seqs", "16"]),
+                   "max_num_batched_tokens: 8 is smaller than max_num_seqs=16")
+
+
 def test_serve_numbers_gpus_as_nvml_does(tmp_path, monkeypatch):
     """appliance detect and the tuner see GPUs in PCI bus order (NVML); CUDA's default is fastest first, so the
     server asks CUDA for bus order before the engine starts CUDA, unless the environment already chose."""

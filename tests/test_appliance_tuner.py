@@ -59,7 +59,9 @@ def test_cpu_plan_for_the_demo_model(tmp_path):
     assert plan.dtype == "float32"  # this CPU has no bfloat16 instructions
     assert "no bfloat16 instructions" in plan.reasons["dtype"]
     assert set(plan.reasons) == {"gpu_memory_utilization", "cpu_kv_cache_gib", "max_model_len", "max_num_seqs",
-                                 "kv_cache_dtype", "dtype", "num_kv_blocks", "expected_concurrency"}
+                                 "kv_cache_dtype", "dtype", "num_kv_blocks", "expected_concurrency",
+                                 "max_num_batched_tokens"}
+    assert plan.max_num_batched_tokens is None  # the engine's default
     assert all(plan.reasons.values())
 
 
@@ -132,12 +134,39 @@ def test_gpu_plan_takes_the_dtype_the_checkpoint_names(tmp_path):
 def test_gpu_plan_when_other_processes_hold_memory(tmp_path):
     plan = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB)), gpu(24 * GIB, 12 * GIB))
     assert plan.gpu_memory_utilization == 0.47  # (12 - 0.5) / 24, rounded down
-    # (11.28 - 4 - 1/16 - 0.5 - 1 - 0.25) GiB - 4 x 128256 x 2560 B at 256 sequences: 2173 blocks, 34768 tokens
-    assert plan.max_model_len == 34768  # what the KV cache holds
-    assert plan.max_num_seqs == 135  # 34768 tokens / 256 per sequence
-    assert plan.num_kv_blocks == 2469  # the sampler's buffers for 135 rows only
-    assert plan.expected_concurrency == 38  # 39504 / 1024
+    # (11.28 - 4 - 1/16 - 0.5 - 1 - 0.25) GiB - 4 x 128256 x 2560 B at 256 sequences: 2173 blocks, 34768 tokens,
+    # 256 each for only 135; with fewer sequences' sampler buffers the cache grows: 151 is the most it holds 256
+    # tokens for (4 x 128256 x 1510 B: 2429 blocks, 38864 tokens >= 151 x 256; 152: 2427 blocks < 152 x 16)
+    assert plan.max_num_seqs == 151 and "for only 151 sequences" in plan.reasons["max_num_seqs"]
+    assert plan.num_kv_blocks == 2429
+    assert plan.max_model_len == 38864  # what the KV cache holds
+    assert plan.expected_concurrency == 37  # 38864 / 1024
+    assert plan.max_num_batched_tokens == 2048 and "vLLM's default" in plan.reasons["max_num_batched_tokens"]
     assert "12.0 GiB of 24.0 GiB is free" in plan.reasons["gpu_memory_utilization"]
+
+
+def test_an_8_gib_card_with_a_desktop_takes_smaller_steps_for_an_8b_model(tmp_path):
+    """Llama-3.1-8B AWQ (5.73 GB of files) on an 8 GiB card with 0.6 GiB held by a desktop was refused: a
+    2048-token step's activations (1 GiB) left no KV cache. Now the plan takes 256-token steps and the sequences
+    whose sampler buffers still leave 256 tokens each."""
+    info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 5_730_000_000))
+    plan = tuner.plan(info, gpu(8 * GIB, int(7.4 * GIB)))
+    # 0.86 x 8 GiB - 5.34 of weights - 1/16 RoPE table - 0.5 - 64 x [256, 4096] bf16 (1/8) - 4 x 128256 x 768 B of
+    # sampler (the prompt-logprobs pass's, above 7 rows') - 0.25 = 0.239 GiB: 122 blocks of 16 x 128 KiB
+    assert (plan.gpu_memory_utilization, plan.max_num_batched_tokens, plan.num_kv_blocks) == (0.86, 256, 122)
+    assert (plan.max_model_len, plan.max_num_seqs) == (1952, 7)  # 7 x 256 <= 1952 < 8 x 256
+    assert plan.reasons["max_num_batched_tokens"].startswith("steps of 2048 tokens would leave the KV cache fewer "
+                                                             "than 4096 tokens: 256-token steps")
+    assert info.gpu_kv_bytes(8 * GIB, int(7.4 * GIB), 0.86, 7, "auto", 2048) < 0  # the 2048-token step's plan
+    with pytest.raises(TuneError, match="leaves no room for a KV cache"):  # a step given is kept
+        tuner.plan(info, gpu(8 * GIB, int(7.4 * GIB)), max_num_batched_tokens=2048)
+
+
+def test_most_sequences_is_the_largest_count_the_cache_holds_256_tokens_for():
+    from appliance.tuner import _most_sequences
+
+    assert _most_sequences(lambda n: 1000 - n, 256) == 3  # 997 >= 3 x 256; 996 < 4 x 256
+    assert _most_sequences(lambda n: 10**6, 256) == 256 and _most_sequences(lambda n: 100, 256) == 1
 
 
 def test_explicit_values_win(tmp_path):
@@ -158,8 +187,15 @@ def test_impossible_requests_are_errors(tmp_path):
         tuner.plan(info, cpu(), max_model_len=200000)
     with pytest.raises(TuneError, match="does not fit in the KV cache"):
         tuner.plan(info, cpu(available=GIB), max_model_len=100000)
-    with pytest.raises(TuneError, match="does not fit"):
+    with pytest.raises(TuneError, match="leaves no room for a KV cache in 87% of the 4.0 GiB GPU") as err:
         tuner.plan(info, gpu(4 * GIB, 4 * GIB))
+    assert err.value.hint == "raise --gpu-memory-utilization or use a smaller model"
+    with pytest.raises(TuneError) as err:
+        tuner.plan(info, gpu(8 * GIB, 4 * GIB))
+    assert err.value.hint == "close programs holding GPU memory (4.0 GiB), raise --gpu-memory-utilization or use a " \
+                             "smaller model"
+    with pytest.raises(TuneError, match="--max-num-batched-tokens 8 is below --max-num-seqs 16"):
+        tuner.plan(info, cpu(), max_num_seqs=16, max_num_batched_tokens=8)
     with pytest.raises(TuneError, match="gpu-memory-utilization"):
         tuner.plan(info, cpu(), gpu_memory_utilization=1.5)
     with pytest.raises(TuneError, match="kv-cache-dtype"):
@@ -216,3 +252,11 @@ def test_fp8_kv_cache_needs_ada_or_hopper(tmp_path, capability, ok):
     assert "(128 dims + a 4-byte scale)" in int8.reasons["num_kv_blocks"]
     with pytest.raises(TuneError, match="must be auto, fp8 or int8, got 'int4'"):
         tuner.plan(info, hw, kv_cache_dtype="int4")
+
+
+def test_the_smaller_step_is_the_most_rows_the_tensor_core_kernel_takes():
+    """STEP_TOKENS' claim: above 256 rows a W4A16 product dequantizes its whole weight (a bf16 copy the step's
+    activation reserve does not count), so the small step must not pass that."""
+    from kernels.w4a16 import DEQUANT_ABOVE_M
+
+    assert tuner.STEP_TOKENS == (2048, DEQUANT_ABOVE_M)

@@ -83,3 +83,29 @@ def test_the_engine_gets_at_least_the_tuners_plan(tmp_path):
                                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
         (tmp_path / "config.json").write_text(json.dumps(cfg))
         assert ModelInfo.from_dir(tmp_path).gpu_extra_bytes == 4 * 32768 * 128 + dequantized * (stacked * 3 // 2)
+
+
+def test_the_engine_gets_the_plans_kv_cache_with_the_smaller_step_too(tmp_path):
+    """Llama-3.1-8B AWQ on an 8 GiB card with a desktop: the plan's 256-token step, passed to the engine as
+    max_num_batched_tokens (the config key), is the step the engine reserves activations for."""
+    cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 14336, "max_position_embeddings": 131072, "vocab_size": 128256,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(5_730_000_000)
+    gpu = GPU(0, "RTX 4060 Ti", 8 * GIB, int(7.4 * GIB), "8.9")
+    hw = Hardware(kind="cuda", gpus=[gpu], driver="1", cpu_cores=8, total_memory=32 * GIB, available_memory=28 * GIB)
+    info = ModelInfo.from_dir(tmp_path)
+    plan = tuner.plan(info, hw)
+    assert plan.max_num_batched_tokens == 256
+    engine = EngineConfig(model="unused", gpu_memory_utilization=plan.gpu_memory_utilization,
+                          max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
+                          max_num_batched_tokens=plan.max_num_batched_tokens)
+    assert engine.token_budget(plan.max_model_len) == 256
+    budget = gpu_kv_budget(gpu.total_memory, gpu.free_memory - CUDA_CONTEXT_BYTES,
+                           5_730_000_000 + 4 * plan.max_model_len * 128, engine.gpu_memory_utilization, 256, 4096, 2,
+                           engine.max_num_seqs, 128256)
+    block = 16 * info.kv_bytes_per_token()
+    assert plan.num_kv_blocks <= int((budget - PLAN_MARGIN_BYTES) // block) and plan.max_model_len <= plan.kv_tokens
