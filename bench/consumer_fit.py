@@ -14,37 +14,31 @@ kernel tuning on (the service's default). It then runs what fills every buffer t
 
 The parent samples the device's used memory (NVML) every 20 ms while the child runs: the child's footprint is the
 peak less what was used before it started. The plan holds when the child finishes every request and its footprint
-stays within its share (``gpu_memory_utilization`` x total memory). On the big GPU the share is rounded down to 1%
-of its total (0.8 GiB on an H100), so a scenario names the share a card of that size gets and the hog leaves
-0.55 GiB beside it: less than the 0.5 GiB the tuner keeps spare plus a real card's rounding, so the test is stricter
-than the card.
+stays within its share (``gpu_memory_utilization`` x total memory). The tuner picks the share in steps of 1% of the
+total, 0.8 GiB on an H100, too coarse to play a small card: so the child plans with the share a card of that size
+gets given as ``gpu_memory_utilization`` (as ``--gpu-memory-utilization`` would; the plan sizes all else), and the
+hog leaves that share and 0.55 GiB free: about what a real card's tuner keeps spare.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from appliance.tuner import GPU_FREE_MARGIN
 
 GIB = 2**30
 MIB = 2**20
-#: (what the simulated card is, model, the engine's share of the card in GiB): a card with a desktop on it has about
-#: 0.5-0.8 GiB in use, so the tuner gives an 8 GiB card about 83% (6.6 GiB), a 12 GiB one 90% (10.8) and a 24 GiB
-#: one 90% (21.6)
-SCENARIOS = (  # what the tuner refused (2026-12-07), with settings given instead of planned: does it fit anyway?
-             ("8 GiB card, settings given", "llama31_8b", 6.6,
-              dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048, num_kv_blocks=160)),
-             ("24 GiB card (RTX 3090 / 4090)", "llama31_8b", 21.6, None),
-             ("12 GiB card (RTX 3060 12 GB)", "llama31_8b", 10.8, None),
-             ("8 GiB card (RTX 4060 Ti 8 GB, 3060 Ti)", "llama2_7b", 6.6, None),
-             ("8 GiB card", "llama31_8b", 6.6, None))
+#: (what the simulated card is, model, the engine's share of the card in GiB): with a desktop holding 0.6 GiB the
+#: tuner gives an 8 GiB card 86% (6.88 GiB; the 8B model plans 256-token steps there), a 12 or 24 GiB one 90%
+SCENARIOS = (("8 GiB card (RTX 4060 Ti 8 GB, 3070)", "llama31_8b", 6.88),
+             ("24 GiB card (RTX 3090 / 4090)", "llama31_8b", 21.6),
+             ("12 GiB card (RTX 3060 12 GB)", "llama31_8b", 10.8),
+             ("8 GiB card", "llama2_7b", 6.88))
 MODEL_NAMES = {"llama2_7b": "Llama-2-7B AWQ", "llama31_8b": "Llama-3.1-8B AWQ"}
 TUNER_SPARE = GPU_FREE_MARGIN  # what the tuner keeps free when other processes hold memory
 HOG_SLACK = 48 * MIB  # free memory over the tuner's spare and the share: less than 1% of the big GPU
@@ -52,11 +46,9 @@ CHILD_TIMEOUT_S = 300
 LONG_PROMPT_CAP, FULL_LENGTH_CAP, WIDE_PROMPT, WIDE_TOKENS, PL_PROMPT = 8192, 32768, 128, 128, 4096
 
 
-def hog_target_free(share_bytes: float, total: int) -> tuple[float, int]:
-    """The utilization the tuner will pick and the free bytes the hog leaves for it: the share rounded down to 1%
-    of ``total`` (the tuner's step), plus its spare and :data:`HOG_SLACK`."""
-    util = math.floor(share_bytes / total * 100) / 100
-    return util, int(util * total) + TUNER_SPARE + HOG_SLACK
+def hog_free(share_bytes: float) -> int:
+    """The free bytes the hog leaves: the share, the tuner's spare and :data:`HOG_SLACK`."""
+    return int(share_bytes) + TUNER_SPARE + HOG_SLACK
 
 
 # --- the hog: holds GPU memory until its stdin closes -------------------------------------------------------------
@@ -104,38 +96,32 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(n)]
 
 
-def child(model_dir: str, out: str, given: str = "null", device: str = "cuda") -> None:
-    """Plan as ``appliance tune`` does, start the engine with the plan, run the three loads; write a JSON report.
-    ``given`` (JSON): engine settings to start with instead of a plan, "utilization" among them."""
+def child(model_dir: str, out: str, utilization: str = "", device: str = "cuda") -> None:
+    """Plan as ``appliance tune`` does (``utilization``, if not empty, given as --gpu-memory-utilization), start
+    the engine with the plan as the service would, run the three loads; write a JSON report."""
     from appliance import hardware, tuner
 
     hw = hardware.detect()
     report: dict = {"total": hw.gpu.total_memory if hw.gpu else 0, "free": hw.gpu.free_memory if hw.gpu else 0,
                     "phases": {}}
-    settings = json.loads(given)
-    if settings is None:
-        try:
-            plan = tuner.plan(tuner.ModelInfo.from_dir(model_dir), hw)
-        except tuner.TuneError as exc:
-            report["refused"] = str(exc)
-            Path(out).write_text(json.dumps(report))
-            return
-        report["plan"] = plan.to_dict()
-        settings = dict(gpu_memory_utilization=plan.gpu_memory_utilization, max_num_seqs=plan.max_num_seqs,
-                        max_model_len=plan.max_model_len, kv_cache_dtype=plan.kv_cache_dtype, dtype=plan.dtype,
-                        cpu_kv_cache_gib=plan.cpu_kv_cache_gib)
-    else:
-        report["plan"] = {"max_num_seqs": settings["max_num_seqs"], "max_model_len": settings["max_model_len"],
-                          "num_kv_blocks": settings.get("num_kv_blocks"), "given": True}
+    try:
+        plan = tuner.plan(tuner.ModelInfo.from_dir(model_dir), hw,
+                          gpu_memory_utilization=float(utilization) if utilization else None)
+    except tuner.TuneError as exc:
+        report["refused"] = str(exc)
+        Path(out).write_text(json.dumps(report))
+        return
+    report["plan"] = plan.to_dict()
     Path(out).write_text(json.dumps(report))
     from engine import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(model_dir, device=device, tune_kernels=device == "cuda", kernel_plans_dir="/tmp/consumer_fit_plans",
-              **settings)
+              gpu_memory_utilization=plan.gpu_memory_utilization, max_num_seqs=plan.max_num_seqs,
+              max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
+              kv_cache_dtype=plan.kv_cache_dtype, dtype=plan.dtype, cpu_kv_cache_gib=plan.cpu_kv_cache_gib)
     engine = llm.engine
-    blocks, block_size = engine.runner.num_blocks, engine.config.block_size
-    plan = SimpleNamespace(max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs)
+    blocks, block_size = engine.runner.num_blocks, plan.block_size
     report.update(start_s=time.perf_counter() - start, num_blocks=blocks)
     vocab = engine.vocab_size
     kv_tokens = blocks * block_size
@@ -256,7 +242,7 @@ def breakdown_rows(ctx: dict, make_row, models: dict) -> list:
 
 # --- the parent: one suite row per scenario -----------------------------------------------------------------------
 
-def _run_child(nvml, handle, model_dir: str, out: str, given: dict | None) -> tuple[int, int, int, str]:
+def _run_child(nvml, handle, model_dir: str, out: str, util: float) -> tuple[int, int, int, str]:
     """Run the child; return (exit status, peak used bytes, lowest free bytes, stderr's tail) while it ran."""
     peak, low, done = [0], [1 << 62], threading.Event()
 
@@ -269,7 +255,7 @@ def _run_child(nvml, handle, model_dir: str, out: str, given: dict | None) -> tu
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        proc = subprocess.run([sys.executable, "-m", "bench.consumer_fit", "child", model_dir, out, json.dumps(given)],
+        proc = subprocess.run([sys.executable, "-m", "bench.consumer_fit", "child", model_dir, out, repr(util)],
                               cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
         status, err = proc.returncode, proc.stderr[-3000:]
     except subprocess.TimeoutExpired as exc:
@@ -289,17 +275,14 @@ def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) ->
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
     total = nvml.nvmlDeviceGetMemoryInfo(handle).total
     rows, log = [], ctx["log"].setdefault("consumer_fit", [])
-    for card, model, share_gib, given in scenarios:
+    for card, model, share_gib in scenarios:
         model_dir = models[model]()
-        util, free = hog_target_free(share_gib * GIB, total)
-        if given is not None:  # the share as given, to the byte; the hog leaves the same spare beside it
-            util, free = share_gib * GIB / total, int(share_gib * GIB) + TUNER_SPARE + HOG_SLACK
-            given = {**given, "gpu_memory_utilization": util}
-        hog_ = Hog(nvml, handle, free)
+        util = share_gib * GIB / total
+        hog_ = Hog(nvml, handle, hog_free(share_gib * GIB))
         try:
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             out = f"/tmp/consumer_fit_{len(rows)}.json"
-            status, peak, low, err = _run_child(nvml, handle, model_dir, out, given)
+            status, peak, low, err = _run_child(nvml, handle, model_dir, out, util)
         finally:
             hog_.close()
         report = json.loads(Path(out).read_text()) if Path(out).exists() else {}
@@ -316,7 +299,8 @@ def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) ->
             from bench.gpu_suite import FAILURES
             FAILURES.append(f"consumer fit {card} {model}: exit {status}, phases {sorted(phases)}")
         mib = {k: f"{p['peak_over_rest'] / MIB:.0f}" for k, p in phases.items()}
-        note = (f"util {util:.3f}{' (settings given)' if given else ''}, max_model_len {plan.get('max_model_len')}, "
+        note = (f"util {util:.4f}, step {plan.get('max_num_batched_tokens')}, "
+                f"max_model_len {plan.get('max_model_len')}, "
                 f"max_num_seqs {plan.get('max_num_seqs')}, "
                 f"{report.get('num_blocks')} KV blocks (plan {plan.get('num_kv_blocks')}); free before "
                 f"{mem.free / GIB:.2f} GiB, lowest {low / GIB:.2f}; "
@@ -326,8 +310,7 @@ def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) ->
                   f"{report.get('kv_bytes', 0) / GIB:.2f}), "
                   f"{report.get('rest_reserved', 0) / GIB:.2f} reserved; peaks over rest (MiB) {mib}"
                 + ("" if not status else f"; EXIT {status}: {err.strip().splitlines()[-1] if err.strip() else ''}"))
-        rows.append(make_row(f"{'settings given' if given else 'tuned plan'} fit: {card}, footprint vs share "
-                             "(GiB, not µs)",
+        rows.append(make_row(f"tuned plan fits: {card}, footprint vs share (GiB, not µs)",
                              MODEL_NAMES[model],
                              (peak - mem.used) / GIB, "util x total", util * total / GIB, 1.0, note))
     nvml.nvmlShutdown()
