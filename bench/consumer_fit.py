@@ -3,8 +3,8 @@
 A "hog" process holds all of the GPU's memory but what a card of that size, with a desktop on it, leaves free; then
 a fresh process does what ``appliance install`` and the service do: ``appliance.tuner.plan`` on what
 ``appliance.hardware.detect`` reports (NVML, before CUDA is touched), then the engine with that plan's
-``gpu_memory_utilization``, ``max_num_seqs``, ``max_model_len``, ``kv_cache_dtype`` and ``dtype``, the start-up
-kernel tuning on (the service's default). It then runs what fills every buffer the plan counts:
+``gpu_memory_utilization``, ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``kv_cache_dtype`` and
+``dtype``, the start-up kernel tuning on (the service's default). It then runs what fills every buffer the plan counts:
 
 - long: prompts of up to 8,192 tokens (and one of ``max_model_len`` if that is at most 32,768), one more than the
   KV cache holds at once, 16 tokens each: chunked prefill at the step's token budget, preemption;
@@ -135,7 +135,8 @@ def child(model_dir: str, out: str, utilization: str = "", device: str = "cuda")
              ("wide", wide, [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1,
                                             frequency_penalty=0.2, logprobs=5, seed=i, max_tokens=WIDE_TOKENS,
                                             ignore_eos=True) for i in range(len(wide))]),
-             ("prompt logprobs", pl, [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5)] * len(pl)))
+             ("prompt logprobs", pl, [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5,
+                                                       ignore_eos=True)] * len(pl)))
     import torch
 
     cuda = device == "cuda"
@@ -176,8 +177,12 @@ def breakdown(model_dir: str, out: str, used_before: str) -> None:
     llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=4096, num_kv_blocks=256,
               tune_kernels=False, kernel_plans_dir="/tmp/consumer_fit_no_plans")
     engine = llm.engine
-    free, total = torch.cuda.mem_get_info()
-    report = dict(used_before=int(used_before), used_at_rest=total - free, reserved=torch.cuda.memory_reserved(),
+    import pynvml as nvml
+
+    nvml.nvmlInit()
+    used = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0)).used  # the parent's reading's API
+    nvml.nvmlShutdown()
+    report = dict(used_before=int(used_before), used_at_rest=used, reserved=torch.cuda.memory_reserved(),
                   allocated=torch.cuda.memory_allocated(),
                   graph_pool=getattr(engine.runner.graphs, "pool_bytes", None), steps={})
     report["non_torch"] = report["used_at_rest"] - report["used_before"] - report["reserved"]
@@ -191,14 +196,21 @@ def breakdown(model_dir: str, out: str, used_before: str) -> None:
         llm.generate(_prompts(1, tokens, vocab, tokens + 1), SamplingParams(temperature=0, max_tokens=1,
                                                                             ignore_eos=True))
         report["steps"][tokens] = torch.cuda.max_memory_allocated() - rest
-    wide = _prompts(256, 4, vocab, 7)
-    params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1, logprobs=5, seed=i,
-                             max_tokens=4, ignore_eos=True) for i in range(256)]
-    llm.generate(wide, params)
+    for i, prompt in enumerate(_prompts(256, 4, vocab, 7)):  # 256 rows sampled: the peak of decode steps only
+        engine.add_request(f"wide-{i}", prompt["prompt_token_ids"], SamplingParams(
+            temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1, logprobs=5, seed=i, max_tokens=8,
+            ignore_eos=True))
+    for _ in range(3):  # the 1,024-token prefill (one step), then decodes
+        engine.step()
+    torch.cuda.synchronize()
     rest = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    llm.generate(wide, params)
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
     report["sampler_256"] = torch.cuda.max_memory_allocated() - rest
+    while engine.has_unfinished_requests():
+        engine.step()
     report["reserved_peak"] = torch.cuda.max_memory_reserved()
     Path(out).write_text(json.dumps(report))
 
@@ -282,6 +294,7 @@ def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) ->
         try:
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             out = f"/tmp/consumer_fit_{len(rows)}.json"
+            Path(out).unlink(missing_ok=True)  # a warm machine keeps /tmp: never read an older run's report
             status, peak, low, err = _run_child(nvml, handle, model_dir, out, util)
         finally:
             hog_.close()
@@ -295,6 +308,10 @@ def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) ->
             rows.append(make_row(f"tuned plan fits: {card} (GiB, not µs)", MODEL_NAMES[model], float("nan"),
                                  "util x total", util * total / GIB, None, f"the tuner refused: {report['refused']}"))
             continue
+        if report.get("num_blocks", 0) < plan.get("num_kv_blocks", 0):
+            from bench.gpu_suite import FAILURES
+            FAILURES.append(f"consumer fit {card} {model}: the engine got {report['num_blocks']} KV blocks, the plan "
+                            f"{plan['num_kv_blocks']}")
         if status or not done:
             from bench.gpu_suite import FAILURES
             FAILURES.append(f"consumer fit {card} {model}: exit {status}, phases {sorted(phases)}")

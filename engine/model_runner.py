@@ -154,11 +154,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_prefill(self, max_model_len: int) -> None:
-        """Throw-away prefills of one sequence of each length in :attr:`WARM_UP_TOKENS` (up to ``max_model_len``),
+        """Throw-away prefills of one sequence of each length in :attr:`WARM_UP_TOKENS` (up to ``max_model_len``
+        and the step's token budget: a 257-token prefill would dequantize whole weights, which a 256-token budget's
+        memory plan does not count),
         then the LM head on its last row: their kernels compile here (vLLM's start-up profile run does the same).
         Nothing is written to the KV cache (every slot is -1, padding) and the attention reads block 0 for every
         position, whatever it holds: the outputs are discarded."""
-        for n in (t for t in self.WARM_UP_TOKENS if t <= max_model_len):
+        budget = self.config.token_budget(max_model_len)  # no step computes more: its kernels are never needed
+        for n in (t for t in self.WARM_UP_TOKENS if t <= min(max_model_len, budget)):
             meta = AttentionMetadata(
                 is_prefill=True, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
                 block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device),

@@ -33,3 +33,15 @@ def test_warm_up_covers_every_plan_bucket_with_and_without_a_multiple_of_16():
         assert inside, f"no warm-up prompt of {lo + 1}-{hi} tokens"
         if 16 <= hi <= w4a16.M_BUCKETS[-1]:
             assert {t % 16 == 0 for t in inside} == {True, False}, f"{lo + 1}-{hi}: {inside}"
+
+
+def test_warm_up_stops_at_the_step_budget(demo_model):
+    """With 256-token steps (the tuner's plan on a small GPU) no prefill of 257 tokens ever runs, so the start-up
+    does not run one either: above 256 rows a product dequantizes its whole weight, which that plan does not count."""
+    llm = LLM(str(demo_model), device="cpu", max_num_seqs=2, max_model_len=384, cpu_kv_cache_gib=0.02,
+              max_num_batched_tokens=256)
+    runner, lengths = llm.engine.runner, []
+    forward = runner.model.forward
+    runner.model.forward = lambda ids, *args: lengths.append(len(ids)) or forward(ids, *args)
+    runner.warm_up_prefill(384)
+    assert lengths == [t for t in runner.WARM_UP_TOKENS if t <= 256] and max(runner.WARM_UP_TOKENS) == 257
