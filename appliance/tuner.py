@@ -274,16 +274,12 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
             reasons["gpu_memory_utilization"] = (f"the GPU is free: {util:.0%} of {gib(gpu.total_memory)}, "
                                                  "the rest spare")
         len_cap, len_cap_why = model.max_context, model.max_context_why
-        seqs, step, kv_bytes = _gpu_sizing(model, gpu, util, dtype, bpt, min(MIN_CONTEXT_TOKENS, len_cap),
-                                           max_num_seqs, max_num_batched_tokens, reasons)
+        wanted = max_model_len or min(MIN_CONTEXT_TOKENS, len_cap)
+        seqs, step, kv_bytes = _gpu_sizing(model, gpu, util, dtype, block_bytes, wanted, max_num_seqs,
+                                           max_num_batched_tokens, reasons)
         if kv_bytes < block_bytes:
-            share, held = util * gpu.total_memory, gpu.total_memory - gpu.free_memory
-            fixes = ([f"close programs holding GPU memory ({gib(held)})"] if held > GPU_FREE_MARGIN else []) + (
-                ["raise --gpu-memory-utilization"] if util < GPU_DEFAULT_UTILIZATION else []) + ["use a smaller model"]
-            raise TuneError(f"the model ({gib(model.weight_bytes)}) leaves no room for a KV cache in {util:.0%} of "
-                            f"the {gib(gpu.total_memory)} GPU ({gib(share)}; the CUDA context, one step's "
-                            f"activations and the sampler's buffers take {gib(share - model.weight_bytes - kv_bytes)})",
-                            ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1])
+            raise _no_room(model, gpu, util, kv_bytes, gpu_memory_utilization is not None, max_num_seqs,
+                           max_num_batched_tokens)
         reasons["num_kv_blocks"] += (f"; {gib(kv_bytes)} = {util:.0%} of {gib(gpu.total_memory)} minus "
                                      f"{gib(model.weight_bytes)} of weights, the CUDA context, a step's activations "
                                      f"and the sampler's buffers for {seqs} sequences (the engine's memory plan)")
@@ -307,6 +303,8 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
         seq_default = min(CPU_MAX_NUM_SEQS, CPU_SEQS_PER_CORE * hw.cpu_cores)
         seq_why = (f"CPU decoding is compute-bound: {CPU_SEQS_PER_CORE} sequences per core x {hw.cpu_cores} cores, "
                    f"at most {CPU_MAX_NUM_SEQS}")
+        if step and step < seq_default:  # every running sequence decodes a token each step
+            seq_default, seq_why = step, f"at most --max-num-batched-tokens {step}: one token a sequence a step"
 
     num_blocks = kv_bytes // block_bytes
     kv_tokens = num_blocks * BLOCK_SIZE
@@ -344,35 +342,59 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
                 expected_concurrency=expected, max_num_batched_tokens=step, reasons=reasons)
 
 
-def _gpu_sizing(model: ModelInfo, gpu, util: float, dtype: str, bpt: int, min_context: int,
-                max_num_seqs: int | None, step_tokens: int | None, reasons: dict) -> tuple[int, int, int]:
-    """(max_num_seqs, max_num_batched_tokens, KV-cache bytes) on ``gpu`` at ``util``; values given are kept. The
-    sequences: vLLM's 256 where the KV cache holds :data:`TOKENS_PER_SEQUENCE_SLOT` tokens for each, else the
-    most for which it does (each takes sampler buffers from the cache), at least 1. The step: the first of
-    :data:`STEP_TOKENS` whose KV cache holds ``min_context`` tokens, else the last (the most KV)."""
+def _gpu_sizing(model: ModelInfo, gpu, util: float, dtype: str, block_bytes: int, wanted: int,
+                max_num_seqs: int | None, step_tokens: int | None, reasons: dict) -> tuple[int, int | None, int]:
+    """(max_num_seqs, max_num_batched_tokens (None: the engine's default), KV-cache bytes) on ``gpu`` at ``util``;
+    values given are kept. The sequences: vLLM's 256 (at most a given step) where the KV cache holds
+    :data:`TOKENS_PER_SEQUENCE_SLOT` tokens for each, else the most for which it does (each takes sampler buffers
+    from the cache), at least 1. The step: the first of :data:`STEP_TOKENS` whose KV cache holds ``wanted``
+    tokens, else the last (the most KV)."""
+    most = min(GPU_MAX_NUM_SEQS, step_tokens or GPU_MAX_NUM_SEQS)
     for step in (step_tokens,) if step_tokens else STEP_TOKENS:
-        def kv(seqs: int, step=step) -> int:
-            return model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, max(step, seqs))
-        seqs = max_num_seqs or _most_sequences(lambda n: kv(n) // bpt, GPU_MAX_NUM_SEQS)
-        kv_bytes = kv(seqs)
-        if kv_bytes // bpt >= min_context:
+        def tokens(seqs: int, step=step) -> int:  # whole blocks, as the engine allocates them
+            kv = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, max(step, seqs))
+            return kv // block_bytes * BLOCK_SIZE
+        seqs = max_num_seqs or _most_sequences(tokens, most)
+        if tokens(seqs) >= wanted:
             break
+    kv_bytes = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, max(step, seqs))
     if max_num_seqs is not None:
         reasons["max_num_seqs"] = "set by --max-num-seqs"
+    elif seqs == most:
+        reasons["max_num_seqs"] = (f"vLLM's default of {GPU_MAX_NUM_SEQS}" if most == GPU_MAX_NUM_SEQS else
+                                   f"at most --max-num-batched-tokens {most}: one token a sequence a step")
+    elif tokens(seqs) < TOKENS_PER_SEQUENCE_SLOT:
+        reasons["max_num_seqs"] = f"the KV cache holds fewer than {TOKENS_PER_SEQUENCE_SLOT} tokens: one sequence"
     else:
-        reasons["max_num_seqs"] = (f"vLLM's default of {GPU_MAX_NUM_SEQS}" if seqs == GPU_MAX_NUM_SEQS else
-                                   f"the KV cache holds {TOKENS_PER_SEQUENCE_SLOT} tokens for only {seqs} sequences "
+        reasons["max_num_seqs"] = (f"the KV cache holds {TOKENS_PER_SEQUENCE_SLOT} tokens for only {seqs} sequences "
                                    "(each takes sampler buffers from it)")
+    step = max(step, seqs)
     if step_tokens:
         reasons["max_num_batched_tokens"] = "set by --max-num-batched-tokens"
     elif step == STEP_TOKENS[0]:
-        reasons["max_num_batched_tokens"] = f"vLLM's default step of {step} tokens (chunked prefill)"
+        reasons["max_num_batched_tokens"] = f"the engine's default: vLLM's step of {step} tokens (chunked prefill)"
+        return seqs, None, kv_bytes
     else:
         reasons["max_num_batched_tokens"] = (
-            f"steps of {STEP_TOKENS[0]} tokens would leave the KV cache fewer than {min_context} tokens: "
-            f"{step}-token steps reserve {STEP_TOKENS[0] // step}x less for activations (long prompts prefill in "
-            "more steps)")
-    return seqs, max(step, seqs), kv_bytes
+            f"steps of {STEP_TOKENS[0]} tokens would leave the KV cache fewer than {wanted} tokens: {step}-token "
+            f"steps reserve {STEP_TOKENS[0] / step:g}x less for activations (long prompts prefill in more steps)")
+    return seqs, step, kv_bytes
+
+
+def _no_room(model: ModelInfo, gpu, util: float, kv_bytes: int, util_given: bool, max_num_seqs: int | None,
+             step_tokens: int | None) -> TuneError:
+    """The error of a plan whose KV cache would get nothing, with the fixes that would help here."""
+    share, held = util * gpu.total_memory, gpu.total_memory - gpu.free_memory
+    fixes = [f"close programs holding GPU memory ({gib(held)})"] if held > GPU_FREE_MARGIN else []
+    if util_given and share < gpu.free_memory - CUDA_CONTEXT_BYTES:  # else the free memory is the limit
+        fixes.append("raise --gpu-memory-utilization")
+    fixes += ["lower --max-num-seqs"] * bool(max_num_seqs) + ["lower --max-num-batched-tokens"] * bool(step_tokens)
+    fixes.append("use a smaller model")
+    others = share - model.weight_bytes - kv_bytes  # what the memory plan reserves beside the weights
+    return TuneError(f"the model ({gib(model.weight_bytes)}) leaves no room for a KV cache in {util:.0%} of the "
+                     f"{gib(gpu.total_memory)} GPU ({gib(share)}): beside it the CUDA context, one step's "
+                     f"activations, the sampler's buffers and a margin need {gib(others)}",
+                     ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1])
 
 
 def _most_sequences(kv_tokens, most: int) -> int:

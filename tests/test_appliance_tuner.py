@@ -141,7 +141,8 @@ def test_gpu_plan_when_other_processes_hold_memory(tmp_path):
     assert plan.num_kv_blocks == 2429
     assert plan.max_model_len == 38864  # what the KV cache holds
     assert plan.expected_concurrency == 37  # 38864 / 1024
-    assert plan.max_num_batched_tokens == 2048 and "vLLM's default" in plan.reasons["max_num_batched_tokens"]
+    assert plan.max_num_batched_tokens is None  # the engine's default, 2048: big GPUs' configs stay as they were
+    assert "vLLM's step of 2048" in plan.reasons["max_num_batched_tokens"]
     assert "12.0 GiB of 24.0 GiB is free" in plan.reasons["gpu_memory_utilization"]
 
 
@@ -160,6 +161,24 @@ def test_an_8_gib_card_with_a_desktop_takes_smaller_steps_for_an_8b_model(tmp_pa
     assert info.gpu_kv_bytes(8 * GIB, int(7.4 * GIB), 0.86, 7, "auto", 2048) < 0  # the 2048-token step's plan
     with pytest.raises(TuneError, match="leaves no room for a KV cache"):  # a step given is kept
         tuner.plan(info, gpu(8 * GIB, int(7.4 * GIB)), max_num_batched_tokens=2048)
+
+
+def test_a_step_given_caps_the_sequences_and_a_length_given_picks_the_step(tmp_path):
+    """A step below vLLM's 256 sequences caps them (the engine refuses a step below max_num_seqs: the service
+    would not start after the install); a --max-model-len the 2048-token step cannot hold takes the smaller one."""
+    info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB))
+    plan = tuner.plan(info, gpu(80 * GIB, 80 * GIB), max_num_batched_tokens=64)
+    assert (plan.max_num_batched_tokens, plan.max_num_seqs) == (64, 64)
+    assert plan.reasons["max_num_seqs"] == "at most --max-num-batched-tokens 64: one token a sequence a step"
+    plan = tuner.plan(info, cpu(cores=8), max_num_batched_tokens=8)
+    assert (plan.max_num_batched_tokens, plan.max_num_seqs) == (8, 8)  # 4 a core x 8 would be 16
+    # 0.85 x 10 GiB - 4 - 1/16 - 0.5 - 1 (activations) - 0.37 (sampler) - 0.25: 1,188 blocks, 19,008 tokens
+    small = gpu(10 * GIB, 9 * GIB)
+    plan = tuner.plan(info, small)
+    assert (plan.max_num_batched_tokens, plan.max_model_len) == (None, 19008)
+    plan = tuner.plan(info, small, max_model_len=24000)  # was refused: "does not fit in the KV cache"
+    assert plan.max_num_batched_tokens == 256 and plan.max_model_len == 24000 <= plan.kv_tokens == 25344
+    assert "fewer than 24000 tokens" in plan.reasons["max_num_batched_tokens"]
 
 
 def test_most_sequences_is_the_largest_count_the_cache_holds_256_tokens_for():
@@ -189,11 +208,15 @@ def test_impossible_requests_are_errors(tmp_path):
         tuner.plan(info, cpu(available=GIB), max_model_len=100000)
     with pytest.raises(TuneError, match="leaves no room for a KV cache in 87% of the 4.0 GiB GPU") as err:
         tuner.plan(info, gpu(4 * GIB, 4 * GIB))
-    assert err.value.hint == "raise --gpu-memory-utilization or use a smaller model"
+    assert err.value.hint == "use a smaller model"  # the share is what is free: raising it would gain nothing
     with pytest.raises(TuneError) as err:
         tuner.plan(info, gpu(8 * GIB, 4 * GIB))
-    assert err.value.hint == "close programs holding GPU memory (4.0 GiB), raise --gpu-memory-utilization or use a " \
-                             "smaller model"
+    assert err.value.hint == "close programs holding GPU memory (4.0 GiB) or use a smaller model"
+    with pytest.raises(TuneError) as err:  # what was given and would help is named
+        tuner.plan(info, gpu(8 * GIB, 8 * GIB), gpu_memory_utilization=0.5, max_num_seqs=64,
+                   max_num_batched_tokens=2048)
+    assert err.value.hint == ("raise --gpu-memory-utilization, lower --max-num-seqs, lower --max-num-batched-tokens "
+                              "or use a smaller model")
     with pytest.raises(TuneError, match="--max-num-batched-tokens 8 is below --max-num-seqs 16"):
         tuner.plan(info, cpu(), max_num_seqs=16, max_num_batched_tokens=8)
     with pytest.raises(TuneError, match="gpu-memory-utilization"):
