@@ -43,6 +43,8 @@ MODEL_NAMES = {"llama2_7b": "Llama-2-7B AWQ", "llama31_8b": "Llama-3.1-8B AWQ"}
 TUNER_SPARE = GPU_FREE_MARGIN  # what the tuner keeps free when other processes hold memory
 HOG_SLACK = 48 * MIB  # free memory over the tuner's spare and the share: less than 1% of the big GPU
 CHILD_TIMEOUT_S = 300
+#: where each child's JSON report goes (``$CONSUMER_FIT_DIR``: the device's $OUT keeps them if the call is cut short)
+REPORTS = os.environ.get("CONSUMER_FIT_DIR", "/tmp")
 LONG_PROMPT_CAP, FULL_LENGTH_CAP, WIDE_PROMPT, WIDE_TOKENS, PL_PROMPT = 8192, 32768, 128, 128, 4096
 
 
@@ -226,7 +228,7 @@ def breakdown_rows(ctx: dict, make_row, models: dict) -> list:
     rows = []
     for model in models:
         model_dir = models[model]()
-        out = f"/tmp/consumer_fit_breakdown_{model}.json"
+        out = f"{REPORTS}/consumer_fit_breakdown_{model}.json"
         used = nvml.nvmlDeviceGetMemoryInfo(handle).used
         proc = subprocess.run([sys.executable, "-m", "bench.consumer_fit", "breakdown", model_dir, out, str(used)],
                               cwd=Path(__file__).parent.parent, capture_output=True, text=True,
@@ -293,7 +295,7 @@ def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) ->
         hog_ = Hog(nvml, handle, hog_free(share_gib * GIB))
         try:
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            out = f"/tmp/consumer_fit_{len(rows)}.json"
+            out = f"{REPORTS}/consumer_fit_{len(rows)}.json"
             Path(out).unlink(missing_ok=True)  # a warm machine keeps /tmp: never read an older run's report
             status, peak, low, err = _run_child(nvml, handle, model_dir, out, util)
         finally:
