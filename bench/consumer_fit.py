@@ -39,6 +39,8 @@ SCENARIOS = (("8 GiB card (RTX 4060 Ti 8 GB, 3070)", "llama31_8b", 6.88),
              ("24 GiB card (RTX 3090 / 4090)", "llama31_8b", 21.6),
              ("12 GiB card (RTX 3060 12 GB)", "llama31_8b", 10.8),
              ("8 GiB card", "llama2_7b", 6.88))
+if os.environ.get("CONSUMER_FIT_SCENARIOS"):  # "0,3": those of SCENARIOS only (a shorter call)
+    SCENARIOS = tuple(SCENARIOS[int(i)] for i in os.environ["CONSUMER_FIT_SCENARIOS"].split(","))
 MODEL_NAMES = {"llama2_7b": "Llama-2-7B AWQ", "llama31_8b": "Llama-3.1-8B AWQ"}
 TUNER_SPARE = GPU_FREE_MARGIN  # what the tuner keeps free when other processes hold memory
 HOG_SLACK = 48 * MIB  # free memory over the tuner's spare and the share: less than 1% of the big GPU
