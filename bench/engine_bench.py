@@ -1279,7 +1279,9 @@ def consumer_fit_rows(ctx: dict, make_row) -> list:
 
     _free()
     models = {"llama2_7b": model(_model_7b), "llama31_8b": model(_model_8b_31)}
-    return breakdown_rows(ctx, make_row, {"llama31_8b": models["llama31_8b"]}) + rows(ctx, make_row, models)
+    first = [] if os.environ.get("CONSUMER_FIT_BREAKDOWN") == "0" else breakdown_rows(
+        ctx, make_row, {"llama31_8b": models["llama31_8b"]})
+    return first + rows(ctx, make_row, models)
 
 
 #: What ``bench/gpu_suite.py`` runs after its kernel rows, in order; ``ENGINE_ROWS=name,name`` picks some, in
