@@ -317,6 +317,9 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
     elif kv_tokens < len_cap:
         max_model_len = kv_tokens
         reasons["max_model_len"] = f"what the KV cache holds ({kv_tokens} tokens), below {len_cap_why} ({len_cap})"
+        if kv_tokens < MIN_CONTEXT_TOKENS and kv_cache_dtype == "auto" and hw.kind == "cuda":
+            reasons["max_model_len"] += ("; a short context: --kv-cache-dtype int8 (or fp8 on Ada and Hopper) about "
+                                         "doubles it")
     else:
         max_model_len = len_cap
         reasons["max_model_len"] = len_cap_why

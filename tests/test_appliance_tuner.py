@@ -156,6 +156,10 @@ def test_an_8_gib_card_with_a_desktop_takes_smaller_steps_for_an_8b_model(tmp_pa
     # sampler (the prompt-logprobs pass's, above 7 rows') - 0.25 = 0.239 GiB: 122 blocks of 16 x 128 KiB
     assert (plan.gpu_memory_utilization, plan.max_num_batched_tokens, plan.num_kv_blocks) == (0.86, 256, 122)
     assert (plan.max_model_len, plan.max_num_seqs) == (1952, 7)  # 7 x 256 <= 1952 < 8 x 256
+    assert plan.reasons["max_model_len"].endswith("a short context: --kv-cache-dtype int8 (or fp8 on Ada and "
+                                                  "Hopper) about doubles it")
+    int8 = tuner.plan(info, gpu(8 * GIB, int(7.4 * GIB)), kv_cache_dtype="int8")  # 132 bytes a head, not 256
+    assert int8.max_model_len == 3792 and "short context" not in int8.reasons["max_model_len"]
     assert plan.reasons["max_num_batched_tokens"].startswith("steps of 2048 tokens would leave the KV cache fewer "
                                                              "than 4096 tokens: 256-token steps")
     assert info.gpu_kv_bytes(8 * GIB, int(7.4 * GIB), 0.86, 7, "auto", 2048) < 0  # the 2048-token step's plan
