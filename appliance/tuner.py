@@ -32,13 +32,15 @@ GPU_DEFAULT_UTILIZATION = 0.90
 GPU_FREE_MARGIN = GIB // 2  # left free when other processes already hold GPU memory
 GPU_MAX_NUM_SEQS = 256  # vLLM's default
 TOKENS_PER_SEQUENCE_SLOT = 256  # max_num_seqs is capped so every sequence could hold this many KV tokens
-#: the step's token budget (``max_num_batched_tokens``) a GPU plan tries, largest first: vLLM's default of 2048,
-#: then 256, the most rows a W4A16 product runs on its tensor-core kernel (``kernels.w4a16.DEQUANT_ABOVE_M``:
-#: above it each product dequantizes its whole weight for cuBLAS), whose activations take an eighth: on an 8 GiB
-#: card that is the difference between a 7-8B model's KV cache and none. Long prompts prefill in more steps.
-STEP_TOKENS = (2048, 256)
-#: the plan takes the smaller step when the larger leaves the KV cache fewer tokens than this (or the model's
-#: context, if shorter): Ollama's default context
+#: the step's token budget (``max_num_batched_tokens``) a GPU plan tries, largest first. Only vLLM's 2048 for now:
+#: a fallback to 256-token steps where 2048 leaves the KV cache under MIN_CONTEXT_TOKENS (an eighth of the
+#: activations; 256 is the most rows a W4A16 product runs on its tensor-core kernel) was built and taken out again
+#: after its one check on a GPU (bench/consumer_fit.py, 2026-12-07): a Llama-3.1-8B plan on an 8 GiB card's share
+#: (6.88 GiB) ran out of memory at start-up, 7.41 GiB used; the memory plan's reserves must be measured first
+#: (bench/RESULTS.md). ``--max-num-batched-tokens`` still sets the step, and the plan reserves for it.
+STEP_TOKENS = (2048,)
+#: the plan takes a smaller step (of STEP_TOKENS) when a larger leaves the KV cache fewer tokens than this (or the
+#: model's context, if shorter): Ollama's default context; a plan under it says how to double it
 MIN_CONTEXT_TOKENS = 4096
 TYPICAL_REQUEST_TOKENS = 1024  # prompt + completion of a typical chat request, for the expected concurrency
 CPU_SEQS_PER_CORE = 4

@@ -86,8 +86,8 @@ def test_the_engine_gets_at_least_the_tuners_plan(tmp_path):
 
 
 def test_the_engine_gets_the_plans_kv_cache_with_the_smaller_step_too(tmp_path):
-    """Llama-3.1-8B AWQ on an 8 GiB card with a desktop: the plan's 256-token step, passed to the engine as
-    max_num_batched_tokens (the config key), is the step the engine reserves activations for."""
+    """Llama-3.1-8B AWQ on an 8 GiB card with a desktop and 256-token steps given: the plan's step, passed to the
+    engine as max_num_batched_tokens (the config key), is the step the engine reserves activations for."""
     cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
            "intermediate_size": 14336, "max_position_embeddings": 131072, "vocab_size": 128256,
            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -98,7 +98,7 @@ def test_the_engine_gets_the_plans_kv_cache_with_the_smaller_step_too(tmp_path):
     gpu = GPU(0, "RTX 4060 Ti", 8 * GIB, int(7.4 * GIB), "8.9")
     hw = Hardware(kind="cuda", gpus=[gpu], driver="1", cpu_cores=8, total_memory=32 * GIB, available_memory=28 * GIB)
     info = ModelInfo.from_dir(tmp_path)
-    plan = tuner.plan(info, hw)
+    plan = tuner.plan(info, hw, max_num_batched_tokens=256)
     assert plan.max_num_batched_tokens == 256
     engine = EngineConfig(model="unused", gpu_memory_utilization=plan.gpu_memory_utilization,
                           max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
