@@ -225,6 +225,9 @@ def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float
                         "use a fraction such as 0.9")
     if max_num_seqs is not None and max_num_seqs < 1:
         raise TuneError(f"--max-num-seqs must be at least 1, got {max_num_seqs}", "use a positive number")
+    if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+        raise TuneError(f"--max-num-batched-tokens must be at least 1, got {max_num_batched_tokens}",
+                        "use a positive number, such as 2048")
     if max_num_batched_tokens is not None and max_num_batched_tokens < (max_num_seqs or 1):
         raise TuneError(f"--max-num-batched-tokens {max_num_batched_tokens} is below "
                         f"{'--max-num-seqs ' if max_num_seqs else ''}{max_num_seqs or 1}: every running sequence "

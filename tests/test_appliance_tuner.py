@@ -216,6 +216,8 @@ def test_impossible_requests_are_errors(tmp_path):
                    max_num_batched_tokens=2048)
     assert err.value.hint == ("raise --gpu-memory-utilization, lower --max-num-seqs, lower --max-num-batched-tokens "
                               "or use a smaller model")
+    with pytest.raises(TuneError, match="--max-num-batched-tokens must be at least 1, got 0"):
+        tuner.plan(info, cpu(), max_num_batched_tokens=0)
     with pytest.raises(TuneError, match="--max-num-batched-tokens 8 is below --max-num-seqs 16"):
         tuner.plan(info, cpu(), max_num_seqs=16, max_num_batched_tokens=8)
     with pytest.raises(TuneError, match="gpu-memory-utilization"):
