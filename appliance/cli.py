@@ -134,7 +134,7 @@ GpuUtilOpt = typer.Option(None, "--gpu-memory-utilization", help="fraction of GP
 SeqsOpt = typer.Option(None, "--max-num-seqs", help="most sequences in one batch (default: tuned)")
 LenOpt = typer.Option(None, "--max-model-len", help="prompt + completion tokens per request (default: tuned)")
 StepOpt = typer.Option(None, "--max-num-batched-tokens",
-                       help="tokens one step computes; long prompts prefill in chunks of it (default: tuned)")
+                       help="tokens one step computes; long prompts prefill in chunks of it (default: vLLM's 2048)")
 KvOpt = typer.Option(None, "--kv-cache-dtype", help="auto, fp8 (Ada/Hopper GPUs) or int8 (no fp8 hardware needed) (default: auto)")
 DtypeOpt = typer.Option(None, "--dtype", help="compute dtype: auto, float32, bfloat16 or float16 (default: tuned; "
                                               "on a GPU auto: the checkpoint's float16 or bfloat16, as vLLM; "

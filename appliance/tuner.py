@@ -32,15 +32,13 @@ GPU_DEFAULT_UTILIZATION = 0.90
 GPU_FREE_MARGIN = GIB // 2  # left free when other processes already hold GPU memory
 GPU_MAX_NUM_SEQS = 256  # vLLM's default
 TOKENS_PER_SEQUENCE_SLOT = 256  # max_num_seqs is capped so every sequence could hold this many KV tokens
-#: the step's token budget (``max_num_batched_tokens``) a GPU plan tries, largest first. Only vLLM's 2048 for now:
-#: a fallback to 256-token steps where 2048 leaves the KV cache under MIN_CONTEXT_TOKENS (an eighth of the
-#: activations; 256 is the most rows a W4A16 product runs on its tensor-core kernel) was built and taken out again
-#: after its one check on a GPU (bench/consumer_fit.py, 2026-12-07): a Llama-3.1-8B plan on an 8 GiB card's share
-#: (6.88 GiB) ran out of memory at start-up, 7.41 GiB used; the memory plan's reserves must be measured first
-#: (bench/RESULTS.md). ``--max-num-batched-tokens`` still sets the step, and the plan reserves for it.
-STEP_TOKENS = (2048,)
-#: the plan takes a smaller step (of STEP_TOKENS) when a larger leaves the KV cache fewer tokens than this (or the
-#: model's context, if shorter): Ollama's default context; a plan under it says how to double it
+#: the step's token budget (``max_num_batched_tokens``) of a GPU plan unless given: vLLM's. A fallback to
+#: 256-token steps where this leaves the KV cache under MIN_CONTEXT_TOKENS (an eighth of the activations; 256 is the
+#: most rows a W4A16 product runs on its tensor-core kernel) was built and taken out again after its one check on a
+#: GPU (bench/consumer_fit.py, bench/RESULTS.md run 124): a Llama-3.1-8B plan on an 8 GiB card's share (6.88 GiB)
+#: ran out of memory at start-up, 7.41 GiB used. The memory plan's reserves must be measured first.
+DEFAULT_STEP_TOKENS = 2048
+#: a plan whose KV cache holds fewer tokens says how to double it (Ollama's default context)
 MIN_CONTEXT_TOKENS = 4096
 TYPICAL_REQUEST_TOKENS = 1024  # prompt + completion of a typical chat request, for the expected concurrency
 CPU_SEQS_PER_CORE = 4
@@ -279,8 +277,7 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
             reasons["gpu_memory_utilization"] = (f"the GPU is free: {util:.0%} of {gib(gpu.total_memory)}, "
                                                  "the rest spare")
         len_cap, len_cap_why = model.max_context, model.max_context_why
-        wanted = max_model_len or min(MIN_CONTEXT_TOKENS, len_cap)
-        seqs, step, kv_bytes = _gpu_sizing(model, gpu, util, dtype, block_bytes, wanted, max_num_seqs,
+        seqs, step, kv_bytes = _gpu_sizing(model, gpu, util, dtype, block_bytes, max_num_seqs,
                                            max_num_batched_tokens, reasons)
         if kv_bytes < block_bytes:
             raise _no_room(model, gpu, util, kv_bytes, gpu_memory_utilization is not None, max_num_seqs,
@@ -350,22 +347,23 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
                 expected_concurrency=expected, max_num_batched_tokens=step, reasons=reasons)
 
 
-def _gpu_sizing(model: ModelInfo, gpu, util: float, dtype: str, block_bytes: int, wanted: int,
-                max_num_seqs: int | None, step_tokens: int | None, reasons: dict) -> tuple[int, int | None, int]:
+def _gpu_sizing(model: ModelInfo, gpu, util: float, dtype: str, block_bytes: int, max_num_seqs: int | None,
+                step_tokens: int | None, reasons: dict) -> tuple[int, int | None, int]:
     """(max_num_seqs, max_num_batched_tokens (None: the engine's default), KV-cache bytes) on ``gpu`` at ``util``;
     values given are kept. The sequences: vLLM's 256 (at most a given step) where the KV cache holds
     :data:`TOKENS_PER_SEQUENCE_SLOT` tokens for each, else the most for which it does (each takes sampler buffers
-    from the cache), at least 1. The step: the first of :data:`STEP_TOKENS` whose KV cache holds ``wanted``
-    tokens, else the last (the most KV)."""
+    from the cache), at least 1. The step: the one given, else the engine's default (:data:`DEFAULT_STEP_TOKENS`,
+    at least ``max_num_seqs``)."""
     most = min(GPU_MAX_NUM_SEQS, step_tokens or GPU_MAX_NUM_SEQS)
-    for step in (step_tokens,) if step_tokens else STEP_TOKENS:
-        def tokens(seqs: int, step=step) -> int:  # whole blocks, as the engine allocates them
-            kv = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, max(step, seqs))
-            return kv // block_bytes * BLOCK_SIZE
-        seqs = max_num_seqs or _most_sequences(tokens, most)
-        if tokens(seqs) >= wanted:
-            break
-    kv_bytes = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, max(step, seqs))
+
+    def tokens(seqs: int) -> int:  # whole blocks, as the engine allocates them
+        step = step_tokens or max(DEFAULT_STEP_TOKENS, seqs)
+        kv = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, step)
+        return kv // block_bytes * BLOCK_SIZE
+
+    seqs = max_num_seqs or _most_sequences(tokens, most)
+    kv_bytes = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype,
+                                  step_tokens or max(DEFAULT_STEP_TOKENS, seqs))
     if max_num_seqs is not None:
         reasons["max_num_seqs"] = "set by --max-num-seqs"
     elif seqs == most:
@@ -376,17 +374,16 @@ def _gpu_sizing(model: ModelInfo, gpu, util: float, dtype: str, block_bytes: int
     else:
         reasons["max_num_seqs"] = (f"the KV cache holds {TOKENS_PER_SEQUENCE_SLOT} tokens for only {seqs} sequences "
                                    "(each takes sampler buffers from it)")
-    step = max(step, seqs)
-    if step_tokens:
-        reasons["max_num_batched_tokens"] = "set by --max-num-batched-tokens"
-    elif step == STEP_TOKENS[0]:
-        reasons["max_num_batched_tokens"] = f"the engine's default: vLLM's step of {step} tokens (chunked prefill)"
-        return seqs, None, kv_bytes
+    if step_tokens is None:
+        reasons["max_num_batched_tokens"] = (f"the engine's default: vLLM's {DEFAULT_STEP_TOKENS} tokens a step "
+                                             "(at least max_num_seqs)")
+    elif step_tokens < DEFAULT_STEP_TOKENS:
+        reasons["max_num_batched_tokens"] = ("set by --max-num-batched-tokens; careful: the memory plan's reserves "
+                                             "fell short with 256-token steps on an 8 GiB card's share (a GPU check, "
+                                             "bench/RESULTS.md run 124)")
     else:
-        reasons["max_num_batched_tokens"] = (
-            f"steps of {STEP_TOKENS[0]} tokens would leave the KV cache fewer than {wanted} tokens: {step}-token "
-            f"steps reserve {STEP_TOKENS[0] / step:g}x less for activations (long prompts prefill in more steps)")
-    return seqs, step, kv_bytes
+        reasons["max_num_batched_tokens"] = "set by --max-num-batched-tokens"
+    return seqs, step_tokens, kv_bytes
 
 
 def _no_room(model: ModelInfo, gpu, util: float, kv_bytes: int, util_given: bool, max_num_seqs: int | None,

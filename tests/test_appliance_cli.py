@@ -526,8 +526,8 @@ def test_serve_passes_the_dtype_to_the_engine(tmp_path, monkeypatch):
 
 
 def test_serve_passes_the_step_budget_to_the_engine(tmp_path, monkeypatch):
-    """max_num_batched_tokens (the tuner's plan writes it: 256 on a small card): the config's, the flag's, the
-    engine's default when neither; one below max_num_seqs is the engine's one-line error."""
+    """max_num_batched_tokens (the config key `install --max-num-batched-tokens` writes): the config's, the flag's,
+    the engine's default when neither; one below max_num_seqs is the engine's one-line error."""
     from engine.server import api_server
 
     started = []

@@ -59,6 +59,8 @@ def test_install_end_to_end_without_systemd(tmp_path):
         assert (conf.port, conf.device, conf.quantization, conf.served_model_name) == \
             (port, "cpu", "awq", "SmolLM2-135M-Instruct")
         assert conf.dtype == ("bfloat16" if hardware.host()["cpu_bf16"] else "float32")  # the tuner's choice
+        # the engine's default step: no key written, so a later engine default applies
+        assert conf.max_num_batched_tokens is None and "max_num_batched_tokens" not in conf_file.read_text()
         assert conf.model.startswith(str(home / ".local" / "share" / "appliance" / "models"))
         assert '"quant_method": "awq"' in open(os.path.join(conf.model, "config.json")).read().replace("'", '"')
         assert (home / ".local" / "share" / "appliance" / "run" / "appliance.pid").is_file()

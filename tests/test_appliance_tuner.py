@@ -142,7 +142,7 @@ def test_gpu_plan_when_other_processes_hold_memory(tmp_path):
     assert plan.max_model_len == 38864  # what the KV cache holds
     assert plan.expected_concurrency == 37  # 38864 / 1024
     assert plan.max_num_batched_tokens is None  # the engine's default, 2048: big GPUs' configs stay as they were
-    assert "vLLM's step of 2048" in plan.reasons["max_num_batched_tokens"]
+    assert "vLLM's 2048 tokens a step" in plan.reasons["max_num_batched_tokens"]
     assert "12.0 GiB of 24.0 GiB is free" in plan.reasons["gpu_memory_utilization"]
 
 
@@ -150,7 +150,7 @@ def test_an_8_gib_card_with_a_desktop_and_an_8b_model(tmp_path):
     """Llama-3.1-8B AWQ (5.73 GB of files) on an 8 GiB card with 0.6 GiB held by a desktop: a 2048-token step's
     activations (1 GiB) leave no KV cache, so the plan is refused, saying what helps; with 256-token steps given
     the plan takes the sequences whose sampler buffers still leave 256 tokens each (the automatic fallback to them
-    ran out of memory on a GPU: appliance/tuner.py STEP_TOKENS)."""
+    ran out of memory on a GPU: appliance/tuner.py DEFAULT_STEP_TOKENS), and its reason says so."""
     info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 5_730_000_000))
     with pytest.raises(TuneError, match="leaves no room for a KV cache in 86% of the 8.0 GiB GPU") as err:
         tuner.plan(info, gpu(8 * GIB, int(7.4 * GIB)))
@@ -160,6 +160,7 @@ def test_an_8_gib_card_with_a_desktop_and_an_8b_model(tmp_path):
     # sampler (the prompt-logprobs pass's, above 7 rows') - 0.25 = 0.239 GiB: 122 blocks of 16 x 128 KiB
     assert (plan.gpu_memory_utilization, plan.max_num_batched_tokens, plan.num_kv_blocks) == (0.86, 256, 122)
     assert (plan.max_model_len, plan.max_num_seqs) == (1952, 7)  # 7 x 256 <= 1952 < 8 x 256
+    assert "careful: the memory plan's reserves fell short" in plan.reasons["max_num_batched_tokens"]
     assert plan.reasons["max_model_len"].endswith("a short context: --kv-cache-dtype int8 (or fp8 on Ada and "
                                                   "Hopper) about doubles it")
     int8 = tuner.plan(info, gpu(8 * GIB, int(7.4 * GIB)), kv_cache_dtype="int8", max_num_batched_tokens=256)
@@ -175,9 +176,17 @@ def test_a_step_given_caps_the_sequences(tmp_path):
     assert plan.reasons["max_num_seqs"] == "at most --max-num-batched-tokens 64: one token a sequence a step"
     plan = tuner.plan(info, cpu(cores=8), max_num_batched_tokens=8)
     assert (plan.max_num_batched_tokens, plan.max_num_seqs) == (8, 8)  # 4 a core x 8 would be 16
+
+
+def test_a_short_card_plans_the_most_sequences_its_cache_holds_256_tokens_for(tmp_path):
+    """The sequences where the cache is short: the most whose sampler buffers leave 256 tokens each (74 here:
+    above that the buffers of the prompt-logprobs minimum, 768 rows, give way to 10 a sequence)."""
+    info = ModelInfo.from_dir(model_dir(tmp_path, LLAMA_8B, 4 * GIB))
     # 0.85 x 10 GiB - 4 - 1/16 - 0.5 - 1 (activations) - 0.37 (sampler) - 0.25: 1,188 blocks, 19,008 tokens
     plan = tuner.plan(info, gpu(10 * GIB, 9 * GIB))
     assert (plan.max_num_batched_tokens, plan.max_model_len, plan.max_num_seqs) == (None, 19008, 74)
+    assert plan.reasons["max_num_seqs"] == ("the KV cache holds 256 tokens for only 74 sequences (each takes sampler "
+                                            "buffers from it)")
 
 
 def test_most_sequences_is_the_largest_count_the_cache_holds_256_tokens_for():

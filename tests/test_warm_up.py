@@ -36,7 +36,7 @@ def test_warm_up_covers_every_plan_bucket_with_and_without_a_multiple_of_16():
 
 
 def test_warm_up_stops_at_the_step_budget(demo_model):
-    """With 256-token steps (the tuner's plan on a small GPU) no prefill of 257 tokens ever runs, so the start-up
+    """With 256-token steps (--max-num-batched-tokens 256) no prefill of 257 tokens ever runs, so the start-up
     does not run one either: above 256 rows a product dequantizes its whole weight, which that plan does not count."""
     llm = LLM(str(demo_model), device="cpu", max_num_seqs=2, max_model_len=384, cpu_kv_cache_gib=0.02,
               max_num_batched_tokens=256)
