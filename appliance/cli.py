@@ -968,8 +968,8 @@ def bench(url: Optional[str] = UrlOpt,
                                         "streamed tokens/s)"),
           as_json: bool = typer.Option(False, "--json", help="machine-readable output: vLLM benchmark_serving's "
                                        "result keys, latencies in ms")):
-    """Load sweep against a running server: req/s, output tok/s, TTFT / TPOT / ITL / E2E p50 and p99 per
-    concurrency."""
+    """Load sweep against a running server (one still loading its model is waited for): req/s, output tok/s,
+    TTFT / TPOT / ITL / E2E p50 and p99 per concurrency."""
     import asyncio
 
     from appliance import loadgen
@@ -984,7 +984,7 @@ def bench(url: Optional[str] = UrlOpt,
         raise ApplianceError(f"--requests, --processes and --num-warmups must be 0 or more, got {requests}, "
                              f"{processes} and {num_warmups}", "e.g. --requests 0 (2 x concurrency)")
     url, api_key = _server(url, api_key)
-    _check_serving(url, "bench")
+    _check_serving(url, "bench", wait_s=600.0)  # a model still loading is waited for (vLLM's bench: 600 s too)
     model = _served_model(url, api_key)
     results = []
     for level in levels:
