@@ -57,6 +57,12 @@ class InstallOptions:
     health_timeout: float = 600.0
     eval_tokens: int = 32768  # held-out tokens for the perplexities (design.md §6)
 
+    def tuner_flags(self) -> dict:
+        """The flags the tuner keeps as given (``tuner.check_flags`` and ``tuner.plan``'s keywords)."""
+        return dict(gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
+                    max_model_len=self.max_model_len, kv_cache_dtype=self.kv_cache_dtype, dtype=self.dtype,
+                    max_num_batched_tokens=self.max_num_batched_tokens)
+
 
 #: held-out tokens of the perplexities (design.md §6), the default of ``install --eval-tokens``
 HELDOUT_TOKENS = InstallOptions.eval_tokens
@@ -604,10 +610,8 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     source, name = resolve_model(opts.model, console)
     check_servable(source, name)
     hw = hardware.detect()  # the flags are checked now, not after minutes of quantizing
-    tuner.check_flags(tuner.ModelInfo.from_dir(source), hw, gpu_memory_utilization=opts.gpu_memory_utilization,
-                      max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
-                      kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype,
-                      max_num_batched_tokens=opts.max_num_batched_tokens)
+    flags = opts.tuner_flags()
+    tuner.check_flags(tuner.ModelInfo.from_dir(source), hw, **flags)
     console.print(f"Model: [bold]{name}[/bold] ({source})")
 
     # 2. quantize (or take the checkpoint as it is)
@@ -643,9 +647,7 @@ def install(opts: InstallOptions, console: Console | None = None) -> dict:
     # 4. detect (above), 5. tune
     console.print(f"Accelerator: {detect_line(hw)}")
     info = tuner.ModelInfo.from_dir(served_dir)
-    plan = tuner.plan(info, hw, gpu_memory_utilization=opts.gpu_memory_utilization, max_num_seqs=opts.max_num_seqs,
-                      max_model_len=opts.max_model_len, kv_cache_dtype=opts.kv_cache_dtype, dtype=opts.dtype,
-                      max_num_batched_tokens=opts.max_num_batched_tokens)
+    plan = tuner.plan(info, hw, **flags)
     console.print(plan_table(info, plan))
 
     # 6. config

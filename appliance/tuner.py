@@ -356,14 +356,15 @@ def _gpu_sizing(model: ModelInfo, gpu, util: float, dtype: str, block_bytes: int
     at least ``max_num_seqs``)."""
     most = min(GPU_MAX_NUM_SEQS, step_tokens or GPU_MAX_NUM_SEQS)
 
-    def tokens(seqs: int) -> int:  # whole blocks, as the engine allocates them
+    def kv(seqs: int) -> int:
         step = step_tokens or max(DEFAULT_STEP_TOKENS, seqs)
-        kv = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, step)
-        return kv // block_bytes * BLOCK_SIZE
+        return model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, step)
+
+    def tokens(seqs: int) -> int:  # whole blocks, as the engine allocates them
+        return kv(seqs) // block_bytes * BLOCK_SIZE
 
     seqs = max_num_seqs or _most_sequences(tokens, most)
-    kv_bytes = model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype,
-                                  step_tokens or max(DEFAULT_STEP_TOKENS, seqs))
+    kv_bytes = kv(seqs)
     if max_num_seqs is not None:
         reasons["max_num_seqs"] = "set by --max-num-seqs"
     elif seqs == most:

@@ -49,7 +49,13 @@ HOG_SLACK = 48 * MIB  # free memory over the tuner's spare and the share: less t
 CHILD_TIMEOUT_S = 300
 #: where each child's JSON report goes (``$CONSUMER_FIT_DIR``: the device's $OUT keeps them if the call is cut short)
 REPORTS = os.environ.get("CONSUMER_FIT_DIR", "/tmp")
+REPO = Path(__file__).parent.parent
 LONG_PROMPT_CAP, FULL_LENGTH_CAP, WIDE_PROMPT, WIDE_TOKENS, PL_PROMPT = 8192, 32768, 128, 128, 4096
+
+
+def _this(*args: str) -> list[str]:
+    """The command line that runs this file's ``args[0]`` mode (hog, child, breakdown) in a process of its own."""
+    return [sys.executable, "-m", "bench.consumer_fit", *args]
 
 
 def hog_free(share_bytes: float) -> int:
@@ -76,8 +82,7 @@ class Hog:
     """The hog process, holding all but ``free`` bytes of the device (within 2 MiB: the allocator's rounding)."""
 
     def __init__(self, nvml, handle, free: int):
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.consumer_fit", "hog"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+        self.proc = subprocess.Popen(_this("hog"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         now = nvml.nvmlDeviceGetMemoryInfo(handle).free
         self._alloc(now - free - GIB)  # its CUDA context takes some of the first GiB; the top-up takes the rest
         self._alloc(nvml.nvmlDeviceGetMemoryInfo(handle).free - free)
@@ -179,14 +184,14 @@ def breakdown(model_dir: str, out: str, used_before: str) -> None:
     kernels: the device's used memory less ``used_before`` less torch's reserved) and the CUDA graphs' pool; then
     the peak over rest of one prefill step of each of :data:`BREAKDOWN_STEPS` tokens (activations, and above 256
     rows the whole weight dequantized for cuBLAS) and of a 256-row sampled step."""
+    import pynvml as nvml
     import torch
 
     from engine import LLM, SamplingParams
+
     llm = LLM(model_dir, device="cuda", max_num_seqs=256, max_model_len=4096, num_kv_blocks=256,
               tune_kernels=False, kernel_plans_dir="/tmp/consumer_fit_no_plans")
     engine = llm.engine
-    import pynvml as nvml
-
     nvml.nvmlInit()
     used = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0)).used  # the parent's reading's API
     nvml.nvmlShutdown()
@@ -236,12 +241,12 @@ def breakdown_rows(ctx: dict, make_row, models: dict) -> list:
         model_dir = models[model]()
         out = f"{REPORTS}/consumer_fit_breakdown_{model}.json"
         used = nvml.nvmlDeviceGetMemoryInfo(handle).used
-        proc = subprocess.run([sys.executable, "-m", "bench.consumer_fit", "breakdown", model_dir, out, str(used)],
-                              cwd=Path(__file__).parent.parent, capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S)
+        proc = subprocess.run(_this("breakdown", model_dir, out, str(used)), cwd=REPO, capture_output=True,
+                              text=True, timeout=CHILD_TIMEOUT_S)
         if proc.returncode:
-            from bench.gpu_suite import FAILURES
-            FAILURES.append(f"memory breakdown {model}: exit {proc.returncode}: {proc.stderr[-300:]}")
+            rows.append(make_row(f"memory plan's reserves measured: {MODEL_NAMES[model]} (MiB, not µs)", "",
+                                 float("nan"), "NON_TORCH_BYTES", NON_TORCH_BYTES / MIB, None,
+                                 f"EXIT {proc.returncode}: {_last_line(proc.stderr)}"))
             continue
         r = json.loads(Path(out).read_text())
         ctx["log"].setdefault("consumer_fit_breakdown", {})[model] = r
@@ -260,6 +265,10 @@ def breakdown_rows(ctx: dict, make_row, models: dict) -> list:
     return rows
 
 
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
 # --- the parent: one suite row per scenario -----------------------------------------------------------------------
 
 def _run_child(nvml, handle, model_dir: str, out: str, util: float, step: int | None) -> tuple[int, int, int, str]:
@@ -275,9 +284,8 @@ def _run_child(nvml, handle, model_dir: str, out: str, util: float, step: int | 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        proc = subprocess.run([sys.executable, "-m", "bench.consumer_fit", "child", model_dir, out, repr(util),
-                               "cuda", str(step or "")],
-                              cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        proc = subprocess.run(_this("child", model_dir, out, repr(util), "cuda", str(step or "")), cwd=REPO,
+                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
         status, err = proc.returncode, proc.stderr[-3000:]
     except subprocess.TimeoutExpired as exc:
         status, err = -9, f"no end in {CHILD_TIMEOUT_S} s: {(exc.stderr or b'')[-2000:]!r}"
@@ -317,13 +325,14 @@ def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) ->
             rows.append(make_row(f"tuned plan fits: {card} (GiB, not µs)", MODEL_NAMES[model], float("nan"),
                                  "util x total", util * total / GIB, None, f"the tuner refused: {report['refused']}"))
             continue
-        if "num_blocks" in report and report["num_blocks"] < plan.get("num_kv_blocks", 0):
-            from bench.gpu_suite import FAILURES
-            FAILURES.append(f"consumer fit {card} {model}: the engine got {report['num_blocks']} KV blocks, the plan "
-                            f"{plan['num_kv_blocks']}")
-        if status or not done:
-            from bench.gpu_suite import FAILURES
-            FAILURES.append(f"consumer fit {card} {model}: exit {status}, phases {sorted(phases)}")
+        footprint = (peak - mem.used) / GIB
+        # what makes the row say no whatever its footprint (engine rows carry their verdicts: gpu_suite runs as
+        # __main__, so its FAILURES list is not the one ``import bench.gpu_suite`` would reach)
+        problems = [f"EXIT {status}: {_last_line(err)}"] if status else []
+        if not done:
+            problems.append(f"loads finished: {sorted(phases)}")
+        if "num_blocks" in report and report["num_blocks"] < plan["num_kv_blocks"]:
+            problems.append(f"the engine got {report['num_blocks']} KV blocks, the plan {plan['num_kv_blocks']}")
         mib = {k: f"{p['peak_over_rest'] / MIB:.0f}" for k, p in phases.items()}
         note = (f"util {util:.4f}, step {plan.get('max_num_batched_tokens')}, "
                 f"max_model_len {plan.get('max_model_len')}, "
@@ -335,10 +344,9 @@ def consumer_fit_rows(ctx: dict, make_row, models: dict, scenarios=SCENARIOS) ->
                 + f"; torch at rest {report.get('rest_allocated', 0) / GIB:.2f} GiB allocated (KV "
                   f"{report.get('kv_bytes', 0) / GIB:.2f}), "
                   f"{report.get('rest_reserved', 0) / GIB:.2f} reserved; peaks over rest (MiB) {mib}"
-                + ("" if not status else f"; EXIT {status}: {err.strip().splitlines()[-1] if err.strip() else ''}"))
-        rows.append(make_row(f"tuned plan fits: {card}, footprint vs share (GiB, not µs)",
-                             MODEL_NAMES[model],
-                             (peak - mem.used) / GIB, "util x total", util * total / GIB, 1.0, note))
+                + (f"; FAILED (footprint {footprint:.2f} GiB): {'; '.join(problems)}" if problems else ""))
+        rows.append(make_row(f"tuned plan fits: {card}, footprint vs share (GiB, not µs)", MODEL_NAMES[model],
+                             float("inf") if problems else footprint, "util x total", util * total / GIB, 1.0, note))
     nvml.nvmlShutdown()
     return rows
 

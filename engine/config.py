@@ -24,6 +24,8 @@ MIN_CAPABILITY = (8, 0)
 #: ``EngineConfig.dtype``'s settings ("auto": :func:`compute_dtype`) and ``kv_cache_dtype``'s
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+#: ``max_model_len`` when not given: the model's context, capped at this
+DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def checkpoint_dtype(model_config: dict) -> str | None:
@@ -73,7 +75,7 @@ class EngineConfig:
     ``block_size``: tokens per KV cache block.
     ``max_model_len``: prompt + completion tokens per sequence, at most the model's context
     (``engine.models.context.max_context``: ``max_position_embeddings`` with its RoPE scaling); None = that context
-    capped at 8192.
+    capped at :data:`DEFAULT_MAX_MODEL_LEN`.
     ``num_kv_blocks``: force the KV pool size (tests); None = size it from ``gpu_memory_utilization`` on CUDA or
     ``cpu_kv_cache_gib`` on CPU.
     ``max_num_batched_tokens``: token budget of one step (decode tokens + prefill tokens); None = 2048 with chunked
@@ -139,7 +141,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:  # 0 once meant "auto" by accident
             raise ValueError(f"max_model_len: must be at least 1, got {self.max_model_len} (leave it out for the "
-                             "model's context, at most 8192)")
+                             f"model's context, at most {DEFAULT_MAX_MODEL_LEN})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from engine import detokenizer
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from engine.cpu_threads import INTERVAL_S, CpuThreads
 from engine.generation_config import sampling_defaults
 from engine.errors import ContextLengthError, StepFailed
@@ -135,7 +135,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or Path(config.model).name
         model_cfg = json.loads((Path(config.model) / "config.json").read_text())
         limit, limit_why = max_context(model_cfg)  # raises RopeError (a ValueError) for a RoPE not served
-        self.max_model_len = config.max_model_len if config.max_model_len is not None else min(limit, 8192)
+        self.max_model_len = (config.max_model_len if config.max_model_len is not None
+                              else min(limit, DEFAULT_MAX_MODEL_LEN))
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len: {self.max_model_len} is over {limit_why}, {limit} tokens; use at "
                              f"most {limit}")

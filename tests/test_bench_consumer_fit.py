@@ -2,13 +2,12 @@
 then the engine with it) running every load to the end on the CPU path with a small random model."""
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from appliance.tuner import GPU_FREE_MARGIN
-from bench.consumer_fit import HOG_SLACK, hog_free
+from bench.consumer_fit import HOG_SLACK, REPO, _this, hog_free
 
 GIB = 2**30
 
@@ -29,8 +28,7 @@ def tiny(tmp_path_factory) -> Path:
 
 def test_the_engine_process_finishes_every_load(tiny, tmp_path):
     out = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "bench.consumer_fit", "child", str(tiny), str(out), "0.5", "cpu"],
-                   check=True, cwd=Path(__file__).parent.parent, timeout=300)
+    subprocess.run(_this("child", str(tiny), str(out), "0.5", "cpu"), check=True, cwd=REPO, timeout=300)
     report = json.loads(out.read_text())
     phases, plan = report["phases"], report["plan"]
     assert list(phases) == ["long", "wide", "prompt logprobs"]

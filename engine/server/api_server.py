@@ -16,7 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import DEFAULT_MAX_WAITING, AsyncLLMEngine
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from engine.errors import ENGINE_DIED_LOG
 from engine.metrics import EngineMetrics
 from engine.server.cors import LOCAL_ORIGINS, origin_regex
@@ -181,9 +181,9 @@ def build_app(async_engine: AsyncLLMEngine, *, served_model_name: str | None = N
     config = async_engine.config
     cache_config = {} if config is None else {"gpu_memory_utilization": config.gpu_memory_utilization,
                                               "cache_dtype": config.kv_cache_dtype}
-    # the token-count histograms' buckets end at max_model_len (unset: the engine takes at most 8192)
+    # the token-count histograms' buckets end at max_model_len (unset: the engine takes at most the default)
     metrics = EngineMetrics(name, async_engine.get_stats, cache_config,
-                            max_model_len=(config.max_model_len if config else None) or 8192)
+                            max_model_len=(config.max_model_len if config else None) or DEFAULT_MAX_MODEL_LEN)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
