@@ -410,6 +410,9 @@ def _check_servable_here(conf: cfgmod.Config, config_file: Optional[Path] = None
 #: Seconds a server process may take before it answers on its port at all (Python, torch and uvicorn start; the
 #: model loads after the port is open, with /health answering 503)
 STARTUP_S = 60.0
+#: Seconds `appliance chat` and `bench` wait for a server still loading its model, or starting (vLLM's bench
+#: waits 600 s for its server too)
+LOAD_WAIT_S = 600.0
 
 
 def _age_s(pid: Optional[int]) -> Optional[float]:
@@ -914,7 +917,7 @@ def chat(prompt: Optional[str] = typer.Argument(None, help="ask this, print the 
         raise ApplianceError(f"--temperature must be a finite number, got {temperature}", "e.g. --temperature 0.7")
     url, api_key = _server(url, api_key)
     piped = None if sys.stdin.isatty() else sys.stdin.read()
-    _check_serving(url, "chat", wait_s=600.0)
+    _check_serving(url, "chat", wait_s=LOAD_WAIT_S)
     if format_ not in (None, "json"):
         raise ApplianceError(f"--format {format_!r} is not known", "--format json, or leave it out")
     options = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}
@@ -984,7 +987,7 @@ def bench(url: Optional[str] = UrlOpt,
         raise ApplianceError(f"--requests, --processes and --num-warmups must be 0 or more, got {requests}, "
                              f"{processes} and {num_warmups}", "e.g. --requests 0 (2 x concurrency)")
     url, api_key = _server(url, api_key)
-    _check_serving(url, "bench", wait_s=600.0)  # a model still loading is waited for (vLLM's bench: 600 s too)
+    _check_serving(url, "bench", wait_s=LOAD_WAIT_S)  # a model still loading is waited for, as vLLM's bench does
     model = _served_model(url, api_key)
     results = []
     for level in levels:

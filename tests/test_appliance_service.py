@@ -177,9 +177,15 @@ def test_status_stop_logs_commands(bg, tmp_path):
     from appliance.cli import doctor_checks
     health = next(c for c in doctor_checks(tmp_path / "config.toml") if c[1].startswith("/health"))
     assert health[0] is True and health[1].endswith(": starting (not listening yet)")
-    early = runner.invoke(app, ["bench", "--concurrency", "1"])
-    assert early.exit_code == 1 and "is starting (not listening yet)" in _flat(early), early.output
     import appliance.cli as cli
+    wait, cli.LOAD_WAIT_S = cli.LOAD_WAIT_S, 1.0  # bench waits for a starting server (600 s), then says so
+    try:
+        began = time.monotonic()
+        early = runner.invoke(app, ["bench", "--concurrency", "1"])
+    finally:
+        cli.LOAD_WAIT_S = wait
+    assert early.exit_code == 1 and "is starting (not listening yet)" in _flat(early), early.output
+    assert 1.0 <= time.monotonic() - began < 30
     startup, cli.STARTUP_S = cli.STARTUP_S, 0.0  # as if it had been up longer than a start takes
     try:
         hung = runner.invoke(app, ["status"])
