@@ -25,6 +25,7 @@ out, so the ``LLMEngine`` never holds two requests of one id and nothing of the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -198,11 +199,15 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # the live requests by id
         # engine thread only: id in the LLMEngine -> its request's stream (a _FailedRoute after a failed step)
         self._routes: dict[str, RequestStream | _FailedRoute] = {}
-        self._parked: dict[str, tuple] = {}  # engine thread only: "add"s waiting for an old request of their id to end
+        # written on the engine thread: "add"s waiting for an old request of their id to end
+        self._parked: dict[str, tuple] = {}
         self._listeners: list[OutputListener] = []
         self._failure_listeners: list[Callable[[list[str]], None]] = []
         self._death_listeners: list[Callable[[BaseException], None]] = []
         self._stats: EngineStats | None = None
+        # "add" commands sent (event loop) and taken from the queue (engine thread), each written by one thread:
+        # their difference is the requests queued in front of the engine, waiting as much as its own waiting ones
+        self._adds_sent = self._adds_taken = 0
         self._stop = False
         self._failed_steps = 0  # engine steps that raised in a row
         self._thread: threading.Thread | None = None
@@ -261,8 +266,11 @@ class AsyncLLMEngine:
 
     def get_stats(self) -> EngineStats | None:
         """The snapshot taken after the latest step (None before the engine is loaded); while a request wakes the
-        sleeping engine, the engine's own (that request waiting: ``EngineProcess.waking``)."""
-        return self._engine.get_stats() if self.waking else self._stats
+        sleeping engine, the engine's own (that request waiting: ``EngineProcess.waking``). Requests sent and not
+        yet handed to the engine (queued behind a wake or a step, or parked) count as waiting too."""
+        stats = self._engine.get_stats() if self.waking else self._stats
+        queued = self._adds_sent - self._adds_taken + len(self._parked)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + queued) if stats and queued > 0 else stats
 
     def add_output_listener(self, fn: OutputListener) -> None:
         """Call ``fn(outputs)`` on the engine thread after every step (metrics); exceptions are logged."""
@@ -333,6 +341,7 @@ class AsyncLLMEngine:
         except BaseException:  # a schema it cannot follow, or the caller gave up: nothing of it is kept
             stream.abort()
             raise
+        self._adds_sent += 1
         self._send(("add", stream, prompt, params, arrival, grammar))
         try:
             await stream.wait_accepted()
@@ -420,7 +429,10 @@ class AsyncLLMEngine:
                 self._wakeup.clear()  # before draining: a command sent after this sets it again
                 if self._stop:  # a shutdown between the loop's test and the clear: its wake-up is gone
                     break
+                taken = self._adds_taken
                 self._drain_commands()
+                if self._adds_taken != taken:  # its requests wait in the engine now, no longer in front of it
+                    self._stats = self._engine.get_stats()
                 if not self._engine.has_unfinished_requests():
                     if self._clear_failed_routes():  # nothing is held any more: parked requests may enter
                         continue
@@ -526,6 +538,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
+                self._adds_taken += 1
                 self._admit(*cmd[1:])
             elif self._routes.get(cmd[1].request_id) is cmd[1]:  # "abort": only if the engine holds that request
                 self._engine.abort_request(cmd[1].request_id)

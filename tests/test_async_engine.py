@@ -183,6 +183,34 @@ def test_requests_wait_for_loading_then_run():
     eng.shutdown()
 
 
+def test_requests_sent_during_a_step_count_as_waiting():
+    """The waiting count (/metrics, ``appliance top``) has the requests sent while the engine thread is in a step
+    (or a wake), queued in front of the engine, and those it took since its last step: it was the last step's
+    snapshot, 0 here until the step ended (a wake showed 1 for any number of requests)."""
+    gate = threading.Event()
+
+    class Gated(FakeEngine):
+        def step(self):
+            gate.wait(20)
+            return super().step()
+
+    fake = Gated(max_num_seqs=1)
+    with started_engine(fake) as eng:
+        async def main():
+            params = SamplingParams(max_tokens=2)
+            tasks = [asyncio.create_task(_collect(eng, "hi", params, "r0"))]
+            await asyncio.to_thread(wait_for, lambda: len(fake.waiting) == 1, 5, "r0 in the engine")
+            assert eng.get_stats().num_waiting == 1  # taken since the last step: it waits in the engine
+            tasks += [asyncio.create_task(_collect(eng, "hi", params, f"r{i}")) for i in (1, 2)]
+            await asyncio.sleep(0.1)
+            assert eng.get_stats().num_waiting == 3 and len(fake.waiting) == 1  # two in front of the engine
+            gate.set()
+            return await asyncio.gather(*tasks)
+
+        assert all(outs[-1].finished for outs in run(main()))
+        wait_for(lambda: eng.get_stats().num_waiting == 0, what="none waiting")
+
+
 def test_idle_engine_thread_sleeps_instead_of_spinning(fake, engine):
     """Once out of work the engine thread stops looking: no step and no ``has_unfinished_requests`` for 0.3 s.
     The stats say idle one loop turn before the thread's last look (and a stream's clean-up may wake it once more),

@@ -292,8 +292,11 @@ def test_a_shutdown_during_a_wake_that_hangs_stops_it_and_wakes_nothing_more(dem
         wait_for(lambda: eng.engine._process is not asleep_child and eng.engine._process.is_alive(), timeout=60,
                  what="the wake's child started")
         waking = eng.engine._process
-        # the wake is shown: /v1/kv's "waking", and its request as waiting (both were the asleep snapshot's)
-        assert eng.waking and eng.asleep and eng.get_stats().num_waiting == 1
+        # the wake is shown: /v1/kv's "waking", its request as waiting and the two queued behind it too (the
+        # asleep snapshot showed 0, then the waking one only)
+        assert eng.waking and eng.asleep
+        wait_for(lambda: eng.get_stats().num_waiting == 3, timeout=10, what="three requests waiting")
+        assert eng.engine.get_stats().num_waiting == 1  # the engine's own: the waking request
     finally:
         eng.shutdown(timeout=2.0)
     asking.join(60)
