@@ -99,12 +99,22 @@ class Config:
                 tune_kernels=self.tune_kernels,
                 kernel_plans_dir=str(Path(self.data_dir) / "kernel-plans") if self.data_dir else None,
             )
-        except ValueError as exc:
-            raise ConfigError(f"invalid setting: {exc}",
-                              "fix it in the config file, the APPLIANCE_* variable or the command's flag") from None
+        except ValueError as exc:  # the engine's messages start with the key: "max_num_seqs: must be ..."
+            raise ConfigError(f"invalid setting: {exc}", _fix_hint(str(exc).split(":", 1)[0])) from None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+#: the keys `appliance serve` (and install, tune) also take as a flag of the same name: --max-num-seqs, ...
+_FLAG_KEYS = {"device", "dtype", "gpu_memory_utilization", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens",
+              "max_num_seqs", "swap_space"}
+
+
+def _fix_hint(key: str) -> str:
+    """Where ``key``'s value comes from, to fix it: the config file, its APPLIANCE_* variable, its flag if any."""
+    if key not in _FIELDS:
+        return "fix it in the config file, the APPLIANCE_* variable or the command's flag"
+    flag = f" or --{key.replace('_', '-')}" if key in _FLAG_KEYS else ""
+    return f"fix {key} in the config file, {ENV_PREFIX}{key.upper()}{flag}"
 # The declared type of each key, without "| None" (annotations are strings under `from __future__ import annotations`).
 _TYPES = {name: f.type.replace(" | None", "") for name, f in _FIELDS.items()}
 _OPTIONAL = {name for name, f in _FIELDS.items() if "None" in f.type}

@@ -148,6 +148,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space: must be at least 0 GiB, got {self.swap_space}")
+        if not self.cpu_kv_cache_gib > 0:  # NaN too
+            raise ValueError(f"cpu_kv_cache_gib: must be above 0 GiB, got {self.cpu_kv_cache_gib}")
         if self.max_num_batched_tokens is not None:
             self.token_budget(self.max_model_len or 0)  # the engine checks again once it knows max_model_len
 
