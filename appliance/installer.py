@@ -506,7 +506,7 @@ def plan_table(model: tuner.ModelInfo, plan: tuner.Plan) -> Table:
     table.add_column("value", justify="right")
     table.add_column("why", overflow="fold")
     rows = [
-        ("device", plan.device, ""),
+        ("device", plan.device, plan.reasons.get("device", "")),
         ("dtype", plan.dtype if plan.dtype != "auto" else f"auto ({compute_dtype('auto', plan.device, model.dtype)})",
          plan.reasons["dtype"]),
         ("gpu_memory_utilization", f"{plan.gpu_memory_utilization:.2f}", plan.reasons["gpu_memory_utilization"]),

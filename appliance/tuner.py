@@ -246,7 +246,9 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
     check_flags(model, hw, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                 max_num_batched_tokens=max_num_batched_tokens)
-    reasons: dict[str, str] = {}
+    reasons: dict[str, str] = {"device": (f"{hw.gpu.name}, {gib(hw.gpu.total_memory)}, compute capability "
+                                          f"{hw.gpu.compute_capability}" if hw.kind == "cuda" else
+                                          f"no GPU to serve on ({hw.reason})" if hw.reason else "no GPU to serve on")}
     if dtype is None:
         dtype, reasons["dtype"] = choose_dtype(hw, model.dtype)
     else:

@@ -58,11 +58,14 @@ def test_cpu_plan_for_the_demo_model(tmp_path):
     assert plan.kv_cache_dtype == "auto"
     assert plan.dtype == "float32"  # this CPU has no bfloat16 instructions
     assert "no bfloat16 instructions" in plan.reasons["dtype"]
-    assert set(plan.reasons) == {"gpu_memory_utilization", "cpu_kv_cache_gib", "max_model_len", "max_num_seqs",
-                                 "kv_cache_dtype", "dtype", "num_kv_blocks", "expected_concurrency",
+    assert set(plan.reasons) == {"device", "gpu_memory_utilization", "cpu_kv_cache_gib", "max_model_len",
+                                 "max_num_seqs", "kv_cache_dtype", "dtype", "num_kv_blocks", "expected_concurrency",
                                  "max_num_batched_tokens"}
+    assert plan.reasons["device"] == "no GPU to serve on (test)"  # detect's reason
     assert plan.max_num_batched_tokens is None  # the engine's default
     assert all(plan.reasons.values())
+    on_gpu = tuner.plan(ModelInfo.from_dir(model_dir(tmp_path, SMOLLM2, 100 * 2**20)), gpu(24 * GIB, 24 * GIB))
+    assert on_gpu.reasons["device"] == "Fake GPU, 24.0 GiB, compute capability 9.0"
 
 
 def test_cpu_plan_on_a_cpu_with_bf16_instructions(tmp_path):
