@@ -137,11 +137,17 @@ def test_a_server_whose_engine_died_is_reported_with_the_fix(bg):
 
 
 def test_recycled_pid_is_not_mistaken_for_the_server(bg):
-    bg.state_dir.mkdir(parents=True)
-    bg.pid_file.write_text(f"{os.getpid()} 12345.0\n")  # a live pid, but not started at that time
-    assert bg.status().running is False
-    assert bg.stop() is False
-    assert psutil.pid_exists(os.getpid())
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another program, same pid
+    try:
+        bg.state_dir.mkdir(parents=True)
+        bg.pid_file.write_text(f"{other.pid} 12345.0\n")  # a live pid, but not started at that time
+        assert bg.status().running is False
+        assert bg.stop() is False
+        time.sleep(0.2)
+        assert other.poll() is None  # not signalled
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_sigterm_ignored_then_killed(bg):

@@ -78,7 +78,7 @@ def test_a_live_id_is_refused_and_the_first_request_completes(fake, engine):
     assert all(o.prompt_token_ids == [ord(c) for c in "hello"] for o in outs)
     wait_for(lambda: engine.get_stats().num_running == 0, what="engine idle")
     assert engine.is_ready and engine.num_requests == 0 and not fake.aborted
-    assert engine.get_stats().kv_cache_usage == 0 and not fake.waiting and not fake.pending_aborts
+    assert not fake.running and not fake.waiting and not fake.pending_aborts
 
 
 def test_a_live_id_is_refused_before_the_engine_accepted_it(fake, engine):
@@ -101,7 +101,7 @@ def test_a_reused_id_gets_only_its_own_outputs(fake, engine, by_id):
         _assert_only_its_own(run(_abort_and_reuse(engine, by_id)), alone)
         assert fake.aborted == ["x"]  # the old "x" only
         wait_for(lambda: engine.get_stats().num_running == 0 and not fake.pending_aborts, what="engine idle")
-        assert engine.num_requests == 0 and engine.get_stats().kv_cache_usage == 0
+        assert engine.num_requests == 0 and not fake.running and not fake.waiting
 
 
 def test_a_reused_id_gets_only_its_own_outputs_on_the_real_engine(demo_model):

@@ -99,5 +99,6 @@ def test_finished_requests_free_blocks_and_stop_reasons(llm, texts):
                                     SamplingParams(temperature=0, max_tokens=32),
                                     SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=7)])
     assert outs[0].outputs[0].finish_reason == "length" and len(outs[0].outputs[0].token_ids) == 5
-    assert outs[2].outputs[0].finish_reason in ("length", "stop")
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 32
+    assert (outs[2].outputs[0].finish_reason, len(outs[2].outputs[0].token_ids)) == ("length", 7)  # seeded: no EOS
     assert_all_blocks_free(llm.engine)

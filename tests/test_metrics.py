@@ -38,10 +38,14 @@ def test_each_completion_is_timed_at_its_own_steps():
     assert samples(metrics, "vllm:request_generation_tokens") == {"_count": 2.0, "_sum": 6.0}
     assert samples(metrics, "vllm:request_params_n") == {"_count": 1.0, "_sum": 2.0}  # one request of n=2
     assert samples(metrics, "vllm:request_max_num_generation_tokens") == {"_count": 1.0, "_sum": 3.0}
-    success = {s.labels["finished_reason"]: s.value for m in metrics.registry.collect()
-               if m.name == "vllm:request_success" for s in m.samples if s.name.endswith("_total")}
-    assert success == {"stop": 1.0, "length": 1.0, "abort": 0.0}
+    assert success(metrics) == {"stop": 1.0, "length": 1.0, "abort": 0.0}
     assert metrics._progress == {}
+
+
+def success(metrics: EngineMetrics) -> dict[str, float]:
+    """vllm:request_success_total by finish reason."""
+    return {s.labels["finished_reason"]: s.value for m in metrics.registry.collect()
+            if m.name == "vllm:request_success" for s in m.samples if s.name.endswith("_total")}
 
 
 def test_an_abort_counts_in_request_success_only_and_a_failed_request_is_forgotten():
@@ -52,6 +56,7 @@ def test_an_abort_counts_in_request_success_only_and_a_failed_request_is_forgott
                  "vllm:request_generation_tokens", "vllm:request_params_n"):
         assert samples(metrics, name)["_count"] == 0.0, name
     assert samples(metrics, "vllm:time_to_first_token_seconds")["_count"] == 2.0  # as vLLM V1: at the token
+    assert success(metrics) == {"stop": 0.0, "length": 0.0, "abort": 2.0}  # each completion of n (vLLM V1)
     metrics.observe([output(1.0, [1], [None], "failing"), output(1.0, [1], [None], "other")])
     metrics.forget(["failing"])
     assert set(metrics._progress) == {("other", 0)}

@@ -242,8 +242,8 @@ def warm(demo_model):
     return LLM(str(demo_model), device="cpu", max_num_seqs=8)
 
 
-def chats(tokenizer) -> list[list[int]]:
-    texts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+def chats(tokenizer, system: str = SYSTEM) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
                                            add_generation_prompt=True, tokenize=False) for q in QUESTIONS]
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
@@ -253,6 +253,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def expected_hits(prompts: list[list[int]], block_size: int) -> int:
+    """Prefix-cache hits, in tokens, of ``prompts`` run in order on a cache holding none of them: each one's
+    longest prefix shared with an earlier one, in whole blocks, the last token's block always computed."""
+    return sum(min(max(common_prefix(q, p) for q in prompts[:i]), len(p) - 1) // block_size * block_size
+               for i, p in enumerate(prompts) if i)
 
 
 def tokens_of(outputs) -> list[tuple[list[int], list]]:
@@ -288,13 +295,18 @@ def test_shared_system_prompt_is_computed_once(cold, warm):
 
 
 def test_requests_in_one_batch_share_the_prefix(cold, warm):
-    """Arriving together, the later requests hit the blocks the first one fills in the same prefill step."""
+    """Arriving together, the later requests hit the blocks the first one fills in the same prefill step (a system
+    prompt no earlier test cached: each hit is this batch's own)."""
     tok = warm.get_tokenizer()
-    prompts = [p + tok.encode(" Be brief.", add_special_tokens=False) for p in chats(tok)]
+    prompts = chats(tok, "Reply like a patient teacher of a small class; keep every answer to one short sentence, "
+                         "and say so when you do not know.")
+    bs = warm.engine.block_manager.block_size
     before = warm.engine.get_stats()
     assert tokens_of(warm.generate(prompts, GREEDY)) == tokens_of(cold.generate(prompts, GREEDY))
     stats = warm.engine.get_stats()
-    assert stats.prefix_cache_hits_total - before.prefix_cache_hits_total >= 2 * 2 * 16
+    hits = expected_hits(prompts, bs)
+    assert hits >= 2 * 2 * bs  # the system prompt spans blocks
+    assert stats.prefix_cache_hits_total - before.prefix_cache_hits_total == hits
     assert_nothing_held(warm.engine)
 
 
@@ -303,8 +315,10 @@ def test_repeated_prompt_and_n_greater_than_one_match_cold(cold, warm):
     prompt = chats(warm.get_tokenizer())[0]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2, logprobs=1)
     want = [(o.token_ids, o.logprobs) for o in cold.generate([prompt], params)[0].outputs]
+    bs = warm.engine.block_manager.block_size
     for _ in range(2):
-        got = [(o.token_ids, o.logprobs) for o in warm.generate([prompt], params)[0].outputs]
-        assert got == want
+        out = warm.generate([prompt], params)[0]
+        assert [(o.token_ids, o.logprobs) for o in out.outputs] == want
+    assert out.num_cached_tokens == (len(prompt) - 1) // bs * bs  # all but the last token's block
     assert want[0] == want[1]
     assert_nothing_held(warm.engine)

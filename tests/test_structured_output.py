@@ -55,12 +55,10 @@ def test_json_object_means_an_object(llm):
     first = lambda text: tok.encode(text, add_special_tokens=False)[0]
     assert not grammars.matcher(StructuredOutputsParams(json_object=True)).accept_token(first("["))
     assert grammars.matcher(StructuredOutputsParams(json_object=True)).accept_token(first("{"))
-    out = llm.generate([chat(llm, "Describe a cat as JSON with two keys.")],
+    out = llm.generate([chat(llm, "Return a JSON object with a name and an age.")],
                        SamplingParams(temperature=0, max_tokens=120,
                                       structured_outputs=StructuredOutputsParams(json_object=True)))[0].outputs[0]
-    assert out.text.lstrip().startswith("{")
-    if out.finish_reason == "stop":
-        assert isinstance(json.loads(out.text), dict)
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)  # 18 tokens (greedy)
 
 
 def test_logprobs_are_of_the_masked_distribution(llm):

@@ -387,9 +387,9 @@ def test_case08_seeded_sample_same_alone_and_in_batch(live):
 
 
 # ---- case 10 ---------------------------------------------------------------------------------------------------
-def metric(client: httpx.Client, model: str, name: str) -> str:
-    """The value of one gauge in /metrics, as Prometheus writes it."""
-    prefix = f'{name}{{model_name="{model}"}} '
+def metric(client: httpx.Client, model: str, name: str, labels: str = "") -> str:
+    """The value of one series in /metrics, as Prometheus writes it; ``labels``: those before model_name."""
+    prefix = f'{name}{{{labels}model_name="{model}"}} '
     return next(line[len(prefix):] for line in client.get("/metrics").text.splitlines() if line.startswith(prefix))
 
 
@@ -401,6 +401,7 @@ def test_case10_disconnect_aborts_within_one_step_and_frees_blocks(live, monkeyp
     running0 = metric(client, model, "vllm:num_requests_running")
     usage0 = metric(client, model, "vllm:kv_cache_usage_perc")
     assert running0 == "0.0"
+    aborted0 = float(metric(client, model, "vllm:request_success_total", 'finished_reason="abort",'))
     aborts: list[tuple[str, int, int]] = []
     original = engine.abort
 
@@ -425,8 +426,7 @@ def test_case10_disconnect_aborts_within_one_step_and_frees_blocks(live, monkeyp
     assert last_step <= steps_then + 1 and last_tokens <= tokens_then + 1
     wait_for(lambda: metric(client, model, "vllm:num_requests_running") == running0, what="running gauge back")
     assert metric(client, model, "vllm:kv_cache_usage_perc") == usage0
-    assert f'vllm:request_success_total{{finished_reason="abort",model_name="{model}"}}' in client.get(
-        "/metrics").text
+    assert float(metric(client, model, "vllm:request_success_total", 'finished_reason="abort",')) == aborted0 + 1
 
 
 # ---- min_tokens (vLLM: no stop check of any kind before min_tokens output tokens) --------------------------
