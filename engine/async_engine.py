@@ -269,7 +269,7 @@ class AsyncLLMEngine:
         sleeping engine, the engine's own (that request waiting: ``EngineProcess.waking``). Requests sent and not
         yet handed to the engine (queued behind a wake or a step, or parked) count as waiting too."""
         stats = self._engine.get_stats() if self.waking else self._stats
-        queued = self._adds_sent - self._adds_taken + len(self._parked)
+        queued = 0 if self.is_dead else self._adds_sent - self._adds_taken + len(self._parked)  # dead: all failed
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + queued) if stats and queued > 0 else stats
 
     def add_output_listener(self, fn: OutputListener) -> None:

@@ -211,6 +211,30 @@ def test_requests_sent_during_a_step_count_as_waiting():
         wait_for(lambda: eng.get_stats().num_waiting == 0, what="none waiting")
 
 
+def test_requests_queued_when_the_engine_dies_are_not_counted_waiting():
+    """They failed with the engine (EngineDeadError): the count is the engine's last snapshot's, r0 alone."""
+    gate = threading.Event()
+
+    class Dying(FakeEngine):
+        def step(self):
+            gate.wait(20)
+            raise RuntimeError("the GPU fell off the bus")
+
+    fake = Dying(max_num_seqs=1)
+    with started_engine(fake) as eng:
+        async def main():
+            params = SamplingParams(max_tokens=2)
+            tasks = [asyncio.create_task(_collect(eng, "hi", params, "r0"))]
+            await asyncio.to_thread(wait_for, lambda: len(fake.waiting) == 1, 5, "r0 in the engine")
+            tasks += [asyncio.create_task(_collect(eng, "hi", params, f"r{i}")) for i in (1, 2)]
+            await asyncio.to_thread(wait_for, lambda: eng.get_stats().num_waiting == 3, 5, "two more in front")
+            gate.set()
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        assert all(isinstance(e, EngineDeadError) for e in run(main()))
+        assert eng.is_dead and eng.get_stats().num_waiting == 1 == len(fake.waiting)
+
+
 def test_idle_engine_thread_sleeps_instead_of_spinning(fake, engine):
     """Once out of work the engine thread stops looking: no step and no ``has_unfinished_requests`` for 0.3 s.
     The stats say idle one loop turn before the thread's last look (and a stream's clean-up may wake it once more),
