@@ -183,18 +183,27 @@ def test_requests_wait_for_loading_then_run():
     eng.shutdown()
 
 
-def test_requests_sent_during_a_step_count_as_waiting():
+class Gated(FakeEngine):
+    """A step waits for ``gate``, then runs, or with ``dies`` raises (the engine dies)."""
+
+    def __init__(self, dies: bool, **kw) -> None:
+        super().__init__(**kw)
+        self.gate, self.dies = threading.Event(), dies
+
+    def step(self):
+        self.gate.wait(20)
+        if self.dies:
+            raise RuntimeError("the GPU fell off the bus")
+        return super().step()
+
+
+@pytest.mark.parametrize("dies", [False, True], ids=["serves", "dies"])
+def test_requests_sent_during_a_step_count_as_waiting(dies):
     """The waiting count (/metrics, ``appliance top``) has the requests sent while the engine thread is in a step
     (or a wake), queued in front of the engine, and those it took since its last step: it was the last step's
-    snapshot, 0 here until the step ended (a wake showed 1 for any number of requests)."""
-    gate = threading.Event()
-
-    class Gated(FakeEngine):
-        def step(self):
-            gate.wait(20)
-            return super().step()
-
-    fake = Gated(max_num_seqs=1)
+    snapshot, 0 here until the step ended (a wake showed 1 for any number of requests). Once the engine died, the
+    queued ones, failed with it, are not counted."""
+    fake = Gated(dies, max_num_seqs=1)
     with started_engine(fake) as eng:
         async def main():
             params = SamplingParams(max_tokens=2)
@@ -202,37 +211,18 @@ def test_requests_sent_during_a_step_count_as_waiting():
             await asyncio.to_thread(wait_for, lambda: len(fake.waiting) == 1, 5, "r0 in the engine")
             assert eng.get_stats().num_waiting == 1  # taken since the last step: it waits in the engine
             tasks += [asyncio.create_task(_collect(eng, "hi", params, f"r{i}")) for i in (1, 2)]
-            await asyncio.sleep(0.1)
-            assert eng.get_stats().num_waiting == 3 and len(fake.waiting) == 1  # two in front of the engine
-            gate.set()
-            return await asyncio.gather(*tasks)
-
-        assert all(outs[-1].finished for outs in run(main()))
-        wait_for(lambda: eng.get_stats().num_waiting == 0, what="none waiting")
-
-
-def test_requests_queued_when_the_engine_dies_are_not_counted_waiting():
-    """They failed with the engine (EngineDeadError): the count is the engine's last snapshot's, r0 alone."""
-    gate = threading.Event()
-
-    class Dying(FakeEngine):
-        def step(self):
-            gate.wait(20)
-            raise RuntimeError("the GPU fell off the bus")
-
-    fake = Dying(max_num_seqs=1)
-    with started_engine(fake) as eng:
-        async def main():
-            params = SamplingParams(max_tokens=2)
-            tasks = [asyncio.create_task(_collect(eng, "hi", params, "r0"))]
-            await asyncio.to_thread(wait_for, lambda: len(fake.waiting) == 1, 5, "r0 in the engine")
-            tasks += [asyncio.create_task(_collect(eng, "hi", params, f"r{i}")) for i in (1, 2)]
             await asyncio.to_thread(wait_for, lambda: eng.get_stats().num_waiting == 3, 5, "two more in front")
-            gate.set()
+            assert len(fake.waiting) == 1  # the two are in front of the engine
+            fake.gate.set()
             return await asyncio.gather(*tasks, return_exceptions=True)
 
-        assert all(isinstance(e, EngineDeadError) for e in run(main()))
-        assert eng.is_dead and eng.get_stats().num_waiting == 1 == len(fake.waiting)
+        results = run(main())
+        if dies:
+            assert all(isinstance(r, EngineDeadError) for r in results)
+            assert eng.is_dead and eng.get_stats().num_waiting == 1 == len(fake.waiting)
+        else:
+            assert all(r[-1].finished for r in results)
+            wait_for(lambda: eng.get_stats().num_waiting == 0, what="none waiting")
 
 
 def test_idle_engine_thread_sleeps_instead_of_spinning(fake, engine):
