@@ -13,7 +13,7 @@ from appliance.chat import (SET_HELP, SHOW_HELP, AnswerWriter, Block, ChatError,
                             read_turn, repl)
 from appliance.cli import app
 from engine.server.api_server import build_app
-from test_server_fakes import FakeEngine, ServerThread, started_engine, wait_for
+from test_server_fakes import FakeEngine, FakeTokenizer, ServerThread, fake_reply, started_engine, wait_for
 
 runner = CliRunner()
 
@@ -148,7 +148,8 @@ def test_an_engine_that_fails_mid_answer_is_an_error():
         got = []
         with pytest.raises(ChatError, match="the answer failed"):
             session.ask("hi", lambda kind, text: got.append(text))
-    assert session.messages == [] and len("".join(got)) >= 1
+    n = len(FakeTokenizer().apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True))
+    assert session.messages == [] and "".join(got) == fake_reply(n)[:3]  # the three steps before the failure
 
 
 def test_reasoning_is_written_apart_and_kept_out_of_the_conversation():

@@ -51,8 +51,8 @@ def test_silu_and_mul_adds_the_splits(dtype, splits, bias, tokens, inter):
     y = activation.silu_and_mul(s)
     assert y.dtype == dtype and y.shape == (tokens, inter)
     assert torch.equal(y, activation.silu_and_mul(s.sum()))
-    assert torch.equal(ops.silu_and_mul(s), activation.silu_and_mul(s) if DEVICE == "cuda" else
-                       activation.silu_and_mul_ref(s.sum()))  # CPU tensors: ops takes the reference
+    # CPU tensors: ops takes the reference of the sum, which the kernel's split-adding output matches
+    torch.testing.assert_close(ops.silu_and_mul(s), y)
 
 
 def _qkv(s: SplitK, q_heads: int, kv_heads: int, dim: int):
@@ -154,9 +154,8 @@ def test_rotary_alone_adds_the_splits():
     got = rotary.rotary(positions, q, k, cos_sin)
     want = rotary.rotary(positions, q.sum(), k.sum(), cos_sin)
     assert all(a.dtype == torch.float16 and torch.equal(a, b) for a, b in zip(got, want))
-    ref = ops.rotary(positions, q, k, cos_sin) if DEVICE == "cpu" else None  # CPU tensors: the reference of the sums
-    assert ref is None or all(torch.equal(a, b) for a, b in zip(ref, rotary.rotary_ref(positions, q.sum(), k.sum(),
-                                                                                       cos_sin)))
+    # CPU tensors: ops takes the reference of the sums, which equals the kernel's output in fp16
+    assert all(torch.equal(a, b) for a, b in zip(ops.rotary(positions, q, k, cos_sin), got))
 
 
 def test_a_split_with_a_strided_last_dim_is_refused():

@@ -43,7 +43,7 @@ class FakeTokenizer:
         return bos + [ord(c) for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
+        return "".join(chr(i) for i in ids if i != self.eos_token_id or not skip_special_tokens)
 
     def apply_chat_template(self, messages, add_generation_prompt=False, continue_final_message=False,
                             tokenize=True, **kwargs) -> str:

@@ -90,6 +90,12 @@ def test_concurrent_greedy_requests_match_the_single_ones(live):
 
 def test_disconnect_frees_blocks_and_metrics_follow(live):
     url, model, engine = live
+    aborts = f'vllm:request_success_total{{finished_reason="abort",model_name="{model}"}} '
+
+    def aborted() -> float:
+        return float(next(line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                          if line.startswith(aborts))[len(aborts):])
+    aborted0 = aborted()  # the series is there from the start, at 0
     body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
@@ -99,7 +105,7 @@ def test_disconnect_frees_blocks_and_metrics_follow(live):
     assert kv["used"] == 0 and kv["running"] == []
     metrics = httpx.get(f"{url}/metrics").text
     assert f'vllm:num_requests_running{{model_name="{model}"}} 0.0' in metrics
-    assert f'vllm:request_success_total{{finished_reason="abort",model_name="{model}"}}' in metrics
+    assert aborted() == aborted0 + 1
     assert f'vllm:kv_cache_usage_perc{{model_name="{model}"}} 0.0' in metrics
 
 

@@ -310,12 +310,27 @@ def test_the_response_echoes_the_request_s_settings_and_takes_its_id():
     assert plain["max_output_tokens"] == 256 - plain["usage"]["input_tokens"] and plain["id"].startswith("resp_")
 
 
+class EosFake(FakeEngine):
+    """Reports the EOS that ends a choice as the engine does: a token of its own (with its logprobs), in a step of
+    its own, writing no text."""
+
+    def _advance(self, r, now: float) -> None:
+        before = list(r.done)
+        super()._advance(r, now)
+        for c, toks in enumerate(r.gen):
+            if r.done[c] == "stop" and before[c] is None:
+                toks.append(self.tokenizer.eos_token_id)
+                if r.params.logprobs is not None:
+                    r.logprobs[c].append({self.tokenizer.eos_token_id: self.logprob})
+                self.generation_tokens_total += 1
+
+
 @pytest.mark.parametrize("reply, parser", [(None, "none"), ("<think>why not</think>the answer", "deepseek_r1")])
 def test_streamed_logprobs_are_the_answer_s_as_not_streamed(reply, parser):
-    """Every output token's logprobs in both: the EOS's, which writes no text, and a thinking model's reasoning
-    tokens (in the first text delta when streamed)."""
+    """Every output token's logprobs in both: the EOS's, which writes no text (so it is in the .done event only,
+    not in a text delta), and a thinking model's reasoning tokens (in the first text delta when streamed)."""
     body = {"input": "Hello", "include": ["message.output_text.logprobs"], "top_logprobs": 1}
-    with server(FakeEngine(max_model_len=256, reply=reply), reasoning_parser=parser) as (url, fake, client):
+    with server(EosFake(max_model_len=256, reply=reply), reasoning_parser=parser) as (url, fake, client):
         whole = httpx.post(url + "/v1/responses", json={"model": "fake-model", **body}).json()
         streamed = events(url, body)
     final = next(e for name, e in streamed if name == "response.completed")["response"]
@@ -323,5 +338,5 @@ def test_streamed_logprobs_are_the_answer_s_as_not_streamed(reply, parser):
     assert whole["output"][-1]["content"][0]["logprobs"] == final["output"][-1]["content"][0]["logprobs"]
     assert len(final["output"][-1]["content"][0]["logprobs"]) == final["usage"]["output_tokens"]
     lps = final["output"][-1]["content"][0]["logprobs"]
-    assert deltas == lps[:len(deltas)] and len(lps) - len(deltas) <= 1  # an EOS alone in its step: in .done only
+    assert deltas == lps[:-1] and len(lps) == len(deltas) + 1  # the EOS's in .done only
     assert whole["status"] == final["status"] == "completed"
