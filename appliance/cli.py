@@ -618,7 +618,7 @@ def _model_info(model: Path, checks: list[tuple[bool, str, str]]) -> Optional[tu
 def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
     """(ok, what, fix) for each check: Python packages, driver, memory headroom, config, model files, unit/process,
     port."""
-    from appliance.installer import client_url, listen_problem
+    from appliance.installer import client_url, failed_fix, listen_problem
 
     from appliance.environment import kernels_clash
 
@@ -682,7 +682,7 @@ def doctor_checks(conf_path: Path) -> list[tuple[bool, str, str]]:
         what = "starting (not listening yet)" if state == "starting" else health.detail
         fix = {"hung": f"{_silence(st)}: see `appliance logs`",
                "restarting": f"systemd restarted it {_times(st.restarts)}: see `appliance logs`",
-               "failed": "see `appliance logs`; then `appliance stop` and `appliance start`"}
+               "failed": failed_fix(health, "see `appliance logs`; then `appliance stop` and `appliance start`")}
         checks.append((state in ("ready", "loading", "starting"), f"/health on port {conf.port}: {what}",
                        fix.get(state, "see `appliance logs`")))
     elif (problem := listen_problem(conf.host, conf.port)) is not None:
@@ -836,7 +836,7 @@ def _check_serving(url: str, command: str, wait_s: float = 0.0) -> None:
     """ApplianceError unless the server at ``url`` is ready: not answering, loading the model (waited for up to
     ``wait_s`` seconds, with the installed server starting too), or its engine failed; ``command`` names the
     command to run again."""
-    from appliance.installer import server_health
+    from appliance.installer import failed_fix, server_health
 
     deadline = time.monotonic() + wait_s
 
@@ -860,7 +860,8 @@ def _check_serving(url: str, command: str, wait_s: float = 0.0) -> None:
                              f"run `appliance {command}` again in a few seconds (`appliance status` says running "
                              "then, for the installed server)")
     if health.state == "failed":
-        raise ApplianceError(f"the server at {url} cannot serve: {health.detail}", "see `appliance logs`")
+        raise ApplianceError(f"the server at {url} cannot serve: {health.detail}",
+                             failed_fix(health, "see `appliance logs`"))
 
 
 def _served_model(url: str, api_key: Optional[str], model: Optional[str] = None) -> str:

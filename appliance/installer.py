@@ -437,6 +437,20 @@ def server_health(url: str, timeout: float = 5.0) -> Health:
     return Health("other", f"HTTP {r.status_code}")
 
 
+#: the fix for an engine that ran out of GPU memory: its plan took more than there was
+GPU_MEMORY_FIX = ("the GPU's memory ran out: plan with less (`appliance install --gpu-memory-utilization 0.8`, or a "
+                  "smaller --max-model-len or --max-num-seqs) or close the programs using the GPU (nvidia-smi lists "
+                  "them)")
+
+
+def failed_fix(health: Health, default: str) -> str:
+    """The fix to show for a "failed" server: :data:`GPU_MEMORY_FIX` where its error is a CUDA memory error
+    (torch's OutOfMemoryError, a kernel launch's "out of memory", or "an illegal memory access", which CUDA also
+    reports when loading a kernel finds the GPU's memory full: bench/RESULTS.md run 124), else ``default``."""
+    detail = health.detail.lower()
+    return GPU_MEMORY_FIX if "out of memory" in detail or "illegal memory access" in detail else default
+
+
 def wait_healthy(url: str, manager, timeout: float, update=None) -> None:
     """Poll ``/health`` until 200; fail early if the server process is gone or its engine stopped, and show its
     log on failure (:class:`ServerFailed`)."""
@@ -451,7 +465,8 @@ def wait_healthy(url: str, manager, timeout: float, update=None) -> None:
         if health.state == "ready":
             return
         if health.state == "failed":  # the server stays up with a dead engine: waiting longer changes nothing
-            raise ServerFailed(f"the server could not load the model ({health.detail})", manager)
+            raise ServerFailed(f"the server could not load the model ({health.detail})", manager,
+                               failed_fix(health, "see `appliance logs`"))
         last = health.detail
         if update:
             update(description=f"{last}")
@@ -463,8 +478,8 @@ def wait_healthy(url: str, manager, timeout: float, update=None) -> None:
 
 
 class ServerFailed(ApplianceError):
-    def __init__(self, message: str, manager):
-        super().__init__(message, f"see `appliance logs`; the log is {manager.status().log}")
+    def __init__(self, message: str, manager, fix: str = "see `appliance logs`"):
+        super().__init__(message, f"{fix}; the log is {manager.status().log}")
         self.log_tail = manager.log_lines(30)
 
 

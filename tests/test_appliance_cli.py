@@ -679,3 +679,16 @@ def test_a_package_that_shadows_our_kernels_stops_install_serve_and_doctor_with_
     elsewhere = SimpleNamespace(origin=str(tmp_path / "site" / "kernels" / "__init__.py"))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: elsewhere if name == "kernels" else None)
     assert environment.kernels_clash().startswith(f"`import kernels` finds {tmp_path / 'site' / 'kernels'}")
+
+
+def test_chat_and_bench_name_the_memory_fix_for_an_engine_out_of_gpu_memory(monkeypatch):
+    """A server whose engine stopped: the fix is `appliance logs`, or for a CUDA memory error a plan with less."""
+    from appliance import cli
+
+    for error, fix in (("OutOfMemoryError('CUDA out of memory')", installer.GPU_MEMORY_FIX),
+                       ("OSError('gone')", "see `appliance logs`")):
+        health = installer.Health("failed", f"the engine stopped: {error}")
+        monkeypatch.setattr(installer, "server_health", lambda url, health=health: health)
+        with pytest.raises(ApplianceError, match="cannot serve: the engine stopped") as err:
+            cli._check_serving("http://127.0.0.1:1", "chat")
+        assert err.value.hint == fix

@@ -433,9 +433,28 @@ def test_wait_healthy_gives_up_at_once_on_a_dead_engine(monkeypatch, bg):
     monkeypatch.setattr(installer, "server_health", lambda url: installer.Health("failed", "the engine stopped: x"))
     bg.start(FAKE_SERVER)
     start = time.monotonic()
-    with pytest.raises(installer.ServerFailed, match="could not load the model .the engine stopped: x."):
+    with pytest.raises(installer.ServerFailed, match="could not load the model .the engine stopped: x.") as err:
         installer.wait_healthy("http://127.0.0.1:1", bg, timeout=60)
     assert time.monotonic() - start < 5
+    assert err.value.hint == f"see `appliance logs`; the log is {bg.log_file}"
+    # out of GPU memory (run 124's error: CUDA says "illegal memory access" when a kernel load finds it full)
+    oom = "the engine stopped: RuntimeError('Triton Error [CUDA]: an illegal memory access was encountered')"
+    monkeypatch.setattr(installer, "server_health", lambda url: installer.Health("failed", oom))
+    with pytest.raises(installer.ServerFailed) as err:
+        installer.wait_healthy("http://127.0.0.1:1", bg, timeout=60)
+    assert err.value.hint == f"{installer.GPU_MEMORY_FIX}; the log is {bg.log_file}"
+
+
+@pytest.mark.parametrize("error, memory", [
+    ("OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')", True),
+    ("RuntimeError('Triton Error [CUDA]: out of memory')", True),
+    ("RuntimeError('Triton Error [CUDA]: an illegal memory access was encountered')", True),
+    ("OSError('model.safetensors: no such file')", False)])
+def test_a_failed_engine_s_fix_names_gpu_memory_only_for_a_memory_error(error, memory):
+    from appliance.installer import GPU_MEMORY_FIX, Health, failed_fix
+
+    fix = failed_fix(Health("failed", f"the engine stopped: {error}"), "see `appliance logs`")
+    assert fix == (GPU_MEMORY_FIX if memory else "see `appliance logs`")
 
 
 def test_follow_prints_the_last_n_lines_first(bg, monkeypatch, capsys):
