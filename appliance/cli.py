@@ -251,7 +251,8 @@ def detect(as_json: bool = typer.Option(False, "--json", help="machine-readable 
 @app.command()
 @friendly
 def tune(
-    model_dir: Path = typer.Argument(..., help="model folder (config.json + safetensors)"),
+    model_dir: Optional[Path] = typer.Argument(None, help="model folder (config.json + safetensors); default: the "
+                                                          "installed model (`model` in the config)"),
     as_json: bool = typer.Option(False, "--json"),
     gpu_memory_utilization: Optional[float] = GpuUtilOpt,
     max_num_seqs: Optional[int] = SeqsOpt,
@@ -260,9 +261,14 @@ def tune(
     dtype: Optional[str] = DtypeOpt,
     max_num_batched_tokens: Optional[int] = StepOpt,
 ):
-    """The serving plan for MODEL_DIR on this machine, with the reason for each value."""
+    """The serving plan for MODEL_DIR (default: the installed model) on this machine, with each value's reason."""
     from appliance.installer import plan_table
 
+    if model_dir is None:
+        configured = _config(None).model
+        if not configured:
+            raise ApplianceError("no model to plan for: none is installed", "give MODEL_DIR, a model folder")
+        model_dir = Path(configured)
     info = tuner.ModelInfo.from_dir(model_dir)
     plan = tuner.plan(info, hardware.detect(), gpu_memory_utilization=gpu_memory_utilization,
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
@@ -349,23 +355,22 @@ def serve(
     engine_config = conf.engine_config()
     if conf.max_waiting < 0:
         raise ApplianceError(f"max_waiting: must be at least 0, got {conf.max_waiting}",
-                             "fix it in the config file, APPLIANCE_MAX_WAITING or --max-waiting")
+                             cfgmod.fix_hint("max_waiting"))
     if conf.sleep_after_idle_s is not None and not conf.sleep_after_idle_s >= 0:
         raise ApplianceError(f"sleep_after_idle_s: must be at least 0 seconds, got {conf.sleep_after_idle_s}",
-                             "fix it in the config file, APPLIANCE_SLEEP_AFTER_IDLE_S or --sleep-after-idle "
-                             "(leave it out: never)")
+                             cfgmod.fix_hint("sleep_after_idle_s") + "; leave it out: never")
     _check_servable_here(conf)
     from engine.server import reasoning, tool_parsers
     for key, settings in (("tool_call_parser", tool_parsers.SETTINGS), ("reasoning_parser", reasoning.SETTINGS)):
         if getattr(conf, key) not in settings:
             raise ApplianceError(f"{key}: must be {', '.join(settings)}; got {getattr(conf, key)!r}",
-                                 f"fix it in the config file, APPLIANCE_{key.upper()} or --{key.replace('_', '-')}")
+                                 cfgmod.fix_hint(key))
     from engine.server.cors import origin_regex
     try:
         origin_regex(conf.allowed_origins)
     except ValueError as exc:
-        raise ApplianceError(str(exc), "fix it in the config file, APPLIANCE_ALLOWED_ORIGINS or --allowed-origins, "
-                                       "e.g. http://localhost:3000,http://127.0.0.1:*") from None
+        raise ApplianceError(str(exc), cfgmod.fix_hint("allowed_origins") +
+                             ", e.g. http://localhost:3000,http://127.0.0.1:*") from None
     # CUDA numbers GPUs fastest first, NVML (`appliance detect`, the tuner's plan) in PCI bus order: serve in the
     # order the plan was made in (read when CUDA starts, so before the engine touches it; the env file may override)
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -845,6 +850,9 @@ def _check_serving(url: str, command: str, wait_s: float = 0.0) -> None:
 
     health = server_health(url)
     if wait_s and starting(health):
+        if not console.is_terminal:  # no spinner then: a line says why nothing happens for a while
+            err_console.print(f"waiting for the server at {url} to load the model (at most {wait_s:.0f} s) ...",
+                              highlight=False)
         with console.status("the server is loading the model ..."):
             while time.monotonic() < deadline and starting(health):
                 time.sleep(0.5)

@@ -100,21 +100,25 @@ class Config:
                 kernel_plans_dir=str(Path(self.data_dir) / "kernel-plans") if self.data_dir else None,
             )
         except ValueError as exc:  # the engine's messages start with the key: "max_num_seqs: must be ..."
-            raise ConfigError(f"invalid setting: {exc}", _fix_hint(str(exc).split(":", 1)[0])) from None
+            raise ConfigError(f"invalid setting: {exc}", fix_hint(str(exc).split(":", 1)[0])) from None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-#: the keys `appliance serve` (and install, tune) also take as a flag of the same name: --max-num-seqs, ...
-_FLAG_KEYS = {"device", "dtype", "gpu_memory_utilization", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens",
-              "max_num_seqs", "swap_space"}
+#: the keys `appliance serve` also takes as a flag (install and tune the tuner's): --max-num-seqs, ...
+_FLAGS = {**{key: "--" + key.replace("_", "-") for key in (
+    "host", "port", "api_key", "device", "dtype", "gpu_memory_utilization", "kv_cache_dtype", "max_model_len",
+    "max_num_batched_tokens", "max_num_seqs", "swap_space", "max_waiting", "tool_call_parser", "reasoning_parser",
+    "allowed_origins")}, "sleep_after_idle_s": "--sleep-after-idle"}
 
 
-def _fix_hint(key: str) -> str:
-    """Where ``key``'s value comes from, to fix it: the config file, its APPLIANCE_* variable, its flag if any."""
+def fix_hint(key: str) -> str:
+    """Where ``key``'s value comes from, to change it: the config file, its APPLIANCE_* variable, its flag if any."""
     if key not in _FIELDS:
-        return "fix it in the config file, the APPLIANCE_* variable or the command's flag"
-    flag = f" or --{key.replace('_', '-')}" if key in _FLAG_KEYS else ""
-    return f"fix {key} in the config file, {ENV_PREFIX}{key.upper()}{flag}"
+        return "change it in the config file, its APPLIANCE_* variable or the command's flag"
+    flag = f" or {_FLAGS[key]}" if key in _FLAGS else ""
+    return f"change {key} in the config file, {ENV_PREFIX}{key.upper()}{flag}"
+
+
 # The declared type of each key, without "| None" (annotations are strings under `from __future__ import annotations`).
 _TYPES = {name: f.type.replace(" | None", "") for name, f in _FIELDS.items()}
 _OPTIONAL = {name for name, f in _FIELDS.items() if "None" in f.type}

@@ -499,17 +499,18 @@ def ask(url: str, model: str, api_key: str | None, question: str = QUESTION, max
 
 def usage_text(url: str, model: str, api_key: str | None) -> str:
     """How to call the server: curl and the OpenAI SDK, each with a token cap (without one a chat sampled at the
-    default temperature 1.0 may run to the context's end, minutes on a CPU, past the SDK's 600 s timeout)."""
+    default temperature 1.0 may run to the context's end, minutes on a CPU, past the SDK's 600 s timeout) and
+    temperature 0 (repeatable answers, a small model's best: sampled at 1.0 the demo model's are often nonsense)."""
     key = api_key or "none"
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     return (
         f"Base URL:  {url}/v1\nModel:     {model}\n\n"
         f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-        f"  -d '{{\"model\": \"{model}\", \"max_tokens\": 128, "
+        f"  -d '{{\"model\": \"{model}\", \"max_tokens\": 128, \"temperature\": 0, "
         f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n\n"
         f"from openai import OpenAI\n"
         f"client = OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\")\n"
-        f"reply = client.chat.completions.create(model=\"{model}\", max_tokens=128,\n"
+        f"reply = client.chat.completions.create(model=\"{model}\", max_tokens=128, temperature=0,\n"
         f"                                       messages=[{{\"role\": \"user\", \"content\": \"Hello!\"}}])\n"
         f"print(reply.choices[0].message.content)"
     )

@@ -245,7 +245,9 @@ def test_chat_waits_for_a_loading_model():
             assert httpx.get(f"{url}/health").status_code == 503
             threading.Timer(1.0, gate.set).start()
             result = runner.invoke(app, ["chat", "--url", url, "--max-tokens", "4", "Hello"])
-            assert (result.exit_code, result.output) == (0, answer_of(url, [user("Hello")], max_tokens=4) + "\n")
+            assert (result.exit_code, result.stdout) == (0, answer_of(url, [user("Hello")], max_tokens=4) + "\n")
+            # no terminal, so no spinner: a line on stderr says why it waits (stdout holds the answer alone)
+            assert result.stderr == f"waiting for the server at {url} to load the model (at most 600 s) ...\n"
     finally:
         gate.set()
         engine.shutdown()

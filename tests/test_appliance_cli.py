@@ -131,6 +131,11 @@ def test_tune_json_uses_flags(tmp_path, monkeypatch, dtype, element):
         (3, 512, 2 * 2 * 2 * 16 * element, dtype)
     assert plan["reasons"]["max_num_seqs"] == "set by --max-num-seqs"
     assert plan["reasons"]["dtype"] == "set by --dtype"
+    one_line_error(runner.invoke(app, ["tune"]), "no model to plan for: none is installed", "give MODEL_DIR")
+    cfgmod.save(cfgmod.Config(model=str(tmp_path / "m")), cfgmod.config_path())  # installed: no MODEL_DIR needed
+    installed = runner.invoke(app, ["tune", "--json", "--max-num-seqs", "3", "--max-model-len", "512",
+                                    "--dtype", dtype])
+    assert installed.exit_code == 0 and json.loads(installed.output) == plan, installed.output
 
 
 def test_doctor_flags_a_bfloat16_config_on_a_cpu_without_bfloat16_instructions(tmp_path, monkeypatch):
@@ -148,7 +153,7 @@ def test_doctor_flags_a_bfloat16_config_on_a_cpu_without_bfloat16_instructions(t
     assert not [c for c in doctor_checks(conf_path) if c[1].startswith("dtype")]
     monkeypatch.setenv("APPLIANCE_DTYPE", "bf16")  # a value the engine refuses: named, with the fix
     [bad] = [c for c in doctor_checks(conf_path) if "must be auto, float32" in c[1]]
-    assert bad[0] is False and bad[2] == "fix dtype in the config file, APPLIANCE_DTYPE or --dtype"
+    assert bad[0] is False and bad[2] == "change dtype in the config file, APPLIANCE_DTYPE or --dtype"
 
 
 def test_install_refuses_a_bad_dtype_before_looking_at_the_model(monkeypatch):
@@ -479,7 +484,8 @@ def test_usage_text_has_url_model_curl_and_sdk():
     text = installer.usage_text("http://127.0.0.1:8000", "SmolLM2-135M-Instruct", "k1")
     assert "http://127.0.0.1:8000/v1" in text and "curl http://127.0.0.1:8000/v1/chat/completions" in text
     assert "Authorization: Bearer k1" in text and 'OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="k1")' in text
-    assert '"max_tokens": 128' in text and "max_tokens=128" in text  # no chat that runs to the context's end
+    # no chat that runs to the context's end; the answers repeatable
+    assert '"max_tokens": 128, "temperature": 0,' in text and "max_tokens=128, temperature=0," in text
     assert installer.client_url("0.0.0.0", 9000) == "http://127.0.0.1:9000"
 
 
@@ -581,7 +587,8 @@ def test_serve_passes_server_settings_to_the_server(tmp_path, monkeypatch, key, 
     assert runner.invoke(app, ["serve", model]).exit_code == 0
     default = {"max_waiting": DEFAULT_MAX_WAITING, "allowed_origins": LOCAL_ORIGINS}[key]
     assert started == [default, given, type(given)(env)] and DEFAULT_MAX_WAITING == 512
-    one_line_error(runner.invoke(app, ["serve", model, option, fault]), error)
+    one_line_error(runner.invoke(app, ["serve", model, option, fault]), error,
+                   f"(fix: change {key} in the config file, APPLIANCE_{key.upper()} or {option}")
 
 
 def test_serve_exits_on_engine_death_unless_kept_alive(tmp_path, monkeypatch):

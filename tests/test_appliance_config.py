@@ -61,7 +61,7 @@ def test_swap_space_reaches_the_engine_config(tmp_path, monkeypatch):
     monkeypatch.setenv("APPLIANCE_SWAP_SPACE", "-1")
     with pytest.raises(ConfigError, match="swap_space: must be at least 0 GiB, got -1.0") as err:
         cfgmod.load(path).engine_config()
-    assert err.value.hint == "fix swap_space in the config file, APPLIANCE_SWAP_SPACE or --swap-space"
+    assert err.value.hint == "change swap_space in the config file, APPLIANCE_SWAP_SPACE or --swap-space"
 
 
 def test_an_invalid_setting_names_where_to_fix_that_key(tmp_path):
@@ -70,12 +70,12 @@ def test_an_invalid_setting_names_where_to_fix_that_key(tmp_path):
     path = cfgmod.save(Config(model="/m", max_num_seqs=8, max_num_batched_tokens=4), tmp_path / "c.toml")
     with pytest.raises(ConfigError, match="max_num_batched_tokens: 4 is smaller than max_num_seqs=8") as err:
         cfgmod.load(path).engine_config()
-    assert err.value.hint == ("fix max_num_batched_tokens in the config file, APPLIANCE_MAX_NUM_BATCHED_TOKENS or "
-                              "--max-num-batched-tokens")
+    assert err.value.hint == ("change max_num_batched_tokens in the config file, APPLIANCE_MAX_NUM_BATCHED_TOKENS "
+                              "or --max-num-batched-tokens")
     path = cfgmod.save(Config(model="/m", cpu_kv_cache_gib=-1.0), tmp_path / "c.toml")
     with pytest.raises(ConfigError, match="cpu_kv_cache_gib") as err:
         cfgmod.load(path).engine_config()
-    assert err.value.hint == "fix cpu_kv_cache_gib in the config file, APPLIANCE_CPU_KV_CACHE_GIB"
+    assert err.value.hint == "change cpu_kv_cache_gib in the config file, APPLIANCE_CPU_KV_CACHE_GIB"
 
 
 def test_bad_env_value_names_the_variable(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 from appliance_testenv import isolate
 from typer.testing import CliRunner
 
-from appliance import service
+from appliance import installer, service
 from appliance.cli import app
 
 FAKE_SERVER = [sys.executable, "-c",
@@ -355,7 +355,7 @@ def test_start_refuses_a_setting_the_engine_would_refuse(bg, tmp_path, monkeypat
     result = CliRunner().invoke(app, ["start"])
     assert result.exit_code == 1, result.output
     assert "dtype: must be auto, float32, bfloat16 or float16, got 'bf16'" in _flat(result)
-    assert "fix dtype in the config file, APPLIANCE_DTYPE or --dtype" in _flat(result) and not bg.status().running
+    assert "change dtype in the config file, APPLIANCE_DTYPE or --dtype" in _flat(result) and not bg.status().running
 
 
 def test_status_tells_loading_ready_and_failed_engines_apart(bg, tmp_path):
@@ -398,7 +398,7 @@ def test_status_tells_loading_ready_and_failed_engines_apart(bg, tmp_path):
         assert result.exit_code == code and expect in result.output, result.output
         assert doctor[0] is (not fails)
     assert "CUDA out of memory while loading" in _flat(result) and "endpoint" not in result.output
-    assert "CUDA out of memory while loading" in doctor[1] and "appliance logs" in doctor[2]
+    assert "CUDA out of memory while loading" in doctor[1] and doctor[2] == installer.GPU_MEMORY_FIX
 
 
 @pytest.mark.parametrize("status,body,state,detail", [
@@ -428,8 +428,6 @@ def test_server_health_of_nothing_listening_or_a_bad_url_is_no_answer():
 
 
 def test_wait_healthy_gives_up_at_once_on_a_dead_engine(monkeypatch, bg):
-    from appliance import installer
-
     monkeypatch.setattr(installer, "server_health", lambda url: installer.Health("failed", "the engine stopped: x"))
     bg.start(FAKE_SERVER)
     start = time.monotonic()
