@@ -253,6 +253,8 @@ def detect(as_json: bool = typer.Option(False, "--json", help="machine-readable 
 def tune(
     model_dir: Optional[Path] = typer.Argument(None, help="model folder (config.json + safetensors); default: the "
                                                           "installed model (`model` in the config)"),
+    config: Optional[Path] = typer.Option(None, "--config", help="config file naming the model (default: the "
+                                                                 "installed one)"),
     as_json: bool = typer.Option(False, "--json"),
     gpu_memory_utilization: Optional[float] = GpuUtilOpt,
     max_num_seqs: Optional[int] = SeqsOpt,
@@ -261,11 +263,12 @@ def tune(
     dtype: Optional[str] = DtypeOpt,
     max_num_batched_tokens: Optional[int] = StepOpt,
 ):
-    """The serving plan for MODEL_DIR (default: the installed model) on this machine, with each value's reason."""
+    """The tuner's serving plan for MODEL_DIR (default: the installed model) on this machine, with each value's
+    reason: what `appliance install` would choose now, not the config's settings."""
     from appliance.installer import plan_table
 
     if model_dir is None:
-        configured = _config(None).model
+        configured = _config(config).model
         if not configured:
             raise ApplianceError("no model to plan for: none is installed", "give MODEL_DIR, a model folder")
         model_dir = Path(configured)

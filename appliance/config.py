@@ -104,7 +104,7 @@ class Config:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-#: the keys `appliance serve` also takes as a flag (install and tune the tuner's): --max-num-seqs, ...
+#: the keys `appliance serve` also takes as a flag: --max-num-seqs, ...
 _FLAGS = {**{key: "--" + key.replace("_", "-") for key in (
     "host", "port", "api_key", "device", "dtype", "gpu_memory_utilization", "kv_cache_dtype", "max_model_len",
     "max_num_batched_tokens", "max_num_seqs", "swap_space", "max_waiting", "tool_call_parser", "reasoning_parser",
@@ -115,7 +115,7 @@ def fix_hint(key: str) -> str:
     """Where ``key``'s value comes from, to change it: the config file, its APPLIANCE_* variable, its flag if any."""
     if key not in _FIELDS:
         return "change it in the config file, its APPLIANCE_* variable or the command's flag"
-    flag = f" or {_FLAGS[key]}" if key in _FLAGS else ""
+    flag = f" or `appliance serve {_FLAGS[key]}`" if key in _FLAGS else ""
     return f"change {key} in the config file, {ENV_PREFIX}{key.upper()}{flag}"
 
 

@@ -438,9 +438,9 @@ def server_health(url: str, timeout: float = 5.0) -> Health:
 
 
 #: the fix for an engine that ran out of GPU memory: its plan took more than there was
-GPU_MEMORY_FIX = ("the GPU's memory ran out: plan with less (`appliance install --gpu-memory-utilization 0.8`, or a "
-                  "smaller --max-model-len or --max-num-seqs) or close the programs using the GPU (nvidia-smi lists "
-                  "them)")
+GPU_MEMORY_FIX = ("the GPU probably ran out of memory: install again with a lower --gpu-memory-utilization than the "
+                  "plan's (`appliance tune` shows it) or a smaller --max-model-len or --max-num-seqs, or close the "
+                  "programs using the GPU (nvidia-smi lists them)")
 
 
 def failed_fix(health: Health, default: str) -> str:
@@ -522,7 +522,7 @@ def plan_table(model: tuner.ModelInfo, plan: tuner.Plan) -> Table:
     table.add_column("value", justify="right")
     table.add_column("why", overflow="fold")
     rows = [
-        ("device", plan.device, plan.reasons.get("device", "")),
+        ("device", plan.device, plan.reasons["device"]),
         ("dtype", plan.dtype if plan.dtype != "auto" else f"auto ({compute_dtype('auto', plan.device, model.dtype)})",
          plan.reasons["dtype"]),
         ("gpu_memory_utilization", f"{plan.gpu_memory_utilization:.2f}", plan.reasons["gpu_memory_utilization"]),

@@ -237,6 +237,13 @@ def check_flags(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float
                         f"tokens ({model.max_context_why})", f"use at most {model.max_context}")
 
 
+def _device_reason(hw: Hardware) -> str:
+    """The GPU served on (name, memory, compute capability), or why there is none (``Hardware.reason``)."""
+    if hw.kind == "cuda":
+        return f"{hw.gpu.name}, {gib(hw.gpu.total_memory)}, compute capability {hw.gpu.compute_capability}"
+    return f"no GPU to serve on ({hw.reason})" if hw.reason else "no GPU to serve on"
+
+
 def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None = None,
          max_num_seqs: int | None = None, max_model_len: int | None = None,
          kv_cache_dtype: str | None = None, dtype: str | None = None,
@@ -246,9 +253,7 @@ def plan(model: ModelInfo, hw: Hardware, *, gpu_memory_utilization: float | None
     check_flags(model, hw, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                 max_num_batched_tokens=max_num_batched_tokens)
-    reasons: dict[str, str] = {"device": (f"{hw.gpu.name}, {gib(hw.gpu.total_memory)}, compute capability "
-                                          f"{hw.gpu.compute_capability}" if hw.kind == "cuda" else
-                                          f"no GPU to serve on ({hw.reason})" if hw.reason else "no GPU to serve on")}
+    reasons: dict[str, str] = {"device": _device_reason(hw)}
     if dtype is None:
         dtype, reasons["dtype"] = choose_dtype(hw, model.dtype)
     else:

@@ -267,10 +267,15 @@ class AsyncLLMEngine:
     def get_stats(self) -> EngineStats | None:
         """The snapshot taken after the latest step (None before the engine is loaded); while a request wakes the
         sleeping engine, the engine's own (that request waiting: ``EngineProcess.waking``). Requests sent and not
-        yet handed to the engine (queued behind a wake or a step, or parked) count as waiting too."""
+        yet handed to the engine (queued behind a wake or a step, or parked) count as waiting too, until the engine
+        thread takes them (one aborted meanwhile too). A dead engine's requests all failed: none runs or waits."""
         stats = self._engine.get_stats() if self.waking else self._stats
-        queued = 0 if self.is_dead else self._adds_sent - self._adds_taken + len(self._parked)  # dead: all failed
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + queued) if stats and queued > 0 else stats
+        if stats is None:
+            return None
+        if self.is_dead:
+            return dataclasses.replace(stats, num_running=0, num_waiting=0, running=[])
+        queued = self._adds_sent - self._adds_taken + len(self._parked)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + queued) if queued > 0 else stats
 
     def add_output_listener(self, fn: OutputListener) -> None:
         """Call ``fn(outputs)`` on the engine thread after every step (metrics); exceptions are logged."""
@@ -429,9 +434,9 @@ class AsyncLLMEngine:
                 self._wakeup.clear()  # before draining: a command sent after this sets it again
                 if self._stop:  # a shutdown between the loop's test and the clear: its wake-up is gone
                     break
-                taken = self._adds_taken
+                before = (self._adds_taken, len(self._parked))
                 self._drain_commands()
-                if self._adds_taken != taken:  # its requests wait in the engine now, no longer in front of it
+                if (self._adds_taken, len(self._parked)) != before:  # requests taken: they wait in the engine now
                     self._stats = self._engine.get_stats()
                 if not self._engine.has_unfinished_requests():
                     if self._clear_failed_routes():  # nothing is held any more: parked requests may enter

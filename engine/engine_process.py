@@ -514,8 +514,13 @@ class EngineProcess:
 
     def get_stats(self) -> EngineStats:
         """The child's snapshot after its latest step read here (asleep: all blocks free), its counters counting
-        on over sleeps."""
-        return self._stats
+        on over sleeps; every request held here and not running in it is waiting (the requests sent since it was
+        taken are in no snapshot yet: the child takes them between its steps)."""
+        stats = self._stats
+        if self._asleep or self._waking:
+            return stats
+        waiting = max(stats.num_waiting, len(self._decoder.held) - stats.num_running)
+        return stats if waiting == stats.num_waiting else dataclasses.replace(stats, num_waiting=waiting)
 
     def _counted(self, stats: EngineStats, fresh: bool = False) -> EngineStats:
         """``stats`` with the counters of the children before this one added (a counter never goes back); with

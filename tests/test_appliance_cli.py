@@ -136,6 +136,11 @@ def test_tune_json_uses_flags(tmp_path, monkeypatch, dtype, element):
     installed = runner.invoke(app, ["tune", "--json", "--max-num-seqs", "3", "--max-model-len", "512",
                                     "--dtype", dtype])
     assert installed.exit_code == 0 and json.loads(installed.output) == plan, installed.output
+    other = cfgmod.save(cfgmod.Config(model=str(tmp_path / "m")), tmp_path / "other.toml")
+    cfgmod.config_path().unlink()
+    given = runner.invoke(app, ["tune", "--config", str(other), "--json", "--max-num-seqs", "3", "--max-model-len",
+                                "512", "--dtype", dtype])
+    assert given.exit_code == 0 and json.loads(given.output) == plan, given.output
 
 
 def test_doctor_flags_a_bfloat16_config_on_a_cpu_without_bfloat16_instructions(tmp_path, monkeypatch):
@@ -153,7 +158,7 @@ def test_doctor_flags_a_bfloat16_config_on_a_cpu_without_bfloat16_instructions(t
     assert not [c for c in doctor_checks(conf_path) if c[1].startswith("dtype")]
     monkeypatch.setenv("APPLIANCE_DTYPE", "bf16")  # a value the engine refuses: named, with the fix
     [bad] = [c for c in doctor_checks(conf_path) if "must be auto, float32" in c[1]]
-    assert bad[0] is False and bad[2] == "change dtype in the config file, APPLIANCE_DTYPE or --dtype"
+    assert bad[0] is False and bad[2] == "change dtype in the config file, APPLIANCE_DTYPE or `appliance serve --dtype`"
 
 
 def test_install_refuses_a_bad_dtype_before_looking_at_the_model(monkeypatch):
@@ -588,7 +593,7 @@ def test_serve_passes_server_settings_to_the_server(tmp_path, monkeypatch, key, 
     default = {"max_waiting": DEFAULT_MAX_WAITING, "allowed_origins": LOCAL_ORIGINS}[key]
     assert started == [default, given, type(given)(env)] and DEFAULT_MAX_WAITING == 512
     one_line_error(runner.invoke(app, ["serve", model, option, fault]), error,
-                   f"(fix: change {key} in the config file, APPLIANCE_{key.upper()} or {option}")
+                   f"(fix: change {key} in the config file, APPLIANCE_{key.upper()} or `appliance serve {option}`")
 
 
 def test_serve_exits_on_engine_death_unless_kept_alive(tmp_path, monkeypatch):

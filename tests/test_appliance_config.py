@@ -61,7 +61,8 @@ def test_swap_space_reaches_the_engine_config(tmp_path, monkeypatch):
     monkeypatch.setenv("APPLIANCE_SWAP_SPACE", "-1")
     with pytest.raises(ConfigError, match="swap_space: must be at least 0 GiB, got -1.0") as err:
         cfgmod.load(path).engine_config()
-    assert err.value.hint == "change swap_space in the config file, APPLIANCE_SWAP_SPACE or --swap-space"
+    assert err.value.hint == ("change swap_space in the config file, APPLIANCE_SWAP_SPACE or "
+                              "`appliance serve --swap-space`")
 
 
 def test_an_invalid_setting_names_where_to_fix_that_key(tmp_path):
@@ -71,7 +72,7 @@ def test_an_invalid_setting_names_where_to_fix_that_key(tmp_path):
     with pytest.raises(ConfigError, match="max_num_batched_tokens: 4 is smaller than max_num_seqs=8") as err:
         cfgmod.load(path).engine_config()
     assert err.value.hint == ("change max_num_batched_tokens in the config file, APPLIANCE_MAX_NUM_BATCHED_TOKENS "
-                              "or --max-num-batched-tokens")
+                              "or `appliance serve --max-num-batched-tokens`")
     path = cfgmod.save(Config(model="/m", cpu_kv_cache_gib=-1.0), tmp_path / "c.toml")
     with pytest.raises(ConfigError, match="cpu_kv_cache_gib") as err:
         cfgmod.load(path).engine_config()

@@ -355,7 +355,8 @@ def test_start_refuses_a_setting_the_engine_would_refuse(bg, tmp_path, monkeypat
     result = CliRunner().invoke(app, ["start"])
     assert result.exit_code == 1, result.output
     assert "dtype: must be auto, float32, bfloat16 or float16, got 'bf16'" in _flat(result)
-    assert "change dtype in the config file, APPLIANCE_DTYPE or --dtype" in _flat(result) and not bg.status().running
+    assert "change dtype in the config file, APPLIANCE_DTYPE or `appliance serve --dtype`" in _flat(result)
+    assert not bg.status().running
 
 
 def test_status_tells_loading_ready_and_failed_engines_apart(bg, tmp_path):

@@ -201,15 +201,16 @@ class Gated(FakeEngine):
 def test_requests_sent_during_a_step_count_as_waiting(dies):
     """The waiting count (/metrics, ``appliance top``) has the requests sent while the engine thread is in a step
     (or a wake), queued in front of the engine, and those it took since its last step: it was the last step's
-    snapshot, 0 here until the step ended (a wake showed 1 for any number of requests). Once the engine died, the
-    queued ones, failed with it, are not counted."""
+    snapshot, 0 here until the step ended (a wake showed 1 for any number of requests). Once the engine died, its
+    requests failed with it: none runs or waits (the last snapshot said r0 waited, the queue two more)."""
     fake = Gated(dies, max_num_seqs=1)
     with started_engine(fake) as eng:
         async def main():
             params = SamplingParams(max_tokens=2)
             tasks = [asyncio.create_task(_collect(eng, "hi", params, "r0"))]
             await asyncio.to_thread(wait_for, lambda: len(fake.waiting) == 1, 5, "r0 in the engine")
-            assert eng.get_stats().num_waiting == 1  # taken since the last step: it waits in the engine
+            # taken since the last step (which waits for the gate): it waits in the engine
+            await asyncio.to_thread(wait_for, lambda: eng.get_stats().num_waiting == 1, 5, "r0 waiting")
             tasks += [asyncio.create_task(_collect(eng, "hi", params, f"r{i}")) for i in (1, 2)]
             await asyncio.to_thread(wait_for, lambda: eng.get_stats().num_waiting == 3, 5, "two more in front")
             assert len(fake.waiting) == 1  # the two are in front of the engine
@@ -219,7 +220,8 @@ def test_requests_sent_during_a_step_count_as_waiting(dies):
         results = run(main())
         if dies:
             assert all(isinstance(r, EngineDeadError) for r in results)
-            assert eng.is_dead and eng.get_stats().num_waiting == 1 == len(fake.waiting)
+            stats = eng.get_stats()
+            assert eng.is_dead and (stats.num_running, stats.num_waiting, stats.running) == (0, 0, [])
         else:
             assert all(r[-1].finished for r in results)
             wait_for(lambda: eng.get_stats().num_waiting == 0, what="none waiting")

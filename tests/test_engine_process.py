@@ -541,3 +541,24 @@ def test_the_child_compiles_a_grammar_while_its_requests_step(monkeypatch):
         wait_for(lambda: ("add", "s", "G") in engine.log, timeout=30, what="the structured request added")
     refused = [(m[1], m[3], str(m[2])) for m in got if m[0] == "step_failed"]
     assert refused == [(["b"], True, "structured_outputs: not a regex this server can follow")]
+
+
+def test_requests_sent_to_the_child_wait_until_its_snapshot_has_them(demo_model):
+    """The child's snapshot is its last step's: requests sent since count as waiting (they were in no count until
+    the child's next step), and once it stepped its own count has them, not twice."""
+    engine = ep.EngineProcess(EngineConfig(model=str(demo_model), device="cpu", max_model_len=256, max_num_seqs=2))
+    try:
+        assert engine.get_stats().num_waiting == 0
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(f"r{i}", "Hello", params)
+        stats = engine.get_stats()
+        assert (stats.num_running, stats.num_waiting) == (0, 3)  # none in the child's snapshot yet
+        engine.step()  # the child's first step: it may have begun before the last adds reached it
+        stats = engine.get_stats()
+        assert stats.num_running in (1, 2) and stats.num_running + stats.num_waiting == 3  # each counted once
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert (engine.get_stats().num_running, engine.get_stats().num_waiting) == (0, 0)
+    finally:
+        engine.close()

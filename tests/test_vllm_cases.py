@@ -426,7 +426,8 @@ def test_case10_disconnect_aborts_within_one_step_and_frees_blocks(live, monkeyp
     assert last_step <= steps_then + 1 and last_tokens <= tokens_then + 1
     wait_for(lambda: metric(client, model, "vllm:num_requests_running") == running0, what="running gauge back")
     assert metric(client, model, "vllm:kv_cache_usage_perc") == usage0
-    assert float(metric(client, model, "vllm:request_success_total", 'finished_reason="abort",')) == aborted0 + 1
+    wait_for(lambda: float(metric(client, model, "vllm:request_success_total", 'finished_reason="abort",'))
+             == aborted0 + 1, what="the abort counted")
 
 
 # ---- min_tokens (vLLM: no stop check of any kind before min_tokens output tokens) --------------------------
