@@ -187,7 +187,8 @@ def test_cli_bench_waits_for_a_loading_model():
         gate.set()
         engine.shutdown()
     assert result.exit_code == 0, result.output
-    assert [(r["completed"], r["failed"]) for r in json.loads(result.output)] == [(1, 0)]
+    assert [(r["completed"], r["failed"]) for r in json.loads(result.stdout)] == [(1, 0)]  # stdout: the JSON alone
+    assert result.stderr == f"waiting for the server at {url} to load the model (at most 600 s) ...\n"
 
 
 def _sse_app(lines: list[str], models: dict | None = None):
