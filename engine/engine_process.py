@@ -61,9 +61,10 @@ STOP_WAIT_S = 10.0
 WAKE_TIMEOUT_S = 600.0
 #: seconds after a failed wake during which requests get its error at once (the HTTP 503's Retry-After)
 WAKE_RETRY_S = 10.0
-#: ``EngineStats``' cumulative counters: a woken engine's child counts from 0, the parent adds what came before
+#: ``EngineStats``' cumulative counters (and histogram): a woken engine's child counts from 0, the parent adds what
+#: came before
 _COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
-             "prefix_cache_hits_total")
+             "prefix_cache_hits_total", "iteration_tokens")
 
 
 class EngineProcessDied(EngineBroken):
@@ -527,8 +528,8 @@ class EngineProcess:
         ``fresh``, ``stats`` is a first snapshot whose counters are replaced by the totals so far."""
         if not self._carried:
             return stats
-        return dataclasses.replace(stats, **{name: self._carried[name] + (0 if fresh else getattr(stats, name))
-                                             for name in _COUNTERS})
+        return dataclasses.replace(stats, **{name: self._carried[name] if fresh else
+                                             self._carried[name] + getattr(stats, name) for name in _COUNTERS})
 
     def idle(self) -> None:
         """Raises ``EngineProcessDied`` when the child has exited (it takes its own idle looks), unless asleep."""

@@ -34,7 +34,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.stats import EngineStats
+from engine.stats import EngineStats, TokenHistogram
 from engine.structured_output import GrammarCompiler
 from engine.swap_pool import SwapPool
 
@@ -173,6 +173,7 @@ class LLMEngine:
         self.cpu_threads = CpuThreads() if self.runner.device.type == "cpu" else None
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._iteration_tokens = TokenHistogram()  # steps launched, by the tokens each computes
 
     # ---- requests in -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -301,6 +302,8 @@ class LLMEngine:
         for seq, num_new_tokens, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += num_new_tokens
             seq.num_pending_tokens += samples
+        if batch.num_batched_tokens:  # a step that only swaps out computes none
+            self._iteration_tokens = self._iteration_tokens.observe(batch.num_batched_tokens)
         steps = [self._take_pending()]
         self._pending = (batch, launched)
         if not self.async_scheduling:
@@ -453,4 +456,5 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_queries_total=bm.prefix_cache_queries, prefix_cache_hits_total=bm.prefix_cache_hits,
+            iteration_tokens=self._iteration_tokens,
             running=sorted(running.items()), block_states=bm.block_states())

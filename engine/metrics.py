@@ -1,15 +1,15 @@
 """Prometheus metrics with vLLM's names (design.md §4), label ``model_name``, in a per-app ``CollectorRegistry``.
 
 Two sources:
-- ``EngineStats`` snapshots (gauges and the engine's cumulative counters), read at scrape time by a custom
-  collector, so the exported counters equal the engine's own totals.
+- ``EngineStats`` snapshots (gauges, the engine's cumulative counters and ``vllm:iteration_tokens_total``, its
+  steps by tokens computed), read at scrape time by a custom collector, so the exported counters equal the
+  engine's own totals.
 - ``RequestOutput``s observed after every step (on the engine thread): per-request latencies (TTFT, ITL, e2e,
   queue, prefill, decode and inference time, time per output token; all in seconds), prompt and generation token
   counts and ``vllm:request_success_total{finished_reason}``, per completion of n (vLLM V1 runs each completion as a
   request of its own), and per request its ``n`` and its completions' most generated tokens.
 
-Not exported: ``vllm:iteration_tokens_total`` (tokens per engine step: the outputs do not carry the step's prefill
-tokens) and ``vllm:request_params_max_tokens`` (the outputs do not carry the request's parameters).
+Not exported: ``vllm:request_params_max_tokens`` (the outputs do not carry the request's parameters).
 """
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                disable_created_metrics, generate_latest)
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                            InfoMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
 from engine.config import DEFAULT_MAX_MODEL_LEN
 from engine.outputs import RequestOutput
-from engine.stats import EngineStats
+from engine.stats import EngineStats, TokenHistogram
 
 disable_created_metrics()  # no `*_created` series, as in vLLM (process-wide setting of prometheus_client)
 
@@ -84,10 +85,23 @@ class _StatsCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model], float(getattr(stats, attr, 0) or 0))
             yield family
+        yield self._iteration_tokens(stats.iteration_tokens if stats is not None else TokenHistogram())
         if stats is not None:
             info = {"block_size": str(stats.block_size), "num_gpu_blocks": str(stats.num_blocks),
                     **{k: str(v) for k, v in self._cache_config.items()}}
             yield InfoMetricFamily("vllm:cache_config", "Information of the KV cache.", value=info)
+
+
+    def _iteration_tokens(self, hist: TokenHistogram) -> HistogramMetricFamily:
+        """``vllm:iteration_tokens_total``: the engine's steps by the tokens each computed (cumulative buckets)."""
+        family = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine step.",
+                                       labels=["model_name"])
+        total, buckets = 0, []
+        for bound, count in zip((*map(float, hist.bounds), "+Inf"), hist.counts):
+            total += count
+            buckets.append((str(bound), total))
+        family.add_metric([self._model], buckets, sum_value=hist.sum)
+        return family
 
 
 class EngineMetrics:

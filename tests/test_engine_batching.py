@@ -102,3 +102,19 @@ def test_finished_requests_free_blocks_and_stop_reasons(llm, texts):
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 32
     assert (outs[2].outputs[0].finish_reason, len(outs[2].outputs[0].token_ids)) == ("length", 7)  # seeded: no EOS
     assert_all_blocks_free(llm.engine)
+
+
+def test_each_step_is_counted_by_the_tokens_it_computes():
+    """``vllm:iteration_tokens_total``'s source: one prefill step of the whole prompt, then a step of one token
+    per decoded token; two requests together share their steps (prefix caching off: both prefill in full)."""
+    from engine.stats import TokenHistogram
+
+    llm = LLM(demo_dir(), device="cpu", max_num_seqs=4, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    [out] = llm.generate(["The capital of France is"], params)
+    n = len(out.prompt_token_ids)
+    want = TokenHistogram().observe(n).observe(1).observe(1).observe(1)
+    assert llm.engine.get_stats().iteration_tokens == want
+    llm.generate(["The capital of France is", "The capital of France is"], params)
+    want = want.observe(2 * n).observe(2).observe(2).observe(2)
+    assert llm.engine.get_stats().iteration_tokens == want and want.sum == 3 * (n + 3)

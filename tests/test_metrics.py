@@ -76,3 +76,25 @@ def test_one_token_and_token_count_buckets_as_vllm():
     bounds = [s.labels["le"] for m in metrics.registry.collect() if m.name == "vllm:request_prompt_tokens"
               for s in m.samples if s.name.endswith("_bucket")]
     assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+
+
+def test_steps_by_tokens_are_a_histogram_of_the_engine_s_totals():
+    """``vllm:iteration_tokens_total`` from the stats snapshot: vLLM's buckets, cumulative, at 0 before a load."""
+    import pytest
+
+    from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, TokenHistogram
+
+    hist = TokenHistogram().observe(5).observe(1).observe(1).observe(20000)
+    assert (hist.counts[:2], hist.counts[-1], hist.sum) == ((2, 1), 1, 20007)
+    assert (hist + hist).counts[:2] == (4, 2) and (hist + hist).sum == 40014
+    with pytest.raises(ValueError, match="other bounds"):
+        hist + TokenHistogram(bounds=(1, 2), counts=(0, 0, 0))
+    stats = EngineStats(num_running=0, num_waiting=0, block_size=16, num_blocks=8, num_free_blocks=8,
+                        num_cached_blocks=0, kv_cache_usage=0.0, iteration_tokens=hist)
+    for source, want in ((lambda: stats, hist), (lambda: None, TokenHistogram())):
+        got = {s.labels.get("le", s.name): s.value for m in EngineMetrics("m", source).registry.collect()
+               if m.name == "vllm:iteration_tokens_total" for s in m.samples}
+        cumulative = [sum(want.counts[:i + 1]) for i in range(len(want.counts))]
+        assert got == {**{str(float(b)): float(c) for b, c in zip(ITERATION_TOKEN_BUCKETS, cumulative)},
+                       "+Inf": float(cumulative[-1]), "vllm:iteration_tokens_total_count": float(cumulative[-1]),
+                       "vllm:iteration_tokens_total_sum": float(want.sum)}
