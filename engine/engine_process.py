@@ -51,7 +51,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineBroken, EngineWakeFailed, StepFailed
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from engine.stats import EngineStats, TokenHistogram
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +347,7 @@ class EngineProcess:
         self.config = config
         self._asleep = self._stopping = self._waking = False
         self._wake_failure: tuple[float, str] = (float("-inf"), "")  # (monotonic time, error) of the last failed wake
-        self._carried: dict[str, int] = {}  # the counters of the children before this one (sleep)
+        self._carried: dict[str, int | TokenHistogram] = {}  # the counters of the children before this one (sleep)
         self._decoder = _Decoder()
         self._grammars = None
         self._grammars_lock = threading.Lock()

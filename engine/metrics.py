@@ -9,6 +9,9 @@ Two sources:
   counts and ``vllm:request_success_total{finished_reason}``, per completion of n (vLLM V1 runs each completion as a
   request of its own), and per request its ``n`` and its completions' most generated tokens.
 
+``vllm:iteration_tokens_total`` counts the tokens each step computes (every prefill chunk in its own step, prefix-cache
+hits left out, steps that compute none left out), where vLLM V1 adds up each iteration's prompt and generation tokens.
+
 Not exported: ``vllm:request_params_max_tokens`` (the outputs do not carry the request's parameters).
 """
 from __future__ import annotations
@@ -90,7 +93,6 @@ class _StatsCollector(Collector):
             info = {"block_size": str(stats.block_size), "num_gpu_blocks": str(stats.num_blocks),
                     **{k: str(v) for k, v in self._cache_config.items()}}
             yield InfoMetricFamily("vllm:cache_config", "Information of the KV cache.", value=info)
-
 
     def _iteration_tokens(self, hist: TokenHistogram) -> HistogramMetricFamily:
         """``vllm:iteration_tokens_total``: the engine's steps by the tokens each computed (cumulative buckets)."""

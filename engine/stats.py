@@ -25,6 +25,8 @@ class TokenHistogram:
         return TokenHistogram(self.bounds, counts, self.sum + tokens)
 
     def __add__(self, other: TokenHistogram) -> TokenHistogram:
+        if not isinstance(other, TokenHistogram):
+            return NotImplemented
         if other.bounds != self.bounds:
             raise ValueError(f"histograms of other bounds: {self.bounds} and {other.bounds}")
         return TokenHistogram(self.bounds, tuple(a + b for a, b in zip(self.counts, other.counts)),

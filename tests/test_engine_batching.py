@@ -117,4 +117,4 @@ def test_each_step_is_counted_by_the_tokens_it_computes():
     assert llm.engine.get_stats().iteration_tokens == want
     llm.generate(["The capital of France is", "The capital of France is"], params)
     want = want.observe(2 * n).observe(2).observe(2).observe(2)
-    assert llm.engine.get_stats().iteration_tokens == want and want.sum == 3 * (n + 3)
+    assert llm.engine.get_stats().iteration_tokens == want

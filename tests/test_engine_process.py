@@ -247,7 +247,7 @@ def test_an_idle_engine_process_sleeps_and_the_next_request_wakes_it(demo_model,
         assert not eng.engine.asleep and eng.engine.pid not in (None, child.pid)
         assert eng.get_stats().generation_tokens_total == 16  # counters go on counting over the sleep
         steps = eng.get_stats().iteration_tokens  # each run: its prompt in one step, then 7 one-token steps
-        assert (steps.sum, sum(steps.counts)) == (2 * (len(first.prompt_token_ids) + 7), 16)
+        assert (steps.sum, sum(steps.counts), steps.counts[0]) == (2 * (len(first.prompt_token_ids) + 7), 16, 14)
         wait_for(lambda: eng.engine.asleep, timeout=30, what="the engine asleep again")
         model.rename(tmp_path / "gone")
         starts, start = [], eng.engine._start
