@@ -198,9 +198,11 @@ class LLMEngine:
                          torch.Generator(self.runner.device).manual_seed(params.seed + i)
                          if params.seed is not None else None, matcher=matchers[i])
                 for i in range(params.n)]
+        room = self.max_model_len - len(ids)  # a request without max_tokens gets it; a capped one at most it
         self.requests[request_id] = Request(
             request_id, text, ids, params, seqs, [detokenizer.new_state(len(ids)) for _ in seqs],
-            RequestMetrics(arrival_time=arrival_time or time.monotonic()))
+            RequestMetrics(arrival_time=arrival_time or time.monotonic(),
+                           max_tokens=room if params.max_tokens is None else min(params.max_tokens, room)))
         for seq in seqs:
             self.scheduler.add(seq)
 

@@ -63,13 +63,15 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (``time.monotonic()`` seconds) of one request's life."""
+    """Wall-clock timestamps (``time.monotonic()`` seconds) of one request's life, and the most tokens it may
+    generate (``max_tokens`` in force: the request's, at most what the context leaves; None where not known)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    max_tokens: int | None = None
 
 
 @dataclass

@@ -106,15 +106,19 @@ def test_finished_requests_free_blocks_and_stop_reasons(llm, texts):
 
 def test_each_step_is_counted_by_the_tokens_it_computes():
     """``vllm:iteration_tokens_total``'s source: one prefill step of the whole prompt, then a step of one token
-    per decoded token; two requests together share their steps (prefix caching off: both prefill in full)."""
+    per decoded token; two requests together share their steps (prefix caching off: both prefill in full). And
+    ``vllm:request_params_max_tokens``'s: the request's max_tokens, or what the context leaves without one."""
     from engine.stats import TokenHistogram
 
-    llm = LLM(demo_dir(), device="cpu", max_num_seqs=4, enable_prefix_caching=False)
+    llm = LLM(demo_dir(), device="cpu", max_num_seqs=4, enable_prefix_caching=False, max_model_len=32)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     [out] = llm.generate(["The capital of France is"], params)
     n = len(out.prompt_token_ids)
+    assert out.metrics.max_tokens == 4  # vllm:request_params_max_tokens
     want = TokenHistogram().observe(n).observe(1).observe(1).observe(1)
     assert llm.engine.get_stats().iteration_tokens == want
     llm.generate(["The capital of France is", "The capital of France is"], params)
     want = want.observe(2 * n).observe(2).observe(2).observe(2)
     assert llm.engine.get_stats().iteration_tokens == want
+    [rest] = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert rest.metrics.max_tokens == 32 - n == len(rest.outputs[0].token_ids)  # none given: what the context leaves

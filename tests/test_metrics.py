@@ -11,7 +11,7 @@ def output(t: float, tokens: list[int], reasons: list[str | None], request_id: s
     """Request ``request_id`` (arrived at 0, first scheduled at 0.5) after a step at time ``t``: completion i has
     ``tokens[i]`` tokens and finish reason ``reasons[i]``."""
     outs = [CompletionOutput(i, "", [0] * n, reason) for i, (n, reason) in enumerate(zip(tokens, reasons))]
-    return RequestOutput(request_id, None, [1], outs, all(reasons), RequestMetrics(0.0, 0.5, 1.0, t))
+    return RequestOutput(request_id, None, [1], outs, all(reasons), RequestMetrics(0.0, 0.5, 1.0, t, max_tokens=16))
 
 
 def samples(metrics: EngineMetrics, name: str) -> dict[str, float]:
@@ -38,6 +38,7 @@ def test_each_completion_is_timed_at_its_own_steps():
     assert samples(metrics, "vllm:request_generation_tokens") == {"_count": 2.0, "_sum": 6.0}
     assert samples(metrics, "vllm:request_params_n") == {"_count": 1.0, "_sum": 2.0}  # one request of n=2
     assert samples(metrics, "vllm:request_max_num_generation_tokens") == {"_count": 1.0, "_sum": 3.0}
+    assert samples(metrics, "vllm:request_params_max_tokens") == {"_count": 1.0, "_sum": 16.0}  # once per request
     assert success(metrics) == {"stop": 1.0, "length": 1.0, "abort": 0.0}
     assert metrics._progress == {}
 
@@ -53,7 +54,7 @@ def test_an_abort_counts_in_request_success_only_and_a_failed_request_is_forgott
     metrics.observe([output(1.0, [1, 1], [None, None])])
     metrics.observe([output(2.0, [2, 1], ["abort", "abort"])])
     for name in ("vllm:e2e_request_latency_seconds", "vllm:request_decode_time_seconds",
-                 "vllm:request_generation_tokens", "vllm:request_params_n"):
+                 "vllm:request_generation_tokens", "vllm:request_params_n", "vllm:request_params_max_tokens"):
         assert samples(metrics, name)["_count"] == 0.0, name
     assert samples(metrics, "vllm:time_to_first_token_seconds")["_count"] == 2.0  # as vLLM V1: at the token
     assert success(metrics) == {"stop": 0.0, "length": 0.0, "abort": 2.0}  # each completion of n (vLLM V1)
