@@ -22,7 +22,8 @@ from pathlib import Path
 from appliance.errors import ApplianceError
 from appliance.hardware import Hardware, gib
 from engine.config import DTYPES, KV_CACHE_DTYPES, checkpoint_dtype, compute_dtype
-from engine.memory import CUDA_CONTEXT_BYTES, PLAN_MARGIN_BYTES, default_step_tokens, gpu_kv_budget
+from engine.memory import (CUDA_CONTEXT_BYTES, DEFAULT_STEP_TOKENS, PLAN_MARGIN_BYTES, default_step_tokens,
+                           gpu_kv_budget)
 from engine.models.context import max_context
 from engine.models.rope import RopeError, rope_scaling
 
@@ -32,12 +33,11 @@ GPU_DEFAULT_UTILIZATION = 0.90
 GPU_FREE_MARGIN = GIB // 2  # left free when other processes already hold GPU memory
 GPU_MAX_NUM_SEQS = 256  # vLLM's default
 TOKENS_PER_SEQUENCE_SLOT = 256  # max_num_seqs is capped so every sequence could hold this many KV tokens
-#: the step's token budget (``max_num_batched_tokens``) of a GPU plan unless given: vLLM's. A fallback to
-#: 256-token steps where this leaves the KV cache under MIN_CONTEXT_TOKENS (an eighth of the activations; 256 is the
-#: most rows a W4A16 product runs on its tensor-core kernel) was built and taken out again after its one check on a
-#: GPU (bench/consumer_fit.py, bench/RESULTS.md run 124): a Llama-3.1-8B plan on an 8 GiB card's share (6.88 GiB)
-#: ran out of memory at start-up, 7.41 GiB used. The memory plan's reserves must be measured first.
-DEFAULT_STEP_TOKENS = 2048
+# A GPU plan's step (``max_num_batched_tokens``) unless given is the engine's DEFAULT_STEP_TOKENS (vLLM's). A
+# fallback to 256-token steps where that leaves the KV cache under MIN_CONTEXT_TOKENS (an eighth of the activations;
+# 256 is the most rows a W4A16 product runs on its tensor-core kernel) was built and taken out again after its one
+# check on a GPU (bench/consumer_fit.py, bench/RESULTS.md run 124): a Llama-3.1-8B plan on an 8 GiB card's share
+# (6.88 GiB) ran out of memory at start-up, 7.41 GiB used. The memory plan's reserves must be measured first.
 #: a plan whose KV cache holds fewer tokens says how to double it (Ollama's default context)
 MIN_CONTEXT_TOKENS = 4096
 TYPICAL_REQUEST_TOKENS = 1024  # prompt + completion of a typical chat request, for the expected concurrency
@@ -363,9 +363,8 @@ def _gpu_sizing(model: ModelInfo, gpu, util: float, dtype: str, block_bytes: int
     at least ``max_num_seqs``)."""
     most = min(GPU_MAX_NUM_SEQS, step_tokens or GPU_MAX_NUM_SEQS)
 
-    def kv(seqs: int) -> int:
-        step = step_tokens or max(DEFAULT_STEP_TOKENS, seqs)
-        return model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, step)
+    def kv(seqs: int) -> int:  # a step not given: the engine's default for seqs sequences
+        return model.gpu_kv_bytes(gpu.total_memory, gpu.free_memory, util, seqs, dtype, step_tokens)
 
     def tokens(seqs: int) -> int:  # whole blocks, as the engine allocates them
         return kv(seqs) // block_bytes * BLOCK_SIZE

@@ -199,15 +199,11 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # the live requests by id
         # engine thread only: id in the LLMEngine -> its request's stream (a _FailedRoute after a failed step)
         self._routes: dict[str, RequestStream | _FailedRoute] = {}
-        # written on the engine thread: "add"s waiting for an old request of their id to end
-        self._parked: dict[str, tuple] = {}
+        self._parked: dict[str, tuple] = {}  # engine thread only: "add"s waiting for an old request of their id to end
         self._listeners: list[OutputListener] = []
         self._failure_listeners: list[Callable[[list[str]], None]] = []
         self._death_listeners: list[Callable[[BaseException], None]] = []
         self._stats: EngineStats | None = None
-        # "add" commands sent (event loop) and taken from the queue (engine thread), each written by one thread:
-        # their difference is the requests queued in front of the engine, waiting as much as its own waiting ones
-        self._adds_sent = self._adds_taken = 0
         self._stop = False
         self._failed_steps = 0  # engine steps that raised in a row
         self._thread: threading.Thread | None = None
@@ -266,16 +262,17 @@ class AsyncLLMEngine:
 
     def get_stats(self) -> EngineStats | None:
         """The snapshot taken after the latest step (None before the engine is loaded); while a request wakes the
-        sleeping engine, the engine's own (that request waiting: ``EngineProcess.waking``). Requests sent and not
-        yet handed to the engine (queued behind a wake or a step, or parked) count as waiting too, until the engine
-        thread takes them (one aborted meanwhile too). A dead engine's requests all failed: none runs or waits."""
+        sleeping engine, the engine's own (that request waiting: ``EngineProcess.waking``). Every live request the
+        snapshot does not show running waits: those queued in front of the engine (behind a step or a wake, or
+        parked) and those it took since the snapshot; where the engine's own count is higher it stands (an aborted
+        request runs in it until its next step). A dead engine's requests all failed: none runs or waits."""
         stats = self._engine.get_stats() if self.waking else self._stats
         if stats is None:
             return None
         if self.is_dead:
             return dataclasses.replace(stats, num_running=0, num_waiting=0, running=[])
-        queued = self._adds_sent - self._adds_taken + len(self._parked)
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + queued) if queued > 0 else stats
+        waiting = max(stats.num_waiting, self.num_requests - stats.num_running)
+        return stats if waiting == stats.num_waiting else dataclasses.replace(stats, num_waiting=waiting)
 
     def add_output_listener(self, fn: OutputListener) -> None:
         """Call ``fn(outputs)`` on the engine thread after every step (metrics); exceptions are logged."""
@@ -346,7 +343,6 @@ class AsyncLLMEngine:
         except BaseException:  # a schema it cannot follow, or the caller gave up: nothing of it is kept
             stream.abort()
             raise
-        self._adds_sent += 1
         self._send(("add", stream, prompt, params, arrival, grammar))
         try:
             await stream.wait_accepted()
@@ -434,10 +430,7 @@ class AsyncLLMEngine:
                 self._wakeup.clear()  # before draining: a command sent after this sets it again
                 if self._stop:  # a shutdown between the loop's test and the clear: its wake-up is gone
                     break
-                before = (self._adds_taken, len(self._parked))
                 self._drain_commands()
-                if (self._adds_taken, len(self._parked)) != before:  # requests taken: they wait in the engine now
-                    self._stats = self._engine.get_stats()
                 if not self._engine.has_unfinished_requests():
                     if self._clear_failed_routes():  # nothing is held any more: parked requests may enter
                         continue
@@ -543,7 +536,6 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                self._adds_taken += 1
                 self._admit(*cmd[1:])
             elif self._routes.get(cmd[1].request_id) is cmd[1]:  # "abort": only if the engine holds that request
                 self._engine.abort_request(cmd[1].request_id)

@@ -1,6 +1,7 @@
 """Engine statistics: a snapshot of gauges and cumulative counters, read by ``/metrics`` and ``/v1/kv``."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 #: Bounds of the tokens-per-step histogram (``vllm:iteration_tokens_total``): vLLM V1's list with enforce_eager
@@ -20,7 +21,7 @@ class TokenHistogram:
 
     def observe(self, tokens: int) -> TokenHistogram:
         """This histogram with one more step of ``tokens`` tokens."""
-        i = next((i for i, bound in enumerate(self.bounds) if tokens <= bound), len(self.bounds))
+        i = bisect_left(self.bounds, tokens)  # the first bound >= tokens, or len(bounds): above them all
         counts = self.counts[:i] + (self.counts[i] + 1,) + self.counts[i + 1:]
         return TokenHistogram(self.bounds, counts, self.sum + tokens)
 
